@@ -1,0 +1,112 @@
+"""The handler registry: which async functions handle which message types.
+
+A handler is ``async def handle(msg: SomeMessage, ctx: Context) -> None``.
+The message type comes from the first parameter's annotation and everything is
+checked when the decorator runs. A message is dispatched to the handlers of
+its class and of every Message base class (most specific first), as NGinn
+dispatches along the class chain.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nmbus.errors import HandlerError
+from nmbus.messages import Message
+from nmbus.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from nmbus.context import Context
+
+HandlerFunc = Callable[[Any, "Context"], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Handler:
+    """A registered handler with its message type and options."""
+
+    func: HandlerFunc
+    message_type: type[Message]
+    retry: RetryPolicy | None
+    timeout: float | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.func.__module__}.{self.func.__qualname__}"
+
+
+class Registry:
+    """Handlers by message class, with a per-class dispatch cache."""
+
+    def __init__(self) -> None:
+        self._by_type: dict[type[Message], list[Handler]] = {}
+        self._dispatch: dict[type[Message], tuple[Handler, ...]] = {}
+
+    def add(
+        self,
+        func: HandlerFunc,
+        message_type: type[Message] | None = None,
+        retry: RetryPolicy | int | None = None,
+        timeout: float | None = None,
+    ) -> Handler:
+        if not inspect.iscoroutinefunction(func):
+            raise HandlerError(f"handler {func!r} must be an async function (async def)")
+        params = list(inspect.signature(func).parameters.values())
+        positional = [
+            p
+            for p in params
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+        if len(positional) != 2 or len(params) != 2:
+            raise HandlerError(
+                f"handler {func.__qualname__} must take exactly (msg, ctx), "
+                f"not ({', '.join(p.name for p in params)})"
+            )
+        if message_type is None:
+            try:
+                hints = typing.get_type_hints(func)
+            except Exception as exc:
+                raise HandlerError(
+                    f"cannot resolve the annotations of handler {func.__qualname__}: {exc}"
+                ) from exc
+            message_type = hints.get(positional[0].name)
+            if message_type is None:
+                raise HandlerError(
+                    f"handler {func.__qualname__}: annotate its first parameter with the "
+                    "Message class it handles, or pass @bus.handler(SomeMessage)"
+                )
+        if not (isinstance(message_type, type) and issubclass(message_type, Message)):
+            raise HandlerError(
+                f"handler {func.__qualname__} handles {message_type!r}, which is not a "
+                "subclass of nmbus.Message"
+            )
+        if timeout is not None and timeout <= 0:
+            raise HandlerError(f"handler timeout must be > 0 seconds, got {timeout}")
+        policy = RetryPolicy.of(retry) if retry is not None else None
+        handler = Handler(func, message_type, policy, timeout)
+        self._by_type.setdefault(message_type, []).append(handler)
+        self._dispatch.clear()
+        return handler
+
+    def handlers_for(self, cls: type[Message]) -> tuple[Handler, ...]:
+        """Handlers for ``cls`` and its Message bases, most specific first."""
+        found = self._dispatch.get(cls)
+        if found is None:
+            found = tuple(
+                handler
+                for base in cls.__mro__
+                if isinstance(base, type) and issubclass(base, Message)
+                for handler in self._by_type.get(base, ())
+            )
+            self._dispatch[cls] = found
+        return found
+
+    def message_types(self) -> list[type[Message]]:
+        return list(self._by_type)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_type.values())

@@ -1,0 +1,42 @@
+"""The one place where asyncpg and socket errors become nmbus errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import asyncpg
+
+from nmbus.errors import DatabaseUnavailable, QueueNotFound, StoreError
+
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.PostgresConnectionError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.TooManyConnectionsError,
+)
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return True
+    return isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc)
+
+
+@contextmanager
+def wrap_errors(what: str) -> Iterator[None]:
+    """Translate driver errors raised while doing ``what`` into StoreError."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except asyncpg.exceptions.UndefinedTableError as exc:
+        raise QueueNotFound(f"{what}: {exc}") from exc
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, *_CONNECTION_ERRORS) as exc:
+        if is_connection_error(exc):
+            raise DatabaseUnavailable(f"{what}: database unavailable ({exc})") from exc
+        raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,348 @@
+"""The PostgreSQL adapter of the storage port, on asyncpg.
+
+Connections a process uses: ``send_pool_size`` pooled ones for send/publish
+and schema work, one per worker loop, and one for LISTEN and lease renewal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+import structlog
+
+from nmbus.errors import SchemaVersionError
+from nmbus.messages import Envelope, StoredMessage
+from nmbus.postgres.errors import is_connection_error, wrap_errors
+from nmbus.sql import render
+from nmbus.store import SCHEMA_VERSION, Outcomes, validate_queue_name, validate_schema_name
+
+log = structlog.get_logger("nmbus.postgres")
+
+# Schema changes after version 1, by the version they bring the schema to.
+# Each entry is rendered per schema (and per queue table where it says so).
+MIGRATIONS: dict[int, list[str]] = {}
+
+
+def notify_channel(schema: str) -> str:
+    """The LISTEN/NOTIFY channel on which inserts into ``schema``'s queues are announced."""
+    return f"nmbus_{schema}"
+
+
+def _insert_args(
+    from_endpoint: str, queue: str, envelopes: Sequence[Envelope], channel: str
+) -> tuple[Any, ...]:
+    return (
+        from_endpoint,
+        queue,
+        [e.deliver_at for e in envelopes],
+        [e.correlation_id for e in envelopes],
+        [e.label for e in envelopes],
+        [e.msg_text for e in envelopes],
+        [e.msg_headers for e in envelopes],
+        [e.unique_id for e in envelopes],
+        channel,
+    )
+
+
+def _stored(row: asyncpg.Record) -> StoredMessage:
+    return StoredMessage(*row)
+
+
+async def install_schema(conn: asyncpg.Connection, schema: str) -> None:
+    """Create or migrate ``schema`` to SCHEMA_VERSION, holding an advisory lock."""
+    validate_schema_name(schema)
+    async with conn.transaction():
+        await conn.execute(render("advisory_lock", schema), f"nmbus.schema.{schema}")
+        exists = await conn.fetchval(render("schema_exists", schema), schema)
+        version = await conn.fetchval(render("schema_version", schema)) if exists else None
+        if version is not None and version > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"schema {schema!r} is at version {version}, newer than this nmbus "
+                f"understands ({SCHEMA_VERSION}); upgrade nmbus"
+            )
+        if version is None:
+            await conn.execute(render("create_schema", schema))
+            await conn.execute(render("set_schema_version", schema), SCHEMA_VERSION)
+            return
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            queues = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
+            for statement in MIGRATIONS.get(target, []):
+                if "{queue}" in statement:
+                    for queue in queues:
+                        await conn.execute(statement.format(queue=render_queue(schema, queue)))
+                else:
+                    await conn.execute(statement.format(schema=render_queue(schema, None)))
+            await conn.execute(render("set_schema_version", schema), target)
+            log.info("schema_migrated", schema=schema, version=target)
+
+
+def render_queue(schema: str, queue: str | None) -> str:
+    from nmbus.sql import quote_ident
+
+    if queue is None:
+        return quote_ident(schema)
+    return f"{quote_ident(schema)}.{quote_ident(queue)}"
+
+
+class PostgresBatch:
+    """One transaction on a worker's connection."""
+
+    def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
+        self._conn = conn
+        self._schema = schema
+        self._channel = notify_channel(schema)
+
+    @property
+    def connection(self) -> asyncpg.Connection:
+        return self._conn
+
+    async def savepoint(self) -> None:
+        await self._conn.execute("SAVEPOINT nmbus_handler")
+
+    async def release_savepoint(self) -> None:
+        await self._conn.execute("RELEASE SAVEPOINT nmbus_handler")
+
+    async def rollback_savepoint(self) -> None:
+        await self._conn.execute("ROLLBACK TO SAVEPOINT nmbus_handler")
+        await self._conn.execute("RELEASE SAVEPOINT nmbus_handler")
+
+    async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
+        sql = render("insert_messages", self._schema, queue)
+        row = await self._conn.fetchrow(
+            sql, *_insert_args(from_endpoint, queue, envelopes, self._channel)
+        )
+        return int(row[0]) if row else 0
+
+    async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]:
+        rows = await self._conn.fetch(render("subscribers", self._schema), publisher, list(types))
+        return [r[0] for r in rows]
+
+    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
+        return int(
+            await self._conn.fetchval(
+                render("finish", self._schema, queue),
+                outcomes.ids,
+                outcomes.subqueue,
+                outcomes.delay,
+                outcomes.error_info,
+                outcomes.correction,
+                client_id,
+            )
+        )
+
+
+class PostgresSession:
+    """A worker loop's dedicated connection."""
+
+    def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
+        self._conn = conn
+        self._schema = schema
+
+    async def claim(
+        self, queue: str, limit: int, client_id: str, lease: float
+    ) -> list[StoredMessage]:
+        with wrap_errors(f"claim from {queue}"):
+            rows = await self._conn.fetch(
+                render("claim", self._schema, queue), limit, client_id, lease
+            )
+        messages = [_stored(r) for r in rows]
+        messages.sort(key=lambda m: (m.retry_time, m.id))
+        return messages
+
+    async def next_due(self, queue: str) -> datetime | None:
+        with wrap_errors(f"next due in {queue}"):
+            value: datetime | None = await self._conn.fetchval(
+                render("next_due", self._schema, queue)
+            )
+            return value
+
+    @asynccontextmanager
+    async def batch(self) -> AsyncIterator[PostgresBatch]:
+        with wrap_errors("batch transaction"):
+            async with self._conn.transaction():
+                yield PostgresBatch(self._conn, self._schema)
+
+
+class PostgresStore:
+    """Queue tables and subscriptions in one PostgreSQL schema."""
+
+    def __init__(self, dsn: str | None, schema: str = "nmbus", pool_size: int = 4) -> None:
+        self.dsn = dsn
+        self.schema = validate_schema_name(schema)
+        self._pool_size = pool_size
+        self._pool: asyncpg.Pool | None = None
+        self._known_queues: set[str] = set()
+        self._queue_lock = asyncio.Lock()
+
+    async def connect(self) -> asyncpg.Connection:
+        with wrap_errors("connect"):
+            conn: asyncpg.Connection = await asyncpg.connect(self.dsn, timeout=10)
+            return conn
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise RuntimeError("the store is not open; use 'async with bus:' first")
+        return self._pool
+
+    async def open(self) -> None:
+        with wrap_errors("open"):
+            self._pool = await asyncpg.create_pool(
+                self.dsn, min_size=1, max_size=self._pool_size, timeout=10
+            )
+            async with self._pool.acquire() as conn:
+                await install_schema(conn, self.schema)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await asyncio.shield(pool.close())
+
+    async def ensure_queue(self, queue: str) -> None:
+        if queue in self._known_queues:
+            return
+        validate_queue_name(queue)
+        async with self._queue_lock:
+            if queue in self._known_queues:
+                return
+            with wrap_errors(f"create queue {queue}"):
+                async with self.pool.acquire() as conn:
+                    if not await conn.fetchval(render("queue_exists", self.schema), self.schema, queue):
+                        async with conn.transaction():
+                            await conn.execute(
+                                render("advisory_lock", self.schema), f"nmbus.schema.{self.schema}"
+                            )
+                            await conn.execute(render("create_queue", self.schema, queue))
+                            await conn.execute(render("register_queue", self.schema), queue)
+                        log.info("queue_created", queue=queue, schema=self.schema)
+            self._known_queues.add(queue)
+
+    async def drop_queue(self, queue: str) -> None:
+        validate_queue_name(queue)
+        with wrap_errors(f"drop queue {queue}"):
+            async with self.pool.acquire() as conn, conn.transaction():
+                await conn.execute(render("drop_queue", self.schema, queue))
+                await conn.execute(render("forget_queue", self.schema), queue)
+        self._known_queues.discard(queue)
+
+    async def list_queues(self) -> list[str]:
+        with wrap_errors("list queues"):
+            rows = await self.pool.fetch(render("list_queues", self.schema), self.schema)
+        return [r[0] for r in rows]
+
+    async def insert(
+        self,
+        queue: str,
+        from_endpoint: str,
+        envelopes: Sequence[Envelope],
+        connection: Any = None,
+    ) -> int:
+        await self.ensure_queue(queue)
+        sql = render("insert_messages", self.schema, queue)
+        args = _insert_args(from_endpoint, queue, envelopes, notify_channel(self.schema))
+        with wrap_errors(f"send to {queue}"):
+            if connection is not None:
+                row = await connection.fetchrow(sql, *args)
+            else:
+                row = await self.pool.fetchrow(sql, *args)
+        return int(row[0]) if row else 0
+
+    async def subscribe(
+        self, publisher: str, subscriber: str, types: Sequence[str], ttl: float | None
+    ) -> None:
+        with wrap_errors("subscribe"):
+            await self.pool.execute(
+                render("subscribe", self.schema), publisher, subscriber, list(types), ttl
+            )
+
+    async def unsubscribe(self, publisher: str, subscriber: str, types: Sequence[str]) -> None:
+        with wrap_errors("unsubscribe"):
+            await self.pool.execute(
+                render("unsubscribe", self.schema), publisher, subscriber, list(types)
+            )
+
+    async def subscribers(
+        self, publisher: str, types: Sequence[str], connection: Any = None
+    ) -> list[str]:
+        target = connection if connection is not None else self.pool
+        with wrap_errors("find subscribers"):
+            rows = await target.fetch(render("subscribers", self.schema), publisher, list(types))
+        return [r[0] for r in rows]
+
+    async def counts(self, queue: str) -> dict[str, int]:
+        with wrap_errors(f"count {queue}"):
+            rows = await self.pool.fetch(render("subqueue_counts", self.schema, queue))
+        found = {r[0]: int(r[1]) for r in rows}
+        return {sq: found.get(sq, 0) for sq in "IRXF"}
+
+    async def renew_leases(
+        self, queue: str, ids: Sequence[int], client_id: str, lease: float
+    ) -> None:
+        with wrap_errors(f"renew leases in {queue}"):
+            await self.pool.execute(
+                render("renew_leases", self.schema, queue), list(ids), client_id, lease
+            )
+
+    async def abandon_leases(self, queue: str, ids: Sequence[int], client_id: str) -> None:
+        with wrap_errors(f"abandon leases in {queue}"):
+            await self.pool.execute(
+                render("abandon_leases", self.schema, queue), list(ids), client_id
+            )
+
+    @asynccontextmanager
+    async def worker_session(self) -> AsyncIterator[PostgresSession]:
+        conn = await self.connect()
+        try:
+            yield PostgresSession(conn, self.schema)
+        finally:
+            await _close_quietly(conn)
+
+    async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:
+        channel = notify_channel(self.schema)
+        delay = 0.1
+
+        def callback(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+            on_wakeup(payload)
+
+        while True:
+            conn: asyncpg.Connection | None = None
+            try:
+                conn = await self.connect()
+                lost = asyncio.Event()
+                conn.add_termination_listener(lambda _c: lost.set())
+                await conn.add_listener(channel, callback)
+                log.debug("listener_connected", channel=channel)
+                delay = 0.1
+                # Anything inserted while we were away must be looked at now.
+                on_wakeup("*")
+                while not lost.is_set():
+                    try:
+                        await asyncio.wait_for(lost.wait(), timeout=5.0)
+                    except TimeoutError:
+                        # A cheap round trip notices a dead server sooner than TCP does.
+                        await conn.fetchval("SELECT 1", timeout=5.0)
+                log.warning("listener_connection_lost", channel=channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not is_connection_error(exc) and not isinstance(exc.__cause__, BaseException):
+                    log.exception("listener_failed", channel=channel)
+                else:
+                    log.warning("listener_connection_lost", channel=channel, error=str(exc))
+            finally:
+                if conn is not None:
+                    await _close_quietly(conn)
+            await asyncio.sleep(delay)
+            delay = min(reconnect_max, delay * 2)
+
+
+async def _close_quietly(conn: asyncpg.Connection) -> None:
+    try:
+        await asyncio.shield(asyncio.wait_for(conn.close(), timeout=2))
+    except Exception:
+        conn.terminate()

@@ -1,0 +1,39 @@
+"""Settings, read from ``NMBUS_*`` environment variables by pydantic-settings.
+
+Build them once where the application starts (``Bus(...)`` or the CLI) and
+pass them down; library code never reads the environment itself.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything that can be tuned, with defaults that suit a small service."""
+
+    model_config = SettingsConfigDict(env_prefix="NMBUS_", extra="forbid", frozen=True)
+
+    dsn: str | None = Field(default=None, description="PostgreSQL DSN (postgresql://...)")
+    schema_name: str = Field(default="nmbus", description="schema of the queue tables")
+    concurrency: int = Field(default=1, ge=0, description="worker loops, one connection each")
+    batch_size: int = Field(default=100, ge=1, le=10_000, description="messages per claim")
+    lease_seconds: float = Field(default=60.0, gt=0, description="visibility timeout")
+    poll_interval: float = Field(default=5.0, gt=0, description="fallback poll, seconds")
+    handler_timeout: float = Field(default=30.0, gt=0, description="per-handler limit")
+    shutdown_timeout: float = Field(default=30.0, ge=0, description="wait for in-flight work")
+    max_message_bytes: int = Field(default=1_048_576, gt=0, description="largest body accepted")
+    max_attempts: int = Field(default=5, ge=1, description="default attempts before F")
+    retry_delay: float = Field(default=1.0, ge=0, description="default first retry delay")
+    retry_max_delay: float = Field(default=300.0, ge=0, description="default longest delay")
+    on_unknown: Literal["fail", "skip"] = Field(
+        default="fail", description="unknown types / no handler: move to F, or skip to X"
+    )
+    subscription_ttl: float | None = Field(
+        default=3600.0, gt=0, description="subscription lifetime, renewed while running"
+    )
+    send_pool_size: int = Field(default=4, ge=1, description="connections for send/publish")
+    reconnect_max_delay: float = Field(default=10.0, gt=0, description="longest backoff")

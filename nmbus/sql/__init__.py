@@ -1,0 +1,44 @@
+"""The runtime SQL of nmbus, loaded once from ``queries.sql`` by name.
+
+Queue tables are the one dynamic part of any statement: :func:`render` fills in
+schema, table and index names, always through :func:`quote_ident`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib.resources import files
+
+_BLOCK = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
+
+
+def _load() -> dict[str, str]:
+    text = files(__package__).joinpath("queries.sql").read_text(encoding="utf-8")
+    parts = _BLOCK.split(text)
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
+        queries[name] = "\n".join(lines).strip()
+    return queries
+
+
+QUERIES: dict[str, str] = _load()
+
+
+def quote_ident(name: str) -> str:
+    """Quote an SQL identifier the way PostgreSQL's ``quote_ident``/``%I`` does."""
+    if "\x00" in name:
+        raise ValueError("identifiers cannot contain NUL")
+    return '"' + name.replace('"', '""') + '"'
+
+
+@functools.lru_cache(maxsize=1024)
+def render(name: str, schema: str, queue: str | None = None) -> str:
+    """The query ``name`` with identifiers for ``schema`` and ``queue`` filled in."""
+    values = {"schema": quote_ident(schema)}
+    if queue is not None:
+        values["queue"] = f"{quote_ident(schema)}.{quote_ident(queue)}"
+        values["ready_index"] = quote_ident(f"{queue}_ready")
+        values["unique_index"] = quote_ident(f"{queue}_uid")
+    return QUERIES[name].format_map(values)

@@ -1,0 +1,170 @@
+"""The storage port: what the bus and the worker need from a queue store.
+
+Two adapters implement it: :class:`nmbus.postgres.PostgresStore` (the real
+one) and :class:`nmbus.testing.MemoryStore` (for unit tests). One contract
+suite, ``tests/test_store_contract.py``, runs against both.
+
+Where a message is, by subqueue: ``I`` ready, ``R`` scheduled (deferred or
+retry at ``retry_time``), ``X`` processed, ``F`` failed. A row being handled
+stays in I or R with ``handling_client_id`` and ``lease_expires`` set.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from nmbus.errors import InvalidQueueName
+from nmbus.messages import Envelope, StoredMessage
+
+SCHEMA_VERSION = 1
+
+_QUEUE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+MAX_QUEUE_NAME = 48
+RESERVED_NAMES = frozenset({"schema_version", "queues", "subscriptions"})
+
+
+def validate_queue_name(name: object) -> str:
+    """Return ``name`` if it can be a queue table name, else raise InvalidQueueName.
+
+    Names are at most 48 characters (PostgreSQL truncates identifiers at 63
+    bytes, and index names add a suffix), start with a letter or ``_`` and use
+    letters, digits, ``_``, ``.`` and ``-``. They are still always quoted.
+    """
+    if not isinstance(name, str):
+        raise InvalidQueueName(f"queue name must be a string, got {type(name).__name__}")
+    if not name or len(name) > MAX_QUEUE_NAME or not _QUEUE_NAME.match(name):
+        raise InvalidQueueName(
+            f"invalid queue name {name!r}: use 1-{MAX_QUEUE_NAME} characters, letters, "
+            "digits, '_', '.' or '-', starting with a letter or '_'"
+        )
+    if name in RESERVED_NAMES:
+        raise InvalidQueueName(f"queue name {name!r} is reserved for nmbus's own tables")
+    return name
+
+
+def validate_schema_name(name: str) -> str:
+    if not name or len(name) > 40 or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+        raise InvalidQueueName(
+            f"invalid schema name {name!r}: 1-40 characters, letters, digits and '_'"
+        )
+    return name
+
+
+@dataclass(slots=True)
+class Outcomes:
+    """What became of each message of a claimed batch, as parallel lists.
+
+    ``subqueue`` is X, R, F, or None to release the row unchanged;
+    ``correction`` is -1 where the attempt must not count (RetryLater, or a
+    message never started because the worker is stopping).
+    """
+
+    ids: list[int] = field(default_factory=list)
+    subqueue: list[str | None] = field(default_factory=list)
+    delay: list[float | None] = field(default_factory=list)
+    error_info: list[str | None] = field(default_factory=list)
+    correction: list[int] = field(default_factory=list)
+
+    def add(
+        self,
+        id: int,
+        subqueue: str | None,
+        delay: float | None = None,
+        error_info: str | None = None,
+        correction: int = 0,
+    ) -> None:
+        self.ids.append(id)
+        self.subqueue.append(subqueue)
+        self.delay.append(delay)
+        self.error_info.append(error_info)
+        self.correction.append(correction)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class Batch(Protocol):
+    """One transaction over a claimed batch, on the worker's connection."""
+
+    @property
+    def connection(self) -> Any: ...
+
+    async def savepoint(self) -> None: ...
+
+    async def release_savepoint(self) -> None: ...
+
+    async def rollback_savepoint(self) -> None: ...
+
+    async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int: ...
+
+    async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]: ...
+
+    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int: ...
+
+
+class WorkerSession(Protocol):
+    """A worker loop's own connection."""
+
+    async def claim(
+        self, queue: str, limit: int, client_id: str, lease: float
+    ) -> list[StoredMessage]: ...
+
+    async def next_due(self, queue: str) -> datetime | None: ...
+
+    def batch(self) -> AbstractAsyncContextManager[Batch]: ...
+
+
+class Store(Protocol):
+    """A place for queue tables and subscriptions."""
+
+    schema: str
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def ensure_queue(self, queue: str) -> None: ...
+
+    async def drop_queue(self, queue: str) -> None: ...
+
+    async def list_queues(self) -> list[str]: ...
+
+    async def insert(
+        self,
+        queue: str,
+        from_endpoint: str,
+        envelopes: Sequence[Envelope],
+        connection: Any = None,
+    ) -> int: ...
+
+    async def subscribe(
+        self, publisher: str, subscriber: str, types: Sequence[str], ttl: float | None
+    ) -> None: ...
+
+    async def unsubscribe(self, publisher: str, subscriber: str, types: Sequence[str]) -> None: ...
+
+    async def subscribers(
+        self, publisher: str, types: Sequence[str], connection: Any = None
+    ) -> list[str]: ...
+
+    async def counts(self, queue: str) -> dict[str, int]: ...
+
+    async def renew_leases(
+        self, queue: str, ids: Sequence[int], client_id: str, lease: float
+    ) -> None: ...
+
+    async def abandon_leases(self, queue: str, ids: Sequence[int], client_id: str) -> None: ...
+
+    def worker_session(self) -> AbstractAsyncContextManager[WorkerSession]: ...
+
+    async def listen(self, on_wakeup: Callable[[str], None]) -> None:
+        """Call ``on_wakeup(queue)`` whenever messages are inserted into ``queue``.
+
+        Runs until cancelled, reconnecting after connection loss.
+        """
+        ...

@@ -1,0 +1,89 @@
+"""Where the tests get a real PostgreSQL, and a fresh database for each test.
+
+``NMBUS_TEST_DSN`` when set; otherwise a testcontainers PostgreSQL when Docker
+is reachable; otherwise a clear error that says how to provide one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from nmbus.postgres import install_schema
+
+HOW_TO = (
+    "nmbus's tests need a real PostgreSQL. Set NMBUS_TEST_DSN, for example\n"
+    "  export NMBUS_TEST_DSN=postgresql://postgres@127.0.0.1:5432/test\n"
+    "or make a Docker engine reachable so testcontainers can start one."
+)
+
+
+def with_database(dsn: str, database: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + database, parts.query, parts.fragment))
+
+
+@contextmanager
+def server_dsn() -> Iterator[str]:
+    dsn = os.environ.get("NMBUS_TEST_DSN")
+    if dsn:
+        yield dsn
+        return
+    try:
+        from testcontainers.postgres import PostgresContainer
+
+        container = PostgresContainer("postgres:16-alpine", driver=None)
+        container.start()
+    except Exception as exc:
+        raise RuntimeError(f"{HOW_TO}\n(testcontainers could not start one: {exc})") from exc
+    try:
+        yield container.get_connection_url()
+    finally:
+        container.stop()
+
+
+async def _admin(dsn: str, *statements: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+async def _install(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await install_schema(conn, "nmbus")
+    finally:
+        await conn.close()
+
+
+class Databases:
+    """Creates one migrated template per session and a copy of it per test."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self.template = f"nmbus_tpl_{uuid.uuid4().hex[:10]}"
+
+    def setup(self) -> None:
+        asyncio.run(_admin(self.server, f'CREATE DATABASE "{self.template}"'))
+        asyncio.run(_install(with_database(self.server, self.template)))
+
+    def teardown(self) -> None:
+        asyncio.run(_admin(self.server, f'DROP DATABASE IF EXISTS "{self.template}" WITH (FORCE)'))
+
+    @contextmanager
+    def fresh(self) -> Iterator[str]:
+        name = f"nmbus_t_{uuid.uuid4().hex[:12]}"
+        asyncio.run(_admin(self.server, f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"'))
+        try:
+            yield with_database(self.server, name)
+        finally:
+            asyncio.run(_admin(self.server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

@@ -1,0 +1,3 @@
+from nmbus.cli import main
+
+main()

@@ -15,7 +15,6 @@ import re
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, Protocol
 
 from nmbus.errors import InvalidQueueName
@@ -100,7 +99,9 @@ class Batch(Protocol):
 
     async def rollback_savepoint(self) -> None: ...
 
-    async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int: ...
+    async def insert(
+        self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]
+    ) -> int: ...
 
     async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]: ...
 
@@ -114,7 +115,9 @@ class WorkerSession(Protocol):
         self, queue: str, limit: int, client_id: str, lease: float
     ) -> list[StoredMessage]: ...
 
-    async def next_due(self, queue: str) -> datetime | None: ...
+    async def next_due(self, queue: str) -> float | None:
+        """Seconds until the earliest scheduled row is due, None when none is."""
+        ...
 
     def batch(self) -> AbstractAsyncContextManager[Batch]: ...
 

@@ -36,7 +36,7 @@ def wrap_errors(what: str) -> Iterator[None]:
         raise
     except asyncpg.exceptions.UndefinedTableError as exc:
         raise QueueNotFound(f"{what}: {exc}") from exc
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, *_CONNECTION_ERRORS) as exc:
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, *_CONNECTION_ERRORS) as exc:  # type: ignore[misc]
         if is_connection_error(exc):
             raise DatabaseUnavailable(f"{what}: database unavailable ({exc})") from exc
         raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc

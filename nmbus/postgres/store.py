@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -53,7 +52,7 @@ def _stored(row: asyncpg.Record) -> StoredMessage:
     return StoredMessage(*row)
 
 
-async def install_schema(conn: asyncpg.Connection, schema: str) -> None:
+async def install_schema(conn: Any, schema: str) -> None:
     """Create or migrate ``schema`` to SCHEMA_VERSION, holding an advisory lock."""
     validate_schema_name(schema)
     async with conn.transaction():
@@ -154,11 +153,9 @@ class PostgresSession:
         messages.sort(key=lambda m: (m.retry_time, m.id))
         return messages
 
-    async def next_due(self, queue: str) -> datetime | None:
+    async def next_due(self, queue: str) -> float | None:
         with wrap_errors(f"next due in {queue}"):
-            value: datetime | None = await self._conn.fetchval(
-                render("next_due", self._schema, queue)
-            )
+            value: float | None = await self._conn.fetchval(render("next_due", self._schema, queue))
             return value
 
     @asynccontextmanager
@@ -212,7 +209,9 @@ class PostgresStore:
                 return
             with wrap_errors(f"create queue {queue}"):
                 async with self.pool.acquire() as conn:
-                    if not await conn.fetchval(render("queue_exists", self.schema), self.schema, queue):
+                    if not await conn.fetchval(
+                        render("queue_exists", self.schema), self.schema, queue
+                    ):
                         async with conn.transaction():
                             await conn.execute(
                                 render("advisory_lock", self.schema), f"nmbus.schema.{self.schema}"
@@ -306,15 +305,15 @@ class PostgresStore:
         channel = notify_channel(self.schema)
         delay = 0.1
 
-        def callback(_conn: object, _pid: int, _channel: str, payload: str) -> None:
-            on_wakeup(payload)
+        def callback(_conn: object, _pid: int, _channel: str, payload: object) -> None:
+            on_wakeup(str(payload))
 
         while True:
             conn: asyncpg.Connection | None = None
             try:
                 conn = await self.connect()
                 lost = asyncio.Event()
-                conn.add_termination_listener(lambda _c: lost.set())
+                conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await conn.add_listener(channel, callback)
                 log.debug("listener_connected", channel=channel)
                 delay = 0.1

@@ -173,8 +173,8 @@ UPDATE {queue} SET lease_expires = NULL, handling_client_id = NULL
 WHERE id = ANY($1::bigint[]) AND handling_client_id = $2;
 
 -- next_due --
--- The earliest future retry_time of a scheduled row, or NULL.
-SELECT retry_time FROM {queue}
+-- Seconds until the earliest scheduled row is due, or NULL when none is.
+SELECT extract(epoch FROM retry_time - now())::float8 FROM {queue}
 WHERE subqueue IN ('I', 'R') AND retry_time > now()
 ORDER BY retry_time, id
 LIMIT 1;

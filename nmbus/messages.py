@@ -109,3 +109,4 @@ class StoredMessage:
     msg_text: str | None
     msg_headers: str | None
     unique_id: str
+    recovered: bool = False

@@ -148,6 +148,8 @@ class Worker:
                 self.queue, settings.batch_size, self.bus.client_id, settings.lease_seconds
             )
             if batch:
+                if len(batch) > 1 and any(m.recovered for m in batch):
+                    batch = await self._isolate_recovered(session, batch)
                 await self._process(session, batch)
                 continue
             wait = settings.poll_interval
@@ -160,6 +162,24 @@ class Worker:
                         await self._wakeup.wait()
                 except TimeoutError:
                     pass
+
+    async def _isolate_recovered(
+        self, session: WorkerSession, batch: list[StoredMessage]
+    ) -> list[StoredMessage]:
+        """Handle a message whose last holder died on its own, releasing the rest first.
+
+        If it kills this process too, no batch-mate loses an attempt to it: they
+        were given back (attempt refunded) in a committed statement beforehand.
+        """
+        suspect = next(m for m in batch if m.recovered)
+        released = Outcomes()
+        for message in batch:
+            if message is not suspect:
+                released.add(message.id, None, correction=-1)
+        async with session.batch() as tx:
+            await tx.finish(self.queue, released, self.bus.client_id)
+        log.info("message_isolated", queue=self.queue, message_id=suspect.id)
+        return [suspect]
 
     # -- one batch ---------------------------------------------------------------
 

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
+import asyncpg
 import pytest
 
+from nmbus import Bus
 from tests.pg import Databases, server_dsn
 
 
@@ -23,3 +26,25 @@ def dsn(databases: Databases) -> Iterator[str]:
     """A DSN of a fresh database holding an empty nmbus schema, dropped afterwards."""
     with databases.fresh() as fresh:
         yield fresh
+
+
+@pytest.fixture
+async def db(dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A plain connection to the test database, for looking at rows."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def make_bus(dsn: str) -> Callable[..., Bus]:
+    """Build a Bus on the test database with test-friendly timings."""
+
+    def make(endpoint: str, **overrides: Any) -> Bus:
+        settings: dict[str, Any] = {"poll_interval": 2.0, "lease_seconds": 10.0}
+        settings.update(overrides)
+        return Bus(endpoint, dsn=dsn, **settings)
+
+    return make

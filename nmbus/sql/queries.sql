@@ -119,9 +119,10 @@ SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
 
 -- claim --
 -- Claim up to $1 ready rows (I, or R that is due) that no live lease holds,
--- for client $2 with a lease of $3 seconds; counts the attempt.
+-- for client $2 with a lease of $3 seconds; counts the attempt. `recovered`
+-- says the previous holder's lease ran out (it died or stalled mid-handler).
 WITH ready AS (
-    SELECT id FROM {queue}
+    SELECT id, lease_expires IS NOT NULL AS recovered FROM {queue}
     WHERE subqueue IN ('I', 'R') AND retry_time <= now()
       AND (lease_expires IS NULL OR lease_expires < now())
     ORDER BY retry_time, id
@@ -135,7 +136,8 @@ SET retry_count = q.retry_count + 1,
 FROM ready
 WHERE q.id = ready.id
 RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
-          q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id;
+          q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
+          ready.recovered;
 
 -- finish --
 -- Record the outcome of a claimed batch in one statement. Per row:
@@ -205,3 +207,10 @@ SELECT DISTINCT subscriber_endpoint FROM {schema}.subscriptions
 WHERE publisher_endpoint = $1 AND message_type = ANY($2::text[])
   AND (expiration_date IS NULL OR expiration_date > now())
 ORDER BY subscriber_endpoint;
+
+-- has_ready --
+-- Whether any row is ready now or held by a worker (used to drain a queue in tests).
+SELECT EXISTS (
+    SELECT 1 FROM {queue}
+    WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
+);

@@ -1,0 +1,335 @@
+"""Test helpers: an in-memory store that runs the real worker, and ``drain``.
+
+``MemoryStore`` follows the same contract as the PostgreSQL store (the suite in
+``tests/test_store_contract.py`` runs against both), so handlers, retries and
+shutdown can be unit-tested without a database. It has no SQL connection:
+handlers that use ``ctx.connection`` need the real store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from nmbus.errors import ConfigurationError, QueueNotFound
+from nmbus.messages import Envelope, StoredMessage
+from nmbus.store import Outcomes, validate_queue_name
+
+if TYPE_CHECKING:
+    from nmbus.bus import Bus
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(slots=True)
+class Row:
+    """One row of an in-memory queue table, with the same columns as the real one."""
+
+    id: int
+    from_endpoint: str
+    to_endpoint: str
+    subqueue: str
+    insert_time: datetime
+    last_processed: datetime | None
+    retry_count: int
+    retry_time: datetime
+    error_info: str | None
+    correlation_id: str | None
+    label: str | None
+    msg_text: str | None
+    msg_headers: str | None
+    unique_id: str
+    handling_client_id: str | None = None
+    lease_expires: datetime | None = None
+
+
+class MemoryBatch:
+    """Changes of one batch, applied together when the batch commits."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self._inserts: list[tuple[str, str, list[Envelope]]] = []
+        self._finishes: list[tuple[str, Outcomes, str]] = []
+
+    @property
+    def connection(self) -> Any:
+        raise ConfigurationError(
+            "the in-memory store has no database connection; test handlers that use "
+            "ctx.connection against PostgreSQL"
+        )
+
+    async def savepoint(self) -> None:
+        pass
+
+    async def release_savepoint(self) -> None:
+        pass
+
+    async def rollback_savepoint(self) -> None:
+        pass
+
+    async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
+        self._store._require(queue)
+        self._inserts.append((queue, from_endpoint, list(envelopes)))
+        return len(envelopes)
+
+    async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]:
+        return await self._store.subscribers(publisher, types)
+
+    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
+        table = self._store._require(queue)
+        held = sum(1 for i in outcomes.ids if table[i].handling_client_id == client_id)
+        self._finishes.append((queue, outcomes, client_id))
+        return held
+
+    def _commit(self) -> None:
+        for queue, from_endpoint, envelopes in self._inserts:
+            self._store._insert_now(queue, from_endpoint, envelopes)
+        for queue, outcomes, client_id in self._finishes:
+            self._store._finish_now(queue, outcomes, client_id)
+
+
+class MemorySession:
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+
+    async def claim(
+        self, queue: str, limit: int, client_id: str, lease: float
+    ) -> list[StoredMessage]:
+        now = _now()
+        table = self._store._require(queue)
+        ready = sorted(
+            (
+                r
+                for r in table.values()
+                if r.subqueue in "IR"
+                and r.retry_time <= now
+                and (r.lease_expires is None or r.lease_expires < now)
+            ),
+            key=lambda r: (r.retry_time, r.id),
+        )[:limit]
+        claimed = []
+        for row in ready:
+            recovered = row.lease_expires is not None
+            row.retry_count += 1
+            row.handling_client_id = client_id
+            row.lease_expires = now + timedelta(seconds=lease)
+            claimed.append(
+                StoredMessage(
+                    row.id,
+                    row.from_endpoint,
+                    row.insert_time,
+                    row.retry_count,
+                    row.retry_time,
+                    row.correlation_id,
+                    row.label,
+                    row.msg_text,
+                    row.msg_headers,
+                    row.unique_id,
+                    recovered,
+                )
+            )
+        return claimed
+
+    async def next_due(self, queue: str) -> float | None:
+        now = _now()
+        future = [
+            r.retry_time
+            for r in self._store._require(queue).values()
+            if r.subqueue in "IR" and r.retry_time > now
+        ]
+        return (min(future) - now).total_seconds() if future else None
+
+    @asynccontextmanager
+    async def batch(self) -> AsyncIterator[MemoryBatch]:
+        batch = MemoryBatch(self._store)
+        yield batch
+        batch._commit()
+
+
+class MemoryStore:
+    """Queue tables and subscriptions in a dict, for unit tests."""
+
+    def __init__(self, schema: str = "nmbus") -> None:
+        self.schema = schema
+        self.tables: dict[str, dict[int, Row]] = {}
+        self.subscriptions: dict[tuple[str, str, str], datetime | None] = {}
+        self._ids = itertools.count(1)
+        self._listeners: list[Callable[[str], None]] = []
+
+    def _require(self, queue: str) -> dict[int, Row]:
+        table = self.tables.get(queue)
+        if table is None:
+            raise QueueNotFound(f"queue {queue!r} does not exist")
+        return table
+
+    def rows(self, queue: str) -> list[Row]:
+        """A copy of every row of ``queue``, by id."""
+        return [replace(r) for _, r in sorted(self._require(queue).items())]
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def ensure_queue(self, queue: str) -> None:
+        self.tables.setdefault(validate_queue_name(queue), {})
+
+    async def drop_queue(self, queue: str) -> None:
+        self.tables.pop(validate_queue_name(queue), None)
+
+    async def list_queues(self) -> list[str]:
+        return sorted(self.tables)
+
+    async def insert(
+        self,
+        queue: str,
+        from_endpoint: str,
+        envelopes: Sequence[Envelope],
+        connection: Any = None,
+    ) -> int:
+        if connection is not None:
+            raise ConfigurationError("the in-memory store cannot send inside a connection")
+        await self.ensure_queue(queue)
+        return self._insert_now(queue, from_endpoint, envelopes)
+
+    def _insert_now(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
+        table = self._require(queue)
+        seen = {r.unique_id for r in table.values()}
+        now = _now()
+        inserted = 0
+        for e in envelopes:
+            if e.unique_id in seen:
+                continue
+            seen.add(e.unique_id)
+            scheduled = e.deliver_at is not None and e.deliver_at > now
+            row_id = next(self._ids)
+            table[row_id] = Row(
+                id=row_id,
+                from_endpoint=from_endpoint,
+                to_endpoint=queue,
+                subqueue="R" if scheduled else "I",
+                insert_time=now,
+                last_processed=None,
+                retry_count=0,
+                retry_time=e.deliver_at if scheduled and e.deliver_at else now,
+                error_info=None,
+                correlation_id=e.correlation_id,
+                label=e.label,
+                msg_text=e.msg_text,
+                msg_headers=e.msg_headers,
+                unique_id=e.unique_id,
+            )
+            inserted += 1
+        for listener in self._listeners:
+            listener(queue)
+        return inserted
+
+    def _finish_now(self, queue: str, outcomes: Outcomes, client_id: str) -> None:
+        table = self._require(queue)
+        now = _now()
+        for i, row_id in enumerate(outcomes.ids):
+            row = table[row_id]
+            if row.handling_client_id != client_id:
+                continue
+            subqueue = outcomes.subqueue[i]
+            if subqueue is not None:
+                row.subqueue = subqueue
+                row.last_processed = now
+                if subqueue == "R":
+                    row.retry_time = now + timedelta(seconds=outcomes.delay[i] or 0.0)
+            if outcomes.error_info[i] is not None:
+                row.error_info = outcomes.error_info[i]
+            row.retry_count += outcomes.correction[i]
+            row.handling_client_id = None
+            row.lease_expires = None
+
+    async def subscribe(
+        self, publisher: str, subscriber: str, types: Sequence[str], ttl: float | None
+    ) -> None:
+        expires = _now() + timedelta(seconds=ttl) if ttl is not None else None
+        for name in types:
+            self.subscriptions[(publisher, name, subscriber)] = expires
+
+    async def unsubscribe(self, publisher: str, subscriber: str, types: Sequence[str]) -> None:
+        for name in types:
+            self.subscriptions.pop((publisher, name, subscriber), None)
+
+    async def subscribers(
+        self, publisher: str, types: Sequence[str], connection: Any = None
+    ) -> list[str]:
+        now = _now()
+        return sorted(
+            {
+                sub
+                for (pub, name, sub), expires in self.subscriptions.items()
+                if pub == publisher and name in types and (expires is None or expires > now)
+            }
+        )
+
+    async def counts(self, queue: str) -> dict[str, int]:
+        counts = dict.fromkeys("IRXF", 0)
+        for row in self._require(queue).values():
+            counts[row.subqueue] += 1
+        return counts
+
+    async def renew_leases(
+        self, queue: str, ids: Sequence[int], client_id: str, lease: float
+    ) -> None:
+        table = self._require(queue)
+        for i in ids:
+            if i in table and table[i].handling_client_id == client_id:
+                table[i].lease_expires = _now() + timedelta(seconds=lease)
+
+    async def abandon_leases(self, queue: str, ids: Sequence[int], client_id: str) -> None:
+        table = self._require(queue)
+        for i in ids:
+            if i in table and table[i].handling_client_id == client_id:
+                table[i].handling_client_id = None
+                table[i].lease_expires = None
+
+    @asynccontextmanager
+    async def worker_session(self) -> AsyncIterator[MemorySession]:
+        yield MemorySession(self)
+
+    async def listen(self, on_wakeup: Callable[[str], None]) -> None:
+        self._listeners.append(on_wakeup)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._listeners.remove(on_wakeup)
+
+
+async def drain(bus: Bus, timeout: float = 10.0, queues: Sequence[str] | None = None) -> None:
+    """Wait until ``queues`` (default: the bus's own) hold nothing ready or in flight.
+
+    Scheduled rows whose time has not come do not count. Raises TimeoutError.
+    """
+    names = list(queues) if queues is not None else [bus.endpoint]
+    async with asyncio.timeout(timeout):
+        while True:
+            busy = bus.worker.in_flight or any([await _has_ready(bus, q) for q in names])
+            if not busy:
+                return
+            await asyncio.sleep(0.02)
+
+
+async def _has_ready(bus: Bus, queue: str) -> bool:
+    store = bus.store
+    if isinstance(store, MemoryStore):
+        now = _now()
+        return any(
+            r.subqueue in "IR" and (r.retry_time <= now or r.handling_client_id is not None)
+            for r in store._require(queue).values()
+        )
+    from nmbus.sql import render
+
+    pool = getattr(store, "pool")  # noqa: B009
+    return bool(await pool.fetchval(render("has_ready", store.schema, queue)))

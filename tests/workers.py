@@ -1,0 +1,55 @@
+"""Worker and sender processes started (and killed) by the tests.
+
+python -m tests.workers worker DSN QUEUE [lease]   handle Ping/Crash until killed
+python -m tests.workers sender DSN QUEUE N          send N Pings, print each unique id
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+from nmbus import Bus, Context
+from tests.messages import Crash, Ping, Slow
+
+
+async def worker(dsn: str, queue: str, lease: float) -> None:
+    bus = Bus(queue, dsn=dsn, lease_seconds=lease, poll_interval=0.5, max_attempts=3)
+
+    @bus.handler
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        await ctx.connection.execute(
+            "INSERT INTO effects (n, pid) VALUES ($1, $2)", msg.n, os.getpid()
+        )
+
+    @bus.handler
+    async def on_crash(msg: Crash, ctx: Context) -> None:
+        print(f"crashing {msg.n} attempt {ctx.retry_count}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    @bus.handler
+    async def on_slow(msg: Slow, ctx: Context) -> None:
+        print(f"started {msg.n}", flush=True)
+        await asyncio.sleep(3600)
+
+    async with bus:
+        print("ready", flush=True)
+        await bus.wait_stopped()
+
+
+async def sender(dsn: str, queue: str, count: int) -> None:
+    async with Bus("sender", dsn=dsn, concurrency=0) as bus:
+        print("ready", flush=True)
+        for n in range(count):
+            uid = await bus.send(Ping(n=n), to=queue)
+            print(uid, flush=True)
+
+
+if __name__ == "__main__":
+    mode, dsn, queue = sys.argv[1:4]
+    if mode == "worker":
+        asyncio.run(worker(dsn, queue, float(sys.argv[4]) if len(sys.argv) > 4 else 2.0))
+    else:
+        asyncio.run(sender(dsn, queue, int(sys.argv[4])))

@@ -214,3 +214,76 @@ SELECT EXISTS (
     SELECT 1 FROM {queue}
     WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
 );
+
+-- ---------------------------------------------------------------------------
+-- Benchmarks (nmbus bench). They only touch the bench's own schema.
+-- ---------------------------------------------------------------------------
+
+-- bench_drop_schema --
+-- Drop the bench's own schema and everything in it.
+DROP SCHEMA IF EXISTS {schema} CASCADE;
+
+-- bench_preload --
+-- Insert $1 rows into subqueue $2 ('I' ready, 'X' processed) with type $3,
+-- body {"n": k} (braces doubled for render), unique ids $4 || k, in one statement.
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
+                     retry_time, label, msg_text, unique_id)
+SELECT 'bench', 'bench', $2::char(1), now(),
+       CASE WHEN $2 = 'X' THEN now() END, now(), $3::text,
+       '{{"n":' || g || '}}', $4::text || g
+FROM generate_series(1, $1::int) AS g;
+
+-- bench_vacuum --
+-- Vacuum and analyze a queue table after a bulk load, as autovacuum would.
+VACUUM (ANALYZE) {queue};
+
+-- bench_ceiling --
+-- The bare loop nmbus is measured against: claim up to $1 ready rows with
+-- SKIP LOCKED and mark them X, in one autocommitted statement.
+UPDATE {queue} AS q
+SET subqueue = 'X', last_processed = clock_timestamp()
+WHERE q.id IN (
+    SELECT id FROM {queue}
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+    ORDER BY retry_time, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
+          q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id;
+
+-- bench_claim_one --
+-- The one-message-per-transaction baseline: lock one ready row.
+SELECT id, label, msg_text FROM {queue}
+WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+ORDER BY retry_time, id
+LIMIT 1
+FOR UPDATE SKIP LOCKED;
+
+-- bench_mark_one --
+-- The one-message-per-transaction baseline: mark row $1 processed.
+UPDATE {queue} SET subqueue = 'X', last_processed = clock_timestamp() WHERE id = $1;
+
+-- bench_create_effects --
+-- The table the transactional handlers write their effect into.
+CREATE TABLE IF NOT EXISTS {schema}.bench_effects (
+    message_id bigint NOT NULL,
+    n integer NOT NULL
+);
+
+-- bench_insert_effect --
+-- One handler effect: message $1 with payload $2.
+INSERT INTO {schema}.bench_effects (message_id, n) VALUES ($1, $2);
+
+-- bench_count_effects --
+-- How many effects were written.
+SELECT count(*) FROM {schema}.bench_effects;
+
+-- bench_count_subqueue --
+-- Rows of one queue in subqueue $1.
+SELECT count(*) FROM {queue} WHERE subqueue = $1;
+
+-- bench_server --
+-- The server's version and the settings that bound the figures.
+SELECT version(), current_setting('synchronous_commit'), current_setting('shared_buffers'),
+       current_setting('fsync');

@@ -1,0 +1,112 @@
+"""``nmbus bench``: throughput and latency figures against your own database."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Annotated
+
+import structlog
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from nmbus.cli import app
+
+MODES_HELP = "ceiling, drain, transactional, latency, fanout, xrows, or all (every one but xrows)"
+
+
+@app.command()
+def bench(
+    modes: Annotated[list[str] | None, typer.Argument(help=MODES_HELP, show_default=False)] = None,
+    dsn: Annotated[
+        str | None, typer.Option(envvar="NMBUS_DSN", help="PostgreSQL DSN", show_default=False)
+    ] = None,
+    messages: Annotated[int, typer.Option("--messages", "-n", min=1)] = 50_000,
+    batch_size: Annotated[int, typer.Option(min=1, max=10_000)] = 100,
+    concurrency: Annotated[int, typer.Option(min=1, help="worker loops")] = 1,
+    baseline_messages: Annotated[
+        int, typer.Option(min=1, help="messages of the per-message-transaction loop")
+    ] = 5_000,
+    rate: Annotated[float, typer.Option(min=1.0, help="latency: messages per second")] = 200.0,
+    seconds: Annotated[float, typer.Option(min=0.1, help="latency: measured seconds")] = 10.0,
+    warmup: Annotated[float, typer.Option(min=0.0, help="latency: seconds not counted")] = 1.0,
+    subscribers: Annotated[int, typer.Option(min=1, help="fanout: subscriber queues")] = 3,
+    publishers: Annotated[int, typer.Option(min=1, help="fanout: concurrent publishers")] = 8,
+    fanout_messages: Annotated[int, typer.Option(min=1, help="fanout: messages")] = 10_000,
+    x_rows: Annotated[int, typer.Option(min=0, help="xrows: processed rows pre-loaded")] = (
+        5_000_000
+    ),
+    repeat: Annotated[int, typer.Option(min=1, help="runs per mode; figures are medians")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Measure nmbus on a scratch schema it creates and drops; print figures and settings."""
+    from nmbus.bench import ALL_MODES, MODES, BenchOptions, run
+
+    if not dsn:
+        raise typer.BadParameter("give --dsn or set NMBUS_DSN", param_hint="--dsn")
+    chosen: list[str] = []
+    for mode in modes or ["all"]:
+        for m in ALL_MODES if mode == "all" else (mode,):
+            if m not in MODES:
+                raise typer.BadParameter(f"unknown mode {m!r}; choose from {MODES_HELP}")
+            if m not in chosen:
+                chosen.append(m)
+    # Only warnings and errors: the figures are about a worker whose debug logging is off.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    options = BenchOptions(
+        dsn=dsn,
+        messages=messages,
+        batch_size=batch_size,
+        concurrency=concurrency,
+        baseline_messages=baseline_messages,
+        rate=rate,
+        seconds=seconds,
+        warmup=warmup,
+        subscribers=subscribers,
+        publishers=publishers,
+        fanout_messages=fanout_messages,
+        x_rows=x_rows,
+        repeat=repeat,
+    )
+    err = Console(stderr=True)
+
+    def progress(text: str) -> None:
+        if not as_json:
+            err.print(f"[dim]{text}...[/dim]")
+
+    results = asyncio.run(run(chosen, options, progress))
+    if as_json:
+        typer.echo(json.dumps([r.as_dict() for r in results], indent=2, default=str))
+        return
+    console = Console()
+    table = Table(title="nmbus bench")
+    table.add_column("mode")
+    table.add_column("figure")
+    table.add_column("median", justify="right")
+    table.add_column("unit")
+    table.add_column("runs", justify="right")
+    for result in results:
+        for name, value in result.figures.items():
+            runs = ", ".join(_fmt(v) for v in result.runs[name])
+            table.add_row(result.mode, name, _fmt(value), result.units[name], runs)
+    console.print(table)
+    settings = Table(title="settings")
+    settings.add_column("mode")
+    settings.add_column("settings")
+    for result in results:
+        text = ", ".join(f"{k}={v}" for k, v in result.settings.items())
+        settings.add_row(result.mode, text)
+    console.print(settings)
+    for result in results:
+        for note in result.notes:
+            console.print(note, markup=False, highlight=False)
+
+
+def _fmt(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3f}"

@@ -1,0 +1,128 @@
+"""``nmbus bench`` runs every mode on small numbers, prints, and leaves no trace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+import structlog
+from typer.testing import CliRunner
+
+from nmbus import Bus
+from nmbus.bench import BenchOptions, percentile, run
+from nmbus.cli import app
+from tests.messages import Ping
+
+SMALL = [
+    "--messages",
+    "300",
+    "--batch-size",
+    "50",
+    "--baseline-messages",
+    "40",
+    "--rate",
+    "100",
+    "--seconds",
+    "0.5",
+    "--warmup",
+    "0.1",
+    "--fanout-messages",
+    "60",
+    "--publishers",
+    "3",
+]
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    # The command configures structlog, as a CLI should; other tests must not see it.
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+async def _schemas(dsn: str) -> list[str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'nmbus_bench%'"
+        )
+        return [r[0] for r in rows]
+    finally:
+        await conn.close()
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile(values, 100) == 100.0
+    assert percentile([3.0], 95) == 3.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_bench_all_prints_a_table_with_every_mode_and_its_settings(dsn: str) -> None:
+    result = CliRunner().invoke(app, ["bench", "all", "--dsn", dsn, *SMALL])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for mode in ("ceiling", "drain", "transactional", "latency", "fanout"):
+        assert mode in out
+    for figure in ("ratio_to_ceiling", "ratio_to_per_message_tx", "p99_ms", "published_per_s"):
+        assert figure in out
+    assert "batch_size=50" in out
+    assert "load_average_1m=" in out
+    assert asyncio.run(_schemas(dsn)) == []
+
+
+def test_bench_json_gives_positive_figures_for_each_repeat(dsn: str) -> None:
+    args = ["bench", "drain", "latency", "--dsn", dsn, "--repeat", "2", "--json", *SMALL]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = {r["mode"]: r for r in json.loads(result.output)}
+    assert list(data) == ["drain", "latency"]
+    drain = data["drain"]
+    assert len(drain["runs"]["messages_per_s"]) == 2
+    assert drain["figures"]["messages_per_s"] > 0
+    assert drain["figures"]["ratio_to_ceiling"] > 0
+    assert drain["settings"]["messages"] == 300
+    latency = data["latency"]["figures"]
+    assert 0 < latency["p50_ms"] <= latency["p95_ms"] <= latency["p99_ms"] <= latency["max_ms"]
+    assert latency["samples"] == 50  # 100/s for 0.5 s counted, the 0.1 s warm-up not
+
+
+def test_bench_rejects_an_unknown_mode_and_a_missing_dsn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NMBUS_DSN", raising=False)
+    result = CliRunner().invoke(app, ["bench", "drain"])
+    assert result.exit_code != 0
+    result = CliRunner().invoke(app, ["bench", "nonsense", "--dsn", "postgresql://x@127.0.0.1/x"])
+    assert result.exit_code != 0
+    assert "unknown mode" in result.output
+
+
+async def test_xrows_compares_an_empty_and_a_loaded_table_and_explains_the_claim(
+    dsn: str,
+) -> None:
+    options = BenchOptions(dsn=dsn, messages=200, batch_size=50, x_rows=3000)
+    [result] = await run(["xrows"], options)
+    assert result.figures["empty_messages_per_s"] > 0
+    assert result.figures["with_x_rows_messages_per_s"] > 0
+    plan = "\n".join(result.notes)
+    assert "3000 X rows" in plan
+    assert "Buffers" in plan and "Execution Time" in plan
+    assert await _schemas(dsn) == []
+
+
+async def test_the_bench_leaves_the_users_queues_alone(dsn: str, db: asyncpg.Connection) -> None:
+    # A user's endpoint called "bench" in the default schema, with a message waiting.
+    async with Bus("bench", dsn=dsn, concurrency=0) as bus:
+        await bus.send(Ping(n=1), to="bench")
+    options = BenchOptions(dsn=dsn, messages=100, batch_size=20)
+    results = await run(["ceiling", "drain"], options)
+    assert [r.mode for r in results] == ["ceiling", "drain"]
+    rows = await db.fetch('SELECT subqueue, label FROM nmbus."bench"')
+    assert [(r["subqueue"], r["label"]) for r in rows] == [("I", "test.Ping")]
+    assert await _schemas(dsn) == []

@@ -8,10 +8,13 @@ Where a message is at every step:
    A process that dies simply lets the lease run out; the attempt stays counted.
 2. One transaction on the loop's own connection handles the batch. A handler
    that touches ``ctx.connection`` gets a savepoint (lazily), so its failure
-   undoes only its own writes; what handlers send is buffered.
+   undoes only its own writes; what handlers send is buffered. The transaction
+   itself begins only with the first such write: a batch of handlers that
+   write nothing costs no BEGIN and no COMMIT round trip.
 3. The buffered messages are inserted and the outcomes (X, R with
    ``retry_time``, F with ``error_info``) are written by one statement each;
-   then one COMMIT. The row changes only if this process still holds its lease.
+   then one COMMIT (or, with no transaction, the finish commits by itself).
+   The row changes only if this process still holds its lease.
 """
 
 from __future__ import annotations
@@ -222,7 +225,16 @@ class Worker:
             if outbox:
                 await self._flush(tx, outbox)
             changed = await tx.finish(self.queue, outcomes, self.bus.client_id)
-            if changed != len(outcomes):
+            if changed != len(outcomes) and not getattr(tx, "begun", True):
+                # Nothing was written and the finish is already committed: the rows we
+                # still held are done, the others are another worker's now.
+                log.warning(
+                    "lease_lost",
+                    queue=self.queue,
+                    messages=len(outcomes) - changed,
+                    batch=len(outcomes),
+                )
+            elif changed != len(outcomes):
                 raise LeaseLost(
                     f"{len(outcomes) - changed} of {len(outcomes)} messages were taken over by "
                     "another worker after their lease expired; rolling back this batch"

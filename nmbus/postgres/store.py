@@ -13,6 +13,7 @@ from typing import Any
 
 import asyncpg
 import structlog
+from asyncpg.transaction import Transaction
 
 from nmbus.errors import SchemaVersionError
 from nmbus.messages import Envelope, StoredMessage
@@ -89,18 +90,37 @@ def render_queue(schema: str, queue: str | None) -> str:
 
 
 class PostgresBatch:
-    """One transaction on a worker's connection."""
+    """One batch on a worker's connection; its transaction begins when first needed.
+
+    A batch whose handlers never touch the connection nor send anything needs
+    no transaction: its ``finish`` is one autocommitted statement, which saves
+    the BEGIN and COMMIT round trips. The first write (a handler's savepoint,
+    an insert) begins the transaction, and ``finish`` then runs inside it.
+    """
 
     def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
         self._conn = conn
         self._schema = schema
         self._channel = notify_channel(schema)
+        # asyncpg's own Transaction, so a handler may still nest conn.transaction().
+        self.transaction: Transaction | None = None
+
+    @property
+    def begun(self) -> bool:
+        return self.transaction is not None
 
     @property
     def connection(self) -> asyncpg.Connection:
         return self._conn
 
+    async def _begin(self) -> None:
+        if self.transaction is None:
+            transaction = self._conn.transaction()
+            await transaction.start()
+            self.transaction = transaction
+
     async def savepoint(self) -> None:
+        await self._begin()
         await self._conn.execute("SAVEPOINT nmbus_handler")
 
     async def release_savepoint(self) -> None:
@@ -111,6 +131,7 @@ class PostgresBatch:
         await self._conn.execute("RELEASE SAVEPOINT nmbus_handler")
 
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
+        await self._begin()
         sql = render("insert_messages", self._schema, queue)
         row = await self._conn.fetchrow(
             sql, *_insert_args(from_endpoint, queue, envelopes, self._channel)
@@ -161,8 +182,15 @@ class PostgresSession:
     @asynccontextmanager
     async def batch(self) -> AsyncIterator[PostgresBatch]:
         with wrap_errors("batch transaction"):
-            async with self._conn.transaction():
-                yield PostgresBatch(self._conn, self._schema)
+            batch = PostgresBatch(self._conn, self._schema)
+            try:
+                yield batch
+            except BaseException:
+                if batch.transaction is not None and not self._conn.is_closed():
+                    await asyncio.shield(batch.transaction.rollback())
+                raise
+            if batch.transaction is not None:
+                await batch.transaction.commit()
 
 
 class PostgresStore:

@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -486,9 +487,7 @@ async def run(
         if "drain" in results:
             progress(f"drain, run {rep}")
             cpu: list[float] = []
-            rate = await _scratch_run(
-                dsn, lambda s, cpu=cpu: measure_drain(options, s, cpu_used=cpu)
-            )
+            rate = await _scratch_run(dsn, partial(measure_drain, options, cpu_used=cpu))
             results["drain"].add("messages_per_s", rate, "msg/s")
             assert ceiling is not None
             results["drain"].add("ratio_to_ceiling", rate / ceiling, "x")
@@ -496,9 +495,8 @@ async def run(
         if "transactional" in results:
             progress(f"transactional, run {rep}")
             cpu = []
-            rate = await _scratch_run(
-                dsn, lambda s, cpu=cpu: measure_drain(options, s, transactional=True, cpu_used=cpu)
-            )
+            run_tx = partial(measure_drain, options, transactional=True, cpu_used=cpu)
+            rate = await _scratch_run(dsn, run_tx)
             progress(f"per-message transactions, run {rep}")
             base = await _scratch_run(dsn, lambda s: measure_per_message_transactions(options, s))
             res = results["transactional"]

@@ -145,15 +145,20 @@ class Worker:
 
     async def _serve(self, session: WorkerSession) -> None:
         settings = self.settings
-        while not self._stopping.is_set():
+        # The next batch, claimed by the statement that finished the previous one.
+        ahead: list[StoredMessage] = []
+        while ahead or not self._stopping.is_set():
             self._wakeup.clear()
-            batch = await session.claim(
-                self.queue, settings.batch_size, self.bus.client_id, settings.lease_seconds
-            )
+            if ahead:
+                batch, ahead = ahead, []
+            else:
+                batch = await session.claim(
+                    self.queue, settings.batch_size, self.bus.client_id, settings.lease_seconds
+                )
             if batch:
                 if len(batch) > 1 and any(m.recovered for m in batch):
                     batch = await self._isolate_recovered(session, batch)
-                await self._process(session, batch)
+                ahead = await self._process(session, batch, claim_ahead=True)
                 continue
             wait = settings.poll_interval
             due = await session.next_due(self.queue)
@@ -186,11 +191,14 @@ class Worker:
 
     # -- one batch ---------------------------------------------------------------
 
-    async def _process(self, session: WorkerSession, batch: list[StoredMessage]) -> None:
+    async def _process(
+        self, session: WorkerSession, batch: list[StoredMessage], claim_ahead: bool = False
+    ) -> list[StoredMessage]:
+        """Handle ``batch``; return the next batch when it was claimed along with the finish."""
         ids = [m.id for m in batch]
         self.in_flight.update(ids)
         try:
-            await self._run_batch(session, batch)
+            return await self._run_batch(session, batch, claim_ahead)
         except asyncio.CancelledError:
             self._abandoned.update(ids)
             raise
@@ -205,13 +213,16 @@ class Worker:
                 )
                 for message in batch:
                     await self._process(session, [message])
-                return
+                return []
             log.error("batch_failed", queue=self.queue, message_id=ids[0], error=str(exc))
             await self.bus.store.abandon_leases(self.queue, ids, self.bus.client_id)
+            return []
         finally:
             self.in_flight.difference_update(ids)
 
-    async def _run_batch(self, session: WorkerSession, batch: list[StoredMessage]) -> None:
+    async def _run_batch(
+        self, session: WorkerSession, batch: list[StoredMessage], claim_ahead: bool
+    ) -> list[StoredMessage]:
         outcomes = Outcomes()
         outbox: list[tuple[str, Envelope]] = []
         debug = _debug_enabled()
@@ -224,7 +235,20 @@ class Worker:
                 await self._handle(tx, message, outcomes, outbox, debug)
             if outbox:
                 await self._flush(tx, outbox)
-            changed = await tx.finish(self.queue, outcomes, self.bus.client_id)
+            ahead: list[StoredMessage] = []
+            # The store may claim the next batch in the finish's own statement and
+            # commit; a store that cannot just finishes.
+            finish_and_claim = getattr(tx, "finish_and_claim", None)
+            if claim_ahead and finish_and_claim is not None and not self._stopping.is_set():
+                changed, ahead = await finish_and_claim(
+                    self.queue,
+                    outcomes,
+                    self.bus.client_id,
+                    self.settings.batch_size,
+                    self.settings.lease_seconds,
+                )
+            else:
+                changed = await tx.finish(self.queue, outcomes, self.bus.client_id)
             if changed != len(outcomes) and not getattr(tx, "begun", True):
                 # Nothing was written and the finish is already committed: the rows we
                 # still held are done, the others are another worker's now.
@@ -240,6 +264,9 @@ class Worker:
                     "another worker after their lease expired; rolling back this batch"
                 )
         self.handled += len(batch)
+        # Committed: ours, and in flight from now on (the lease renewer must see them).
+        self.in_flight.update(m.id for m in ahead)
+        return ahead
 
     async def _flush(self, tx: Batch, outbox: list[tuple[str, Envelope]]) -> None:
         by_queue: dict[str, list[Envelope]] = defaultdict(list)

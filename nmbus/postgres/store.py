@@ -53,6 +53,10 @@ def _stored(row: asyncpg.Record) -> StoredMessage:
     return StoredMessage(*row)
 
 
+def _claim_order(message: StoredMessage) -> tuple[Any, int]:
+    return (message.retry_time, message.id)
+
+
 async def install_schema(conn: Any, schema: str) -> None:
     """Create or migrate ``schema`` to SCHEMA_VERSION, holding an advisory lock."""
     validate_schema_name(schema)
@@ -155,6 +159,26 @@ class PostgresBatch:
             )
         )
 
+    async def finish_and_claim(
+        self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
+    ) -> tuple[int, list[StoredMessage]]:
+        """``finish``, then claim up to ``limit`` more rows, in one statement."""
+        rows = await self._conn.fetch(
+            render("finish_claim", self._schema, queue),
+            outcomes.ids,
+            outcomes.subqueue,
+            outcomes.delay,
+            outcomes.error_info,
+            outcomes.correction,
+            client_id,
+            limit,
+            lease,
+        )
+        finished = int(rows[0][11]) if rows else 0
+        claimed = [StoredMessage(*r[:11]) for r in rows if r[0] is not None]
+        claimed.sort(key=_claim_order)
+        return finished, claimed
+
 
 class PostgresSession:
     """A worker loop's dedicated connection."""
@@ -171,7 +195,7 @@ class PostgresSession:
                 render("claim", self._schema, queue), limit, client_id, lease
             )
         messages = [_stored(r) for r in rows]
-        messages.sort(key=lambda m: (m.retry_time, m.id))
+        messages.sort(key=_claim_order)
         return messages
 
     async def next_due(self, queue: str) -> float | None:

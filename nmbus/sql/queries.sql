@@ -164,6 +164,55 @@ WITH done AS (
 )
 SELECT count(*) FROM done;
 
+-- finish_claim --
+-- finish (same $1..$6) and, in the same statement and commit, claim the next
+-- batch: up to $7 ready rows for client $6 with a lease of $8 seconds, as claim
+-- does, never one of the rows being finished. Saves a round trip and a commit
+-- per batch. One row per claimed message, with the count of finished rows in
+-- `finished`; a single row of NULLs beside it when nothing was claimed.
+WITH done AS (
+    UPDATE {queue} AS q
+    SET subqueue = coalesce(v.subqueue, q.subqueue),
+        last_processed = CASE WHEN v.subqueue IS NULL THEN q.last_processed
+                              ELSE clock_timestamp() END,
+        retry_time = CASE WHEN v.subqueue = 'R'
+                          THEN clock_timestamp() + make_interval(secs => v.delay)
+                          ELSE q.retry_time END,
+        error_info = coalesce(v.error_info, q.error_info),
+        retry_count = q.retry_count + v.correction,
+        handling_client_id = NULL,
+        lease_expires = NULL
+    FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
+         AS v(id, subqueue, delay, error_info, correction)
+    WHERE q.id = v.id AND q.handling_client_id = $6
+    RETURNING 1
+),
+ready AS (
+    SELECT id, lease_expires IS NOT NULL AS recovered FROM {queue}
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+      AND (lease_expires IS NULL OR lease_expires < now())
+      AND id <> ALL($1::bigint[])
+    ORDER BY retry_time, id
+    LIMIT $7
+    FOR UPDATE SKIP LOCKED
+),
+claimed AS (
+    UPDATE {queue} AS q
+    SET retry_count = q.retry_count + 1,
+        handling_client_id = $6,
+        lease_expires = now() + make_interval(secs => $8)
+    FROM ready
+    WHERE q.id = ready.id
+    RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
+              q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
+              ready.recovered
+)
+SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
+       c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
+       d.finished
+FROM (SELECT count(*) AS finished FROM done) AS d
+LEFT JOIN claimed AS c ON true;
+
 -- renew_leases --
 -- Extend the lease of rows $1 held by client $2 to $3 seconds from now.
 UPDATE {queue} SET lease_expires = now() + make_interval(secs => $3)

@@ -38,36 +38,41 @@ class HandlerConnection:
         conn: asyncpg.Connection = self._batch.connection
         return conn
 
-    async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         conn = await self._enter()
-        result: str = await conn.execute(query, *args, timeout=timeout)
+        try:
+            return await getattr(conn, method)(*args, **kwargs)
+        except BaseException:
+            # The transaction may now be aborted: the worker must find out at once.
+            self._ctx._tainted = True
+            raise
+
+    async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
+        result: str = await self._call("execute", query, *args, timeout=timeout)
         return result
 
     async def executemany(self, query: str, args: Any, *, timeout: float | None = None) -> None:
-        conn = await self._enter()
-        await conn.executemany(query, args, timeout=timeout)
+        await self._call("executemany", query, args, timeout=timeout)
 
     async def fetch(self, query: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        conn = await self._enter()
-        return list(await conn.fetch(query, *args, timeout=timeout))
+        return list(await self._call("fetch", query, *args, timeout=timeout))
 
     async def fetchrow(self, query: str, *args: Any, timeout: float | None = None) -> Any:
-        conn = await self._enter()
-        return await conn.fetchrow(query, *args, timeout=timeout)
+        return await self._call("fetchrow", query, *args, timeout=timeout)
 
     async def fetchval(
         self, query: str, *args: Any, column: int = 0, timeout: float | None = None
     ) -> Any:
-        conn = await self._enter()
-        return await conn.fetchval(query, *args, column=column, timeout=timeout)
+        return await self._call("fetchval", query, *args, column=column, timeout=timeout)
 
     async def copy_records_to_table(self, table_name: str, **kwargs: Any) -> str:
-        conn = await self._enter()
-        result: str = await conn.copy_records_to_table(table_name, **kwargs)
+        result: str = await self._call("copy_records_to_table", table_name, **kwargs)
         return result
 
     async def raw(self) -> asyncpg.Connection:
         """The underlying asyncpg connection, with the handler's savepoint taken."""
+        # What happens on it is unknown to us: treat its savepoint as possibly aborted.
+        self._ctx._tainted = True
         return await self._enter()
 
 
@@ -82,6 +87,7 @@ class Context:
         "_outbox",
         "_row",
         "_savepoint",
+        "_tainted",
         "queue",
     )
 
@@ -91,6 +97,8 @@ class Context:
         self._row = row
         self._batch = batch
         self._savepoint = False
+        # A statement failed on the connection, or raw() handed it out.
+        self._tainted = False
         self._outbox: list[tuple[str, Envelope]] = []
         self._connection: HandlerConnection | None = None
         self._headers: dict[str, str] | None = None

@@ -380,7 +380,13 @@ class Worker:
                 for handler in handlers:
                     await _call(handler.func, message, ctx, handler.timeout or self.default_timeout)
                 if ctx._savepoint:
-                    await tx.release_savepoint()
+                    # A clean savepoint can be released with the next one (a round
+                    # trip saved); stores that cannot defer release it now.
+                    defer = None if ctx._tainted else getattr(tx, "defer_release", None)
+                    if defer is not None:
+                        defer()
+                    else:
+                        await tx.release_savepoint()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -9,6 +9,7 @@ retried.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 import asyncpg
@@ -115,3 +116,32 @@ async def test_a_lease_lost_in_a_batch_that_wrote_nothing_is_logged_not_rerun(
         ("X", None),
         ("X", None),
     ]
+
+
+async def test_savepoints_released_late_still_undo_only_the_failing_handler(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    await db.execute("CREATE TABLE effects (n int PRIMARY KEY)")
+    bus = make_bus("billing", batch_size=20, max_attempts=1)
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        await ctx.connection.execute("INSERT INTO effects (n) VALUES ($1)", msg.n)
+        if msg.n % 4 == 1:
+            raise ValueError("fails after its write")
+        if msg.n % 4 == 2:
+            # A statement fails and the handler swallows it: this handler fails,
+            # not the next one and not the batch.
+            with contextlib.suppress(asyncpg.UniqueViolationError):
+                await ctx.connection.execute("INSERT INTO effects (n) VALUES ($1)", msg.n)
+
+    async with Bus("sender", dsn=bus.settings.dsn, concurrency=0) as sender:
+        for n in range(12):
+            await sender.send(Ping(n=n), to="billing")
+    async with bus:
+        await drain(bus, timeout=30)
+    effects = [r["n"] for r in await db.fetch("SELECT n FROM effects ORDER BY n")]
+    assert effects == [n for n in range(12) if n % 4 in (0, 3)]
+    states = await db.fetch('SELECT subqueue, error_info FROM nmbus."billing" ORDER BY id')
+    assert [r["subqueue"] for r in states] == ["X", "F", "F", "X"] * 3
+    assert "InFailedSQLTransaction" in states[2]["error_info"]

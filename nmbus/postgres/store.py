@@ -108,6 +108,7 @@ class PostgresBatch:
         self._channel = notify_channel(schema)
         # asyncpg's own Transaction, so a handler may still nest conn.transaction().
         self.transaction: Transaction | None = None
+        self._unreleased = False
 
     @property
     def begun(self) -> bool:
@@ -124,15 +125,30 @@ class PostgresBatch:
             self.transaction = transaction
 
     async def savepoint(self) -> None:
+        if self._unreleased:
+            # The previous handler's savepoint goes in the same round trip.
+            self._unreleased = False
+            await self._conn.execute("RELEASE SAVEPOINT nmbus_handler; SAVEPOINT nmbus_handler")
+            return
         await self._begin()
         await self._conn.execute("SAVEPOINT nmbus_handler")
 
     async def release_savepoint(self) -> None:
         await self._conn.execute("RELEASE SAVEPOINT nmbus_handler")
 
+    def defer_release(self) -> None:
+        """Leave a succeeded handler's savepoint to the next savepoint or the COMMIT.
+
+        Only for a savepoint whose statements all succeeded: one that may be
+        aborted must be released at once, so its handler is the one that fails.
+        """
+        self._unreleased = True
+
     async def rollback_savepoint(self) -> None:
-        await self._conn.execute("ROLLBACK TO SAVEPOINT nmbus_handler")
-        await self._conn.execute("RELEASE SAVEPOINT nmbus_handler")
+        self._unreleased = False
+        await self._conn.execute(
+            "ROLLBACK TO SAVEPOINT nmbus_handler; RELEASE SAVEPOINT nmbus_handler"
+        )
 
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
         await self._begin()

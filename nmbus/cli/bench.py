@@ -101,7 +101,7 @@ def bench(
     console.print(settings)
     for result in results:
         for note in result.notes:
-            console.print(note, markup=False, highlight=False)
+            typer.echo(note)
 
 
 def _fmt(value: float) -> str:

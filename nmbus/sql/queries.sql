@@ -286,6 +286,11 @@ FROM generate_series(1, $1::int) AS g;
 -- Vacuum and analyze a queue table after a bulk load, as autovacuum would.
 VACUUM (ANALYZE) {queue};
 
+-- bench_checkpoint --
+-- Write out what a bulk load dirtied, so its checkpoint does not land inside
+-- the timed part (needs superuser or pg_checkpoint; skipped when not allowed).
+CHECKPOINT;
+
 -- bench_ceiling --
 -- The bare loop nmbus is measured against: claim up to $1 ready rows with
 -- SKIP LOCKED and mark them X, in one autocommitted statement.

@@ -397,7 +397,11 @@ async def measure_fanout(options: BenchOptions, scratch: _Scratch) -> dict[str, 
     publisher = Bus(
         "bench_pub",
         settings=options.bus_settings(
-            scratch.schema, concurrency=0, send_pool_size=options.publishers
+            # One spare: Bus.publish holds a connection while ensure_queue may want
+            # another for a subscriber queue it has not seen yet.
+            scratch.schema,
+            concurrency=0,
+            send_pool_size=options.publishers + 1,
         ),
     )
     total = options.fanout_messages

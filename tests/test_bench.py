@@ -126,3 +126,13 @@ async def test_the_bench_leaves_the_users_queues_alone(dsn: str, db: asyncpg.Con
     rows = await db.fetch('SELECT subqueue, label FROM nmbus."bench"')
     assert [(r["subqueue"], r["label"]) for r in rows] == [("I", "test.Ping")]
     assert await _schemas(dsn) == []
+
+
+async def test_fanout_with_one_publisher_stores_a_copy_per_subscriber(dsn: str) -> None:
+    # One publisher once deadlocked: publish held the only pooled connection while
+    # ensure_queue waited for another to look at a subscriber queue.
+    options = BenchOptions(dsn=dsn, publishers=1, fanout_messages=20, subscribers=2)
+    [result] = await asyncio.wait_for(run(["fanout"], options), timeout=60)
+    published = result.figures["published_per_s"]
+    assert result.figures["rows_per_s"] == pytest.approx(2 * published)
+    assert result.settings["subscribers"] == 2

@@ -20,6 +20,9 @@ class Settings(BaseSettings):
     dsn: str | None = Field(default=None, description="PostgreSQL DSN (postgresql://...)")
     schema_name: str = Field(default="nmbus", description="schema of the queue tables")
     concurrency: int = Field(default=1, ge=0, description="worker loops, one connection each")
+    handler_concurrency: int = Field(
+        default=1, ge=1, le=1000, description="handlers of one batch run at once (I/O-bound work)"
+    )
     batch_size: int = Field(default=100, ge=1, le=10_000, description="messages per claim")
     lease_seconds: float = Field(default=60.0, gt=0, description="visibility timeout")
     poll_interval: float = Field(default=5.0, gt=0, description="fallback poll, seconds")

@@ -24,7 +24,7 @@ import logging
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine, Generator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
@@ -107,6 +107,58 @@ class _Resumed:
                     value = coro.send(received)
                 except StopIteration:
                     return
+
+
+class _SerialBatch:
+    """The batch as one of several concurrent handlers sees it.
+
+    Its first savepoint takes the batch's connection lock, held until the
+    worker lets go after the handler's savepoint is released or rolled back;
+    a subscriber lookup without the lock takes it just for that query.
+    """
+
+    __slots__ = ("_batch", "_held", "_lock")
+
+    def __init__(self, batch: Batch, lock: asyncio.Lock) -> None:
+        self._batch = batch
+        self._lock = lock
+        self._held = False
+
+    @property
+    def connection(self) -> Any:
+        return self._batch.connection
+
+    async def savepoint(self) -> None:
+        if not self._held:
+            await self._lock.acquire()
+            self._held = True
+        await self._batch.savepoint()
+
+    async def release_savepoint(self) -> None:
+        await self._batch.release_savepoint()
+
+    async def rollback_savepoint(self) -> None:
+        await self._batch.rollback_savepoint()
+
+    async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
+        if self._held:
+            return await self._batch.insert(queue, from_endpoint, envelopes)
+        async with self._lock:
+            return await self._batch.insert(queue, from_endpoint, envelopes)
+
+    async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]:
+        if self._held:
+            return await self._batch.subscribers(publisher, types)
+        async with self._lock:
+            return await self._batch.subscribers(publisher, types)
+
+    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
+        return await self._batch.finish(queue, outcomes, client_id)
+
+    def let_go(self) -> None:
+        if self._held:
+            self._held = False
+            self._lock.release()
 
 
 class Worker:
@@ -278,12 +330,15 @@ class Worker:
         outbox: list[tuple[str, Envelope]] = []
         debug = _debug_enabled()
         async with session.batch() as tx:
-            for message in batch:
-                if self._stopping.is_set():
-                    # Never started: back to I at once, and the attempt does not count.
-                    outcomes.add(message.id, None, correction=-1)
-                    continue
-                await self._handle(tx, message, outcomes, outbox, debug)
+            if self.settings.handler_concurrency > 1 and len(batch) > 1:
+                await self._handle_concurrently(tx, batch, outcomes, outbox, debug)
+            else:
+                for message in batch:
+                    if self._stopping.is_set():
+                        # Never started: back to I at once; the attempt does not count.
+                        outcomes.add(message.id, None, correction=-1)
+                        continue
+                    await self._handle(tx, message, outcomes, outbox, debug)
             if outbox:
                 await self._flush(tx, outbox)
             ahead: list[StoredMessage] = []
@@ -319,6 +374,38 @@ class Worker:
         self.in_flight.update(m.id for m in ahead)
         return ahead
 
+    async def _handle_concurrently(
+        self,
+        tx: Batch,
+        batch: list[StoredMessage],
+        outcomes: Outcomes,
+        outbox: list[tuple[str, Envelope]],
+        debug: bool,
+    ) -> None:
+        """Up to ``handler_concurrency`` handlers of the batch at once, for I/O-bound work.
+
+        The batch's one connection cannot run two statements at once, and a
+        handler's savepoint must not interleave with another's: a handler holds
+        the batch's connection lock from its first use of ``ctx.connection`` until
+        its savepoint is released or rolled back. Handlers that never touch the
+        connection never wait for it. Outcomes are still written by one finish.
+        """
+        slots = asyncio.Semaphore(self.settings.handler_concurrency)
+        lock = asyncio.Lock()
+
+        async def one(message: StoredMessage) -> None:
+            async with slots:
+                if self._stopping.is_set():
+                    outcomes.add(message.id, None, correction=-1)
+                    return
+                await self._handle(tx, message, outcomes, outbox, debug, lock)
+
+        # A TaskGroup: if one fails outside its handler (a database error while
+        # rolling back), the others are cancelled and the batch fails as a whole.
+        async with asyncio.TaskGroup() as group:
+            for message in batch:
+                group.create_task(one(message))
+
     async def _flush(self, tx: Batch, outbox: list[tuple[str, Envelope]]) -> None:
         by_queue: dict[str, list[Envelope]] = defaultdict(list)
         for queue, envelope in outbox:
@@ -334,6 +421,7 @@ class Worker:
         outcomes: Outcomes,
         outbox: list[tuple[str, Envelope]],
         debug: bool,
+        lock: asyncio.Lock | None = None,
     ) -> None:
         bus = self.bus
         cls = lookup_type(row.label) if row.label else None
@@ -371,7 +459,8 @@ class Worker:
             log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
             return
 
-        ctx = Context(bus, self.queue, row, tx)
+        serial = _SerialBatch(tx, lock) if lock is not None else None
+        ctx = Context(bus, self.queue, row, serial or tx)
         # ``queue`` is bound once per loop (in _loop); these two change per message.
         tokens = structlog.contextvars.bind_contextvars(message_id=row.id, message_type=row.label)
         try:
@@ -399,6 +488,8 @@ class Worker:
             if debug:
                 log.debug("message_handled", ms=round((time.perf_counter() - started) * 1000, 3))
         finally:
+            if serial is not None:
+                serial.let_go()
             structlog.contextvars.reset_contextvars(**tokens)
 
     def _failed(

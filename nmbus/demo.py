@@ -28,9 +28,10 @@ import importlib
 import os
 import random
 import shutil
+import sys
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -444,13 +445,42 @@ def check_report() -> Any:
     return job
 
 
-def run_report(dsn: str, options: DemoOptions, out: Path, master: str = "local[2]") -> Any:
-    """Run the Spark statistics job over the demo's schema; returns its result."""
+@contextlib.contextmanager
+def _stderr_to(path: Path | None) -> Iterator[None]:
+    """Point file descriptor 2 at ``path`` while the JVM starts: it inherits it for good."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with path.open("ab") as target:
+            os.dup2(target.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def run_report(
+    dsn: str,
+    options: DemoOptions,
+    out: Path,
+    master: str = "local[2]",
+    jvm_log: Path | None = None,
+) -> Any:
+    """Run the Spark statistics job over the demo's schema; returns its result.
+
+    With ``jvm_log``, Spark's own console output goes to that file.
+    """
     job = check_report()
     opts = job.Options(dsn=dsn, out=str(out), schema=options.schema, window="minute")
     with contextlib.suppress(TypeError, AttributeError):
         opts.title = "nmbus demo"
-    spark = job.build_session(master, None, "1g")
+    with _stderr_to(jvm_log):
+        spark = job.build_session(master, None, "1g")
     try:
         return job.run(spark, opts)
     except job.StatsError as exc:

@@ -205,6 +205,8 @@ def demo(
             say.print(f"[yellow]note:[/yellow] {escape(report_problem)}", highlight=False)
             say.print("the bus part runs anyway; the report is skipped.\n", highlight=False)
 
+    log_path = data_dir / "demo.log"
+    log_file = _configure_logging(log_path)
     server: EmbeddedPostgres | None = None
     was_running = False
     if not dsn:
@@ -214,10 +216,10 @@ def demo(
             with say.status(f"starting the embedded PostgreSQL in {server.pgdata} ..."):
                 dsn = server.start()
         except NmbusError as exc:
+            structlog.reset_defaults()
+            log_file.close()
             _fail(str(exc))
         say.print(f"embedded PostgreSQL: [bold]{dsn}[/bold]", highlight=False)
-    log_path = data_dir / "demo.log"
-    log_file = _configure_logging(log_path)
     outcome: dict[str, Any] = {"dsn": dsn, "schema": schema, "log": str(log_path)}
     try:
         view = LiveView(orders)
@@ -227,9 +229,13 @@ def demo(
         if not quiet:
             _print_bus(result)
         if report and report_problem is None:
-            say.print("\nrunning the Spark statistics job (local[2]) ...", highlight=False)
+            say.print(
+                f"\nrunning the Spark statistics job (local[2], its log: {data_dir / 'spark.log'})"
+                " ...",
+                highlight=False,
+            )
             try:
-                stats = demo_lib.run_report(dsn, options, out)
+                stats = demo_lib.run_report(dsn, options, out, jvm_log=data_dir / "spark.log")
             except demo_lib.ReportUnavailable as exc:
                 say.print(f"[red]report failed:[/red] {escape(str(exc))}", highlight=False)
                 outcome["report"] = {"error": str(exc)}
@@ -250,10 +256,13 @@ def demo(
     except (NmbusError, OSError, TimeoutError) as exc:
         _fail(f"{type(exc).__name__}: {exc}")
     finally:
-        log_file.close()
-        if server is not None and not keep_running and not was_running:
-            server.stop()
-            outcome["embedded"] = "stopped"
+        try:
+            if server is not None and not keep_running and not was_running:
+                server.stop()
+                outcome["embedded"] = "stopped"
+        finally:
+            structlog.reset_defaults()
+            log_file.close()
     if as_json:
         typer.echo(json.dumps(outcome, indent=2))
         return

@@ -214,3 +214,112 @@ SELECT EXISTS (
     SELECT 1 FROM {queue}
     WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
 );
+
+-- ===========================================================================
+-- Publish/subscribe (docs/pubsub.md). The fan-out runs on the server: one
+-- call finds the live subscribers and stores a copy in each one's queue table.
+-- ===========================================================================
+
+-- publish_function_exists --
+-- Whether the fan-out function of this version is installed. $1: schema name (unquoted).
+SELECT to_regprocedure(format(
+    '%I.nmbus_publish_v1(text,text,text[],text[],text[],text[],text[],text[],timestamptz[],text)',
+    $1::text)) IS NOT NULL;
+
+-- create_publish_function --
+-- Install nmbus_publish_v1 (the version is in its name, so processes of an older
+-- nmbus keep calling the function they know). Per message it takes its type
+-- chain ("a.Sub,a.Base", most specific first), label, body, headers (JSON text),
+-- correlation id, publish id and delivery time; each copy's unique_id is
+-- "<publish id>/<subscriber>", so a re-published id is stored once per queue.
+-- Returns one row per live subscriber: (subscriber, copies inserted, missing).
+-- If any subscriber's queue table is missing it inserts nothing and returns only
+-- the missing ones (missing = true), so the caller can create them in its own
+-- transaction and call again. Wakes each subscriber with one NOTIFY.
+CREATE OR REPLACE FUNCTION {schema}.nmbus_publish_v1(
+    p_schema text, p_publisher text, p_chains text[], p_labels text[], p_texts text[],
+    p_headers text[], p_correlations text[], p_publish_ids text[],
+    p_deliver_at timestamptz[], p_channel text
+) RETURNS TABLE (subscriber text, inserted bigint, missing boolean)
+LANGUAGE plpgsql AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_types text[];
+    v_subs text[];
+    v_sub_types text[];
+    v_absent text[];
+    i integer;
+BEGIN
+    SELECT array_agg(DISTINCT t) INTO v_types
+    FROM unnest(p_chains) AS c(chain), unnest(string_to_array(c.chain, ',')) AS t;
+    SELECT array_agg(s.sub ORDER BY s.sub), array_agg(s.types ORDER BY s.sub)
+    INTO v_subs, v_sub_types
+    FROM (
+        SELECT subscriber_endpoint AS sub, string_agg(message_type, ',') AS types
+        FROM {schema}.subscriptions
+        WHERE publisher_endpoint = p_publisher AND message_type = ANY (v_types)
+          AND (expiration_date IS NULL OR expiration_date > now())
+        GROUP BY subscriber_endpoint
+    ) AS s;
+    IF v_subs IS NULL THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(x) INTO v_absent FROM unnest(v_subs) AS x
+    WHERE to_regclass(format('%I.%I', p_schema, x)) IS NULL;
+    IF v_absent IS NOT NULL THEN
+        RETURN QUERY SELECT x, 0::bigint, true FROM unnest(v_absent) AS x;
+        RETURN;
+    END IF;
+    FOR i IN 1 .. array_length(v_subs, 1) LOOP
+        subscriber := v_subs[i];
+        EXECUTE format($q$
+            WITH ins AS (
+                INSERT INTO %I.%I (from_endpoint, to_endpoint, subqueue, retry_time,
+                                   correlation_id, label, msg_text, msg_headers, unique_id)
+                SELECT $1, $2,
+                       CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
+                       greatest(coalesce(v.deliver_at, now()), now()),
+                       v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb,
+                       v.publish_id || '/' || $2
+                FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+                            $8::text[], $9::timestamptz[]) WITH ORDINALITY
+                     AS v(chain, label, msg_text, msg_headers, correlation_id, publish_id,
+                          deliver_at, ord)
+                WHERE string_to_array(v.chain, ',') && $10::text[]
+                ORDER BY v.ord
+                ON CONFLICT (unique_id) DO NOTHING
+                RETURNING 1
+            )
+            SELECT count(*) FROM ins
+        $q$, p_schema, subscriber)
+        INTO inserted
+        USING p_publisher, subscriber, p_chains, p_labels, p_texts, p_headers,
+              p_correlations, p_publish_ids, p_deliver_at,
+              string_to_array(v_sub_types[i], ',');
+        IF inserted > 0 THEN
+            PERFORM pg_notify(p_channel, subscriber);
+        END IF;
+        missing := false;
+        RETURN NEXT;
+    END LOOP;
+END
+$fn$;
+
+-- publish --
+-- Fan messages out to every live subscriber of publisher $2 (see
+-- create_publish_function for $1..$10). One row per subscriber.
+SELECT subscriber, inserted, missing
+FROM {schema}.nmbus_publish_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
+
+-- purge_expired_subscriptions --
+-- Delete subscriptions that expired more than $1 seconds ago (their subscriber is gone).
+DELETE FROM {schema}.subscriptions
+WHERE expiration_date < now() - make_interval(secs => $1::float8);
+
+-- subscriptions_of --
+-- Every subscription row, live or expired, optionally of one subscriber $1 (NULL: all).
+SELECT publisher_endpoint, subscriber_endpoint, message_type, created_date, expiration_date,
+       expiration_date IS NULL OR expiration_date > now() AS live
+FROM {schema}.subscriptions
+WHERE $1::text IS NULL OR subscriber_endpoint = $1
+ORDER BY publisher_endpoint, message_type, subscriber_endpoint;

@@ -109,6 +109,7 @@ async def main(dsn: str, total: int) -> None:
             subs = await publisher.publish(Tick(n=i))
             lags.append(time.perf_counter() - t0)
             seen += f"late{i}" in subs
+            await late.unsubscribe(Tick, publisher="orders")
             await late.stop()
         lags.sort()
         print(

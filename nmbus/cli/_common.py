@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import sys
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -13,6 +14,7 @@ from decimal import Decimal
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import asyncpg
+import structlog
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -39,8 +41,32 @@ console = Console()
 errors = Console(stderr=True)
 
 
+def configure_logging(level: str = "warning", fmt: str = "console") -> None:
+    """The CLI owns output: log lines go to stderr, so stdout stays clean for --json."""
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
 def settings(dsn: str | None, schema: str | None, **extra: Any) -> Settings:
     """Build the settings once, from options first and NMBUS_* variables second."""
+    configure_logging()
     given = {"dsn": dsn, "schema_name": schema, **extra}
     built = Settings(**{k: v for k, v in given.items() if v is not None})
     if not built.dsn:

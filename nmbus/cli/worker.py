@@ -16,7 +16,7 @@ import typer
 
 from nmbus.bus import Bus
 from nmbus.cli import app
-from nmbus.cli._common import fail
+from nmbus.cli._common import configure_logging, fail
 
 log = structlog.get_logger("nmbus.cli.worker")
 
@@ -42,9 +42,12 @@ def load_bus(target: str) -> Any:
 
 async def _resolve(obj: Any) -> Bus:
     if not isinstance(obj, Bus) and callable(obj):
-        obj = obj()
-        if inspect.isawaitable(obj):
-            obj = await obj
+        try:
+            obj = obj()
+            if inspect.isawaitable(obj):
+                obj = await obj
+        except Exception as exc:
+            fail(f"calling the factory failed: {type(exc).__name__}: {exc}")
     if not isinstance(obj, Bus):
         fail(f"expected a nmbus.Bus (or a function returning one), got {type(obj).__name__}")
     return obj
@@ -80,28 +83,6 @@ async def serve(obj: Any) -> int:
             loop.remove_signal_handler(signum)
     log.info("worker_exited", queue=bus.endpoint)
     return 0
-
-
-def configure_logging(level: str, fmt: str) -> None:
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 @app.command()

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
+import structlog
 from typer.testing import CliRunner, Result
 
 from nmbus.cli import app
 from tests.ops_data import CHARGE_ERROR, Facts, populate
 
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _keep_logging_config() -> Iterator[None]:
+    """The CLI configures structlog for the process; give other tests theirs back."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 class Cli:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from datetime import date, datetime, timedelta
 from decimal import Decimal
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
 
 import asyncpg
 import structlog
@@ -41,6 +41,16 @@ console = Console()
 errors = Console(stderr=True)
 
 
+class _Stderr:
+    """Whatever sys.stderr is when a line is written (it may be replaced after configuring)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "warning", fmt: str = "console") -> None:
     """The CLI owns output: log lines go to stderr, so stdout stays clean for --json."""
     renderer: Any = (
@@ -59,7 +69,7 @@ def configure_logging(level: str = "warning", fmt: str = "console") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(cast(TextIO, _Stderr())),
         cache_logger_on_first_use=False,
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -163,6 +164,8 @@ class Bus:
                 log.warning("bus_without_handlers", queue=self.endpoint)
             self._spawn(self.store.listen(self._on_wakeup), "listener")
             self._spawn(self._lease_renewer(), "leases")
+            if self.settings.retention_interval is not None:
+                self._spawn(self._retention(self.settings.retention_interval), "retention")
             self.worker.start()
         log.info(
             "bus_started",
@@ -222,6 +225,30 @@ class Bus:
                 )
             except StoreError as exc:
                 log.warning("lease_renewal_failed", queue=self.endpoint, error=str(exc))
+
+    async def _retention(self, interval: float) -> None:
+        """Clean this endpoint's queue every ``interval`` seconds (NMBUS_RETENTION_INTERVAL).
+
+        Each worker process does it for its own queue; a per-queue advisory lock
+        makes concurrent runs skip, so many workers cost nothing extra.
+        """
+        from nmbus.retention import RetentionPolicy, clean_queue
+
+        pool = getattr(self.store, "pool", None)
+        if pool is None:
+            log.warning("retention_unsupported", queue=self.endpoint, store=type(self.store))
+            return
+        policy = RetentionPolicy.from_settings(self.settings)
+        while True:
+            # Spread the runs of many workers started together.
+            await asyncio.sleep(interval * random.uniform(0.5, 1.0))
+            try:
+                async with pool.acquire() as conn:
+                    await clean_queue(conn, self.settings.schema_name, self.endpoint, policy)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("retention_failed", queue=self.endpoint, error=str(exc))
 
     # -- sending ---------------------------------------------------------------------
 

@@ -28,9 +28,10 @@ from pydantic import ValidationError
 
 from nmbus.context import Context
 from nmbus.errors import DatabaseUnavailable, PermanentError, RetryLater, StoreError
-from nmbus.messages import Envelope, StoredMessage, lookup_type
+from nmbus.messages import Envelope, StoredMessage
 from nmbus.retry import RetryPolicy
 from nmbus.store import Batch, Outcomes, WorkerSession
+from nmbus.subscriptions import decode_type
 
 if TYPE_CHECKING:
     from nmbus.bus import Bus
@@ -210,7 +211,7 @@ class Worker:
 
     async def _run_batch(self, session: WorkerSession, batch: list[StoredMessage]) -> None:
         outcomes = Outcomes()
-        outbox: list[tuple[str, Envelope]] = []
+        outbox: list[tuple[str | None, Envelope]] = []
         debug = _debug_enabled()
         async with session.batch() as tx:
             for message in batch:
@@ -229,24 +230,30 @@ class Worker:
                 )
         self.handled += len(batch)
 
-    async def _flush(self, tx: Batch, outbox: list[tuple[str, Envelope]]) -> None:
+    async def _flush(self, tx: Batch, outbox: list[tuple[str | None, Envelope]]) -> None:
         by_queue: dict[str, list[Envelope]] = defaultdict(list)
+        published: list[Envelope] = []
         for queue, envelope in outbox:
-            by_queue[queue].append(envelope)
+            if queue is None:
+                published.append(envelope)
+            else:
+                by_queue[queue].append(envelope)
         for queue, envelopes in by_queue.items():
             await self.bus.store.ensure_queue(queue)
             await tx.insert(queue, self.queue, envelopes)
+        if published:
+            await self.bus._publish_outbox(tx, published)
 
     async def _handle(
         self,
         tx: Batch,
         row: StoredMessage,
         outcomes: Outcomes,
-        outbox: list[tuple[str, Envelope]],
+        outbox: list[tuple[str | None, Envelope]],
         debug: bool,
     ) -> None:
         bus = self.bus
-        cls = lookup_type(row.label) if row.label else None
+        cls = decode_type(row.label, row.msg_headers)
         handlers = bus.registry.handlers_for(cls) if cls is not None else ()
         if not handlers:
             reason = (

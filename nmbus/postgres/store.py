@@ -17,6 +17,7 @@ import structlog
 from nmbus.errors import SchemaVersionError
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.postgres.errors import is_connection_error, wrap_errors
+from nmbus.postgres.pubsub import install_publish_function, publish_args, publish_on
 from nmbus.sql import render
 from nmbus.store import SCHEMA_VERSION, Outcomes, validate_queue_name, validate_schema_name
 
@@ -121,6 +122,12 @@ class PostgresBatch:
         rows = await self._conn.fetch(render("subscribers", self._schema), publisher, list(types))
         return [r[0] for r in rows]
 
+    async def publish(
+        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
+    ) -> dict[str, int]:
+        args = publish_args(self._schema, publisher, envelopes, chains, self._channel)
+        return await publish_on(self._conn, self._schema, args)
+
     async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
         return int(
             await self._conn.fetchval(
@@ -194,6 +201,7 @@ class PostgresStore:
             )
             async with self._pool.acquire() as conn:
                 await install_schema(conn, self.schema)
+                await install_publish_function(conn, self.schema)
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -272,6 +280,35 @@ class PostgresStore:
         with wrap_errors("find subscribers"):
             rows = await target.fetch(render("subscribers", self.schema), publisher, list(types))
         return [r[0] for r in rows]
+
+    async def publish(
+        self,
+        publisher: str,
+        envelopes: Sequence[Envelope],
+        chains: Sequence[str],
+        connection: Any = None,
+    ) -> dict[str, int]:
+        args = publish_args(self.schema, publisher, envelopes, chains, notify_channel(self.schema))
+        if connection is not None:
+            if connection.is_in_transaction():
+                return await publish_on(connection, self.schema, args)
+            async with connection.transaction():
+                return await publish_on(connection, self.schema, args)
+        # One statement is atomic on its own: no BEGIN/COMMIT round trips, unless
+        # a subscriber's table has to be created first.
+        with wrap_errors("publish"):
+            rows = await self.pool.fetch(render("publish", self.schema), *args)
+        if not any(r[2] for r in rows):
+            return {r[0]: int(r[1]) for r in rows}
+        async with self.pool.acquire() as conn, conn.transaction():
+            return await publish_on(conn, self.schema, args)
+
+    async def purge_expired_subscriptions(self, grace: float) -> int:
+        with wrap_errors("purge expired subscriptions"):
+            status = await self.pool.execute(
+                render("purge_expired_subscriptions", self.schema), grace
+            )
+        return int(status.split()[-1])
 
     async def counts(self, queue: str) -> dict[str, int]:
         with wrap_errors(f"count {queue}"):

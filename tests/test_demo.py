@@ -6,6 +6,8 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +97,34 @@ async def test_a_schema_that_is_not_the_demos_is_left_alone(
     assert await db.fetchval("SELECT to_regclass('precious.data') IS NOT NULL")
 
 
+def _charts_drawn(html: Path, tmp_path: Path) -> int:
+    """How many charts the page drew in headless Chromium (it marks <html> when done)."""
+    dom = subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'chromium'}",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            html.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    found = re.search(r'data-charts-rendered="(-?\d+)"', dom)
+    assert found, "the report's script did not finish"
+    return int(found.group(1))
+
+
 async def _fetch_counts(dsn: str, queue: str) -> dict[str, int]:
     conn = await asyncpg.connect(dsn)
     try:
@@ -129,7 +159,9 @@ def test_demo_command_with_a_dsn_runs_the_report(dsn: str, tmp_path: Path) -> No
     if _spark_ready():
         report = outcome["report"]
         html = Path(report["html"])
-        assert html.is_file() and "<svg" in html.read_text()
+        assert all(f"{q}" in html.read_text() for q in demo.QUEUES)
+        if shutil.which("chromium"):
+            assert _charts_drawn(html, tmp_path) > 0
         summary = json.loads(Path(report["json"]).read_text())
         by_queue = {q["queue"]: q for q in summary["queues"]}
         for queue in demo.QUEUES:

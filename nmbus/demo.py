@@ -346,11 +346,8 @@ async def run_bus(
             for name in (*QUEUES, PUBLISHER):
                 await stack.enter_async_context(buses[name])
             log.info("demo_started", orders=options.orders, schema=options.schema)
-            # The first order alone: concurrent publishes to queues the publisher's store
-            # has not seen yet can exhaust its small pool while it looks the tables up.
-            await publisher(orders[:1])
-            rest, n = orders[1:], max(1, options.publishers)
-            tasks = [asyncio.create_task(publisher(rest[i::n])) for i in range(n)]
+            n = max(1, options.publishers)
+            tasks = [asyncio.create_task(publisher(orders[i::n])) for i in range(n)]
             try:
                 async with asyncio.timeout(options.timeout):
                     while True:

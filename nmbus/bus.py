@@ -291,8 +291,13 @@ class Bus:
                 await self.store.insert(queue, self.endpoint, [envelope])
             self._log_published(message, subscribers)
             return subscribers
-        async with pool.acquire() as conn, conn.transaction():
-            return await self._publish_on(conn, message, types, headers, correlation)
+        from nmbus.postgres.errors import wrap_errors
+
+        # Acquiring a pooled connection and BEGIN talk to the server too: an outage
+        # there must surface as DatabaseUnavailable, like every other send.
+        with wrap_errors("publish"):
+            async with pool.acquire() as conn, conn.transaction():
+                return await self._publish_on(conn, message, types, headers, correlation)
 
     async def _publish_on(
         self,

@@ -78,6 +78,7 @@ class SoakReport:
     effects_missing: int = 0  # must be 0: a message in X without its effect
     effects_in_failed: int = 0  # must be 0: a message in F with a committed effect
     failed_reasons: dict[str, int] = field(default_factory=dict)
+    worker_events: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -369,7 +370,10 @@ async def _verify(conn: asyncpg.Connection, schema: str, logs: Path, report: Soa
         done = runs.get(unique_id, [])
         if len(done) > 1:
             report.handled_twice += 1
-        for run in done:
+        for run, count in Counter(done).items():
+            # The same attempt run twice by one process is a re-run inside a live
+            # worker (a batch rolled back and retried), never excused by a kill.
+            report.repeats_from_live += count - 1
             if run in committed:
                 continue
             if run[1] in killed:
@@ -378,6 +382,19 @@ async def _verify(conn: asyncpg.Connection, schema: str, logs: Path, report: Soa
                 report.repeats_from_live += 1
     report.lost = max(report.lost, report.messages - stored)
     report.failed_reasons = dict(reasons)
+    report.worker_events = _worker_events(logs / "workers.err")
+
+
+def _worker_events(path: Path) -> dict[str, int]:
+    """Warning and error events the workers logged, by name (retries left out)."""
+    events: Counter[str] = Counter()
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[2] in ("[warning", "[error", "[critical"):
+                events[parts[4] if parts[3] == "]" else parts[3]] += 1
+    events.pop("message_retry_scheduled", None)
+    return dict(events)
 
 
 # -- entry point of the worker processes ---------------------------------------------------

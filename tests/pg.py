@@ -7,10 +7,12 @@ is reachable; otherwise a clear error that says how to provide one.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -48,6 +50,12 @@ def server_dsn() -> Iterator[str]:
         container.stop()
 
 
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` to completion on a loop of its own, even inside a running loop."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, coro).result()
+
+
 async def _admin(dsn: str, *statements: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:
@@ -73,17 +81,17 @@ class Databases:
         self.template = f"nmbus_tpl_{uuid.uuid4().hex[:10]}"
 
     def setup(self) -> None:
-        asyncio.run(_admin(self.server, f'CREATE DATABASE "{self.template}"'))
-        asyncio.run(_install(with_database(self.server, self.template)))
+        _run(_admin(self.server, f'CREATE DATABASE "{self.template}"'))
+        _run(_install(with_database(self.server, self.template)))
 
     def teardown(self) -> None:
-        asyncio.run(_admin(self.server, f'DROP DATABASE IF EXISTS "{self.template}" WITH (FORCE)'))
+        _run(_admin(self.server, f'DROP DATABASE IF EXISTS "{self.template}" WITH (FORCE)'))
 
     @contextmanager
     def fresh(self) -> Iterator[str]:
         name = f"nmbus_t_{uuid.uuid4().hex[:12]}"
-        asyncio.run(_admin(self.server, f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"'))
+        _run(_admin(self.server, f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"'))
         try:
             yield with_database(self.server, name)
         finally:
-            asyncio.run(_admin(self.server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            _run(_admin(self.server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

@@ -20,7 +20,7 @@ def test_all_matches_the_public_names() -> None:
     public = {name for name in dir(nmbus) if not name.startswith("_")}
     modules = {
         "bus", "context", "errors", "handlers", "messages", "retry", "settings", "store",
-        "worker", "sql", "postgres", "testing", "cli",
+        "worker", "sql", "postgres", "testing", "cli", "soak",
     }  # fmt: skip
     assert set(nmbus.__all__) == public - modules
     for name in ("Bus", "Message", "Context", "RetryPolicy", "PermanentError", "RetryLater"):

@@ -399,6 +399,9 @@ class Bus:
             for key, value in headers.items():
                 if not isinstance(key, str) or not isinstance(value, str):
                     raise TypeError("headers must map str to str")
+                if "\x00" in key or "\x00" in value:
+                    # PostgreSQL's jsonb cannot hold U+0000; refuse it here, clearly.
+                    raise ValueError(f"header {key!r} contains a NUL character (U+0000)")
             header_text = json.dumps(dict(headers), ensure_ascii=False)
         if unique_id is not None and (not isinstance(unique_id, str) or not unique_id):
             raise ValueError("unique_id must be a non-empty string")

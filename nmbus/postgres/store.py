@@ -1,7 +1,7 @@
 """The PostgreSQL adapter of the storage port, on asyncpg.
 
 Connections a process uses: ``send_pool_size`` pooled ones for send/publish
-and schema work, one per worker loop, and one for LISTEN and lease renewal.
+and schema work, one per worker loop, one for LISTEN and one for lease renewal.
 """
 
 from __future__ import annotations
@@ -182,6 +182,8 @@ class PostgresStore:
         self._pool: asyncpg.Pool | None = None
         self._known_queues: set[str] = set()
         self._queue_lock = asyncio.Lock()
+        self._lease_lock = asyncio.Lock()
+        self._lease_conn: asyncpg.Connection | None = None
 
     async def connect(self) -> asyncpg.Connection:
         with wrap_errors("connect"):
@@ -204,6 +206,9 @@ class PostgresStore:
                 await install_publish_function(conn, self.schema)
 
     async def close(self) -> None:
+        if self._lease_conn is not None:
+            conn, self._lease_conn = self._lease_conn, None
+            await _close_quietly(conn)
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await asyncio.shield(pool.close())
@@ -300,8 +305,9 @@ class PostgresStore:
             rows = await self.pool.fetch(render("publish", self.schema), *args)
         if not any(r[2] for r in rows):
             return {r[0]: int(r[1]) for r in rows}
-        async with self.pool.acquire() as conn, conn.transaction():
-            return await publish_on(conn, self.schema, args)
+        with wrap_errors("publish"):
+            async with self.pool.acquire() as conn, conn.transaction():
+                return await publish_on(conn, self.schema, args)
 
     async def purge_expired_subscriptions(self, grace: float) -> int:
         with wrap_errors("purge expired subscriptions"):
@@ -319,10 +325,25 @@ class PostgresStore:
     async def renew_leases(
         self, queue: str, ids: Sequence[int], client_id: str, lease: float
     ) -> None:
-        with wrap_errors(f"renew leases in {queue}"):
-            await self.pool.execute(
-                render("renew_leases", self.schema, queue), list(ids), client_id, lease
-            )
+        # On a connection of its own, never the send pool: an application that
+        # holds every pooled connection (long outbox transactions, a burst of
+        # sends) must not make the leases of running handlers expire.
+        async with self._lease_lock:
+            with wrap_errors(f"renew leases in {queue}"):
+                if self._lease_conn is None or self._lease_conn.is_closed():
+                    self._lease_conn = await asyncpg.connect(self.dsn, timeout=10)
+                try:
+                    await self._lease_conn.execute(
+                        render("renew_leases", self.schema, queue),
+                        list(ids),
+                        client_id,
+                        lease,
+                        timeout=max(1.0, lease / 3),
+                    )
+                except BaseException:
+                    conn, self._lease_conn = self._lease_conn, None
+                    conn.terminate()
+                    raise
 
     async def abandon_leases(self, queue: str, ids: Sequence[int], client_id: str) -> None:
         with wrap_errors(f"abandon leases in {queue}"):

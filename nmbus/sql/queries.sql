@@ -215,7 +215,7 @@ SELECT EXISTS (
     WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
 );
 
--- ====================================================================
+-- ===========================================================================
 -- Publish/subscribe (docs/pubsub.md). The fan-out runs on the server: one
 -- call finds the live subscribers and stores a copy in each one's queue table.
 -- ===========================================================================
@@ -323,6 +323,7 @@ SELECT publisher_endpoint, subscriber_endpoint, message_type, created_date, expi
 FROM {schema}.subscriptions
 WHERE $1::text IS NULL OR subscriber_endpoint = $1
 ORDER BY publisher_endpoint, message_type, subscriber_endpoint;
+
 -- ---------------------------------------------------------------------------
 -- Operations: status, failed messages, subscriptions, retention (nmbus/cli,
 -- nmbus/retention.py). Readers never take more than ROW EXCLUSIVE on a queue;
@@ -470,6 +471,42 @@ SELECT max(id), count(*) FROM gone;
 -- retention_present --
 -- How many of the ids $1 are still in the queue (recovering an interrupted archive batch).
 SELECT count(*) FROM {queue} WHERE id = ANY($1::bigint[]);
+
+-- ---------------------------------------------------------------------------
+-- Soak (nmbus.soak): the kill soak's own bookkeeping, in its own schema.
+-- ---------------------------------------------------------------------------
+
+-- soak_reset --
+-- Drop the soak's schema with everything in it (the soak owns that schema).
+DROP SCHEMA IF EXISTS {schema} CASCADE;
+
+-- soak_create_effects --
+-- The table soak handlers write through ctx.connection: one row per committed handling.
+CREATE TABLE IF NOT EXISTS {schema}.soak_effects (
+    unique_id text NOT NULL,
+    attempt integer NOT NULL,
+    pid integer NOT NULL
+);
+
+-- soak_record_effect --
+-- A soak handler's transactional effect. $1 unique_id, $2 attempt, $3 worker pid.
+INSERT INTO {schema}.soak_effects (unique_id, attempt, pid) VALUES ($1, $2, $3);
+
+-- soak_open_rows --
+-- Rows of the soak queue not yet in X or F.
+SELECT count(*) FROM {queue} WHERE subqueue IN ('I', 'R');
+
+-- soak_rows --
+-- Every row of the soak queue with its committed effects (unique_id, subqueue,
+-- retry_count, error_info's first line, effects as (attempt, pid) pairs).
+SELECT q.unique_id, q.subqueue, q.retry_count, split_part(q.error_info, E'\n', 1),
+       coalesce(array_agg(e.attempt ORDER BY e.attempt) FILTER (WHERE e.attempt IS NOT NULL),
+                ARRAY[]::integer[]),
+       coalesce(array_agg(e.pid ORDER BY e.attempt) FILTER (WHERE e.pid IS NOT NULL),
+                ARRAY[]::integer[])
+FROM {queue} AS q
+LEFT JOIN {schema}.soak_effects AS e ON e.unique_id = q.unique_id
+GROUP BY q.unique_id, q.subqueue, q.retry_count, q.error_info;
 
 -- ---------------------------------------------------------------------------
 -- demo: `nmbus demo` (nmbus/demo.py) and its own schema

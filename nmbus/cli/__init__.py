@@ -24,6 +24,7 @@ def _root() -> None:
 
 def _register() -> None:
     # Command modules, one group each. Imported here so `nmbus --help` lists them.
+    from nmbus.cli import report as _report  # noqa: F401
     from nmbus.cli import version as _version  # noqa: F401
 
 

@@ -6,8 +6,9 @@
 Rows are generated inside PostgreSQL (``generate_series``), in batches, so a
 million rows take seconds. Timings are random but shaped like a real bus:
 sub-second queue latency with a long tail, retries that add seconds, a few
-percent failures with a handful of distinct errors, and one incident (a
-latency spike) in the second queue so the report has something to show.
+percent failures with a handful of distinct errors, and one incident in the
+second queue (a latency spike, and three times the failure share while the
+others get a quarter of it) so the report has something to show.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def report(
     if not dsn:
         typer.echo("error: no database: pass --dsn or set NMBUS_DSN", err=True)
         raise typer.Exit(2)
-    spark = None
+    spark = borrowed = None
     try:
         opts = job.Options(
             dsn=dsn,
@@ -84,13 +84,14 @@ def report(
         job.check_reachable(job.jdbc_from_dsn(dsn))
         if not as_json:
             typer.echo(f"starting Spark ({master}) ...", err=True)
-        spark = job.build_session(master, jdbc_jar, driver_memory)
+        borrowed = job.active_session()
+        spark = borrowed or job.build_session(master, jdbc_jar, driver_memory)
         result = job.run(spark, opts)
     except job.StatsError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     finally:
-        if spark is not None:
+        if spark is not None and borrowed is None:
             spark.stop()
     if as_json:
         typer.echo(json.dumps(result.summary, indent=2))

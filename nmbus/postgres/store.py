@@ -212,7 +212,9 @@ class PostgresStore:
                 return
             with wrap_errors(f"create queue {queue}"):
                 async with self.pool.acquire() as conn:
-                    if not await conn.fetchval(render("queue_exists", self.schema), self.schema, queue):
+                    if not await conn.fetchval(
+                        render("queue_exists", self.schema), self.schema, queue
+                    ):
                         async with conn.transaction():
                             await conn.execute(
                                 render("advisory_lock", self.schema), f"nmbus.schema.{self.schema}"

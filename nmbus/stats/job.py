@@ -221,6 +221,13 @@ def build_session(
     return spark
 
 
+def active_session() -> Any | None:
+    """The SparkSession already running in this process, if any (it is not ours to stop)."""
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession()
+
+
 def check_driver(spark: Any) -> None:
     """Say how to install the JDBC driver when the session cannot load it."""
     jvm = getattr(spark, "_jvm", None)
@@ -578,8 +585,7 @@ def errors(rows: Any) -> Any:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, datetime):
-        if value.tzinfo is None:  # Spark hands back naive local times; the session is UTC
-            value = value.replace(tzinfo=UTC)
+        # pyspark hands back naive times in the local zone; astimezone reads them so.
         return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
     if isinstance(value, float) and not math.isfinite(value):
         return None

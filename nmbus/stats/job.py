@@ -755,7 +755,8 @@ def _metrics(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summary(tables: dict[str, Any], opts: Options, queues: list[str], jdbc: Jdbc) -> dict:
-    get = {name: _records(df) for name, df in tables.items()}
+    # The per-type-and-window table can be large; it stays in Parquet (and the database).
+    get = {name: _records(df) for name, df in tables.items() if name != "windows"}
     overall = get.get("overall") or [dict(ZERO)]
     by_queue = {r["queue"]: r for r in get.get("queues", [])}
     labels: dict[str, list] = {}

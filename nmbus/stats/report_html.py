@@ -134,6 +134,9 @@ def render(summary: dict[str, Any]) -> str:
     st = status(o)
     queues = summary["queues"]
     bad = [q["queue"] for q in queues if status(q) in ("failing", "degraded")]
+    # The banner takes the colour of the worst queue: one failing queue is news.
+    worst = {status(q) for q in queues}
+    banner = next((x for x in ("failing", "degraded") if x in worst), st)
     if not o.get("total"):
         verdict = "No processed or failed messages in this range."
     elif bad:
@@ -173,7 +176,7 @@ def render(summary: dict[str, Any]) -> str:
     data = json.dumps(summary, separators=(",", ":")).replace("</", "<\\/")
     values = {
         "TITLE": _e(summary.get("title", "nmbus report")),
-        "STATUS": st,
+        "STATUS": banner,
         "VERDICT": _e(verdict),
         "RANGE": _e(span or "no data"),
         "WINDOW": _e(summary.get("window")),
@@ -382,7 +385,7 @@ _SCRIPT = r"""
       el("text", {x: L - 6, y: y(tv) + 4, "text-anchor": "end", "class": "t"}, s,
          opt.fmt(tv));
     });
-    var days = (x1 - x0) > 86400000, nx = 6;
+    var days = (x1 - x0) > 86400000, nx = days ? 4 : 6;
     for (var i = 0; i <= nx; i++) {
       var t = x0 + (x1 - x0) * i / nx;
       el("text", {x: x(t), y: H - 8, "text-anchor": i === 0 ? "start" : i === nx ? "end" :

@@ -109,7 +109,8 @@ async def seed(
                     n,
                     start,
                     span_hours * 3600,
-                    failure_share,
+                    # the incident queue fails three times as often, the others rarely
+                    failure_share * (3 if i == 1 else 0.25),
                     1 if i == 1 else 0,
                     q,
                     prefix,

@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import os
 import uuid
+import warnings
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,10 +39,13 @@ def server_dsn() -> Iterator[str]:
         yield dsn
         return
     try:
-        from testcontainers.postgres import PostgresContainer
+        # testcontainers' own deprecation warnings are not ours to fail on.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from testcontainers.postgres import PostgresContainer
 
-        container = PostgresContainer("postgres:16-alpine", driver=None)
-        container.start()
+            container = PostgresContainer("postgres:16-alpine", driver=None)
+            container.start()
     except Exception as exc:
         raise RuntimeError(f"{HOW_TO}\n(testcontainers could not start one: {exc})") from exc
     try:

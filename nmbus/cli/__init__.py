@@ -28,6 +28,7 @@ def _register() -> None:
     from nmbus.cli import demo as _demo  # noqa: F401
     from nmbus.cli import failed as _failed  # noqa: F401
     from nmbus.cli import queues as _queues  # noqa: F401
+    from nmbus.cli import report as _report  # noqa: F401
     from nmbus.cli import soak as _soak  # noqa: F401
     from nmbus.cli import status as _status  # noqa: F401
     from nmbus.cli import subscriptions as _subscriptions  # noqa: F401

@@ -14,6 +14,7 @@ from nmbus.cli import app
 
 
 class Window(StrEnum):
+    second = "second"
     minute = "minute"
     hour = "hour"
     day = "day"

@@ -335,6 +335,7 @@ _SCRIPT = r"""
     var day = p(d.getUTCMonth() + 1) + "-" + p(d.getUTCDate());
     var hm = p(d.getUTCHours()) + ":" + p(d.getUTCMinutes());
     if (D.window === "day") { return day; }
+    if (D.window === "second") { hm += ":" + p(d.getUTCSeconds()); }
     return withDay ? day + " " + hm : hm;
   }
   function legend(s, items, x, y) {

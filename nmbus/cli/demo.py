@@ -279,8 +279,17 @@ def demo(
             f"{server.pgdata}); `nmbus demo --keep-running` leaves it up",
             highlight=False,
         )
+    again = "".join(
+        f" {flag} {value}"
+        for flag, value, default in (
+            ("--data-dir", data_dir, DEFAULT_DATA_DIR),
+            ("--out", out, Path("nmbus-report")),
+            ("--schema", schema, demo_lib.DEFAULT_SCHEMA),
+        )
+        if value != default and (flag != "--data-dir" or server is not None)
+    )
     console.print(
-        f"clean up: `nmbus demo --clean` drops schema {schema}"
+        f"clean up: `nmbus demo --clean{again}` drops schema {schema}"
         + (" and deletes the embedded server's folder" if server is not None else "")
         + f" and {out}/",
         highlight=False,

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,6 +16,7 @@ import structlog
 from nmbus import Bus, Context, Message
 from nmbus.errors import ConfigurationError
 from nmbus.testing import MemoryStore, drain
+from tests import procs
 from tests.messages import Event, OrderPlaced, Ping
 from tests.pubsub_workers import Event as PsEvent
 from tests.pubsub_workers import order_placed
@@ -32,37 +30,9 @@ CREATE TABLE received (
 """
 
 
-class Proc:
-    """An endpoint process (tests/pubsub_workers.py) whose stdout lines we can wait for."""
-
+class Proc(procs.Proc):
     def __init__(self, *args: str) -> None:
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "tests.pubsub_workers", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-
-    async def wait_for(self, prefix: str, timeout: float = 30.0) -> str:
-        assert self.popen.stdout is not None
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(timeout):
-            while True:
-                line = await loop.run_in_executor(None, self.popen.stdout.readline)
-                if not line:
-                    raise AssertionError(f"process exited before printing {prefix!r}")
-                self.lines.append(line.strip())
-                if line.startswith(prefix):
-                    return line.strip()
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait(10)
-        if self.popen.stdout is not None and not self.popen.stdout.closed:
-            self.lines.extend(x.strip() for x in self.popen.stdout.read().splitlines())
-            self.popen.stdout.close()
+        super().__init__("tests.pubsub_workers", *args)
 
 
 @asynccontextmanager

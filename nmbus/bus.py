@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -16,10 +17,11 @@ import structlog
 
 from nmbus.errors import ConfigurationError, MessageTooLarge, StoreError
 from nmbus.handlers import HandlerFunc, Registry
-from nmbus.messages import Envelope, Message, type_chain, type_name
+from nmbus.messages import Envelope, Message, type_name
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
 from nmbus.store import Store, validate_queue_name
+from nmbus.subscriptions import TYPE_CHAIN_HEADER, Subscriptions, chain_header, chain_of
 from nmbus.worker import Worker
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ class Bus:
             ),
         )
         self.client_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._subscriptions: dict[tuple[str, str], type[Message]] = {}
+        self.subscriptions = Subscriptions(self.endpoint, store, settings)
         self.worker = Worker(self)
         self._background: list[asyncio.Task[None]] = []
         self._started = False
@@ -122,17 +124,25 @@ class Bus:
 
         return register
 
-    def subscribe(self, message_type: type[Message], publisher: str) -> None:
-        """Receive ``message_type`` (and its subclasses) published by ``publisher``."""
-        if not (isinstance(message_type, type) and issubclass(message_type, Message)):
-            raise ConfigurationError(f"subscribe() needs a Message subclass, got {message_type!r}")
-        validate_queue_name(publisher)
-        self._subscriptions[(publisher, type_name(message_type))] = message_type
+    def subscribe(
+        self, message_type: type[Message], publisher: str, *, permanent: bool = False
+    ) -> None:
+        """Receive ``message_type`` (and its subclasses) published by endpoint ``publisher``.
+
+        Declare it before the bus starts; ``async with bus:`` writes the
+        subscription, which expires ``settings.subscription_ttl`` seconds after
+        the last renewal (renewed every ttl/3 while the bus runs). With
+        ``permanent=True`` (or ``subscription_ttl=None``) it never expires and
+        only :meth:`unsubscribe` removes it.
+        """
+        self.subscriptions.add(message_type, publisher, permanent)
 
     async def unsubscribe(self, message_type: type[Message], publisher: str) -> None:
-        """Stop receiving ``message_type`` from ``publisher``, now and after restarts."""
-        self._subscriptions.pop((publisher, type_name(message_type)), None)
-        await self.store.unsubscribe(publisher, self.endpoint, [type_name(message_type)])
+        """Stop receiving ``message_type`` from ``publisher``: delete the subscription rows.
+
+        Before start, the rows are deleted when the bus starts.
+        """
+        await self.subscriptions.remove(message_type, publisher)
 
     # -- life cycle ----------------------------------------------------------------
 
@@ -143,24 +153,26 @@ class Bus:
         await self.store.open()
         try:
             await self.store.ensure_queue(self.endpoint)
-            await self._renew_subscriptions()
+            await self.subscriptions.start()
         except BaseException:
             await self.store.close()
             raise
-        if self._subscriptions and self.settings.subscription_ttl is not None:
-            self._spawn(self._subscription_renewer(), "subscriptions")
+        if self.subscriptions.renewing:
+            self._spawn(self.subscriptions.run_renewer(), "subscriptions")
         if self.settings.concurrency > 0:
             if not len(self.registry):
                 log.warning("bus_without_handlers", queue=self.endpoint)
             self._spawn(self.store.listen(self._on_wakeup), "listener")
             self._spawn(self._lease_renewer(), "leases")
+            if self.settings.retention_interval is not None:
+                self._spawn(self._retention(self.settings.retention_interval), "retention")
             self.worker.start()
         log.info(
             "bus_started",
             queue=self.endpoint,
             concurrency=self.settings.concurrency,
             handlers=len(self.registry),
-            subscriptions=len(self._subscriptions),
+            subscriptions=len(self.subscriptions),
         )
 
     async def stop(self) -> None:
@@ -214,24 +226,29 @@ class Bus:
             except StoreError as exc:
                 log.warning("lease_renewal_failed", queue=self.endpoint, error=str(exc))
 
-    async def _renew_subscriptions(self) -> None:
-        by_publisher: dict[str, list[str]] = {}
-        for publisher, name in self._subscriptions:
-            by_publisher.setdefault(publisher, []).append(name)
-        for publisher, names in by_publisher.items():
-            await self.store.subscribe(
-                publisher, self.endpoint, sorted(names), self.settings.subscription_ttl
-            )
+    async def _retention(self, interval: float) -> None:
+        """Clean this endpoint's queue every ``interval`` seconds (NMBUS_RETENTION_INTERVAL).
 
-    async def _subscription_renewer(self) -> None:
-        assert self.settings.subscription_ttl is not None
-        interval = self.settings.subscription_ttl / 3
+        Each worker process does it for its own queue; a per-queue advisory lock
+        makes concurrent runs skip, so many workers cost nothing extra.
+        """
+        from nmbus.retention import RetentionPolicy, clean_queue
+
+        pool = getattr(self.store, "pool", None)
+        if pool is None:
+            log.warning("retention_unsupported", queue=self.endpoint, store=type(self.store))
+            return
+        policy = RetentionPolicy.from_settings(self.settings)
         while True:
-            await asyncio.sleep(interval)
+            # Spread the runs of many workers started together.
+            await asyncio.sleep(interval * random.uniform(0.5, 1.0))
             try:
-                await self._renew_subscriptions()
-            except StoreError as exc:
-                log.warning("subscription_renewal_failed", queue=self.endpoint, error=str(exc))
+                async with pool.acquire() as conn:
+                    await clean_queue(conn, self.settings.schema_name, self.endpoint, policy)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("retention_failed", queue=self.endpoint, error=str(exc))
 
     # -- sending ---------------------------------------------------------------------
 
@@ -272,49 +289,77 @@ class Bus:
         *,
         headers: Mapping[str, str] | None = None,
         correlation_id: str | None = None,
+        unique_id: str | None = None,
+        deliver_at: datetime | None = None,
+        delay: float | None = None,
         connection: Any = None,
     ) -> list[str]:
-        """Send a copy of ``message`` to every live subscriber's queue, all or none.
+        """Store a copy of ``message`` in the queue of every live subscriber, all or none.
 
-        Returns the subscriber endpoints. With ``connection`` the copies are
-        written in the caller's transaction.
+        One round trip whatever the number of subscribers. Every copy carries
+        the same correlation id (``correlation_id``, else the publish id) and
+        its own unique_id, ``<publish id>/<subscriber>``; the publish id is
+        ``unique_id`` when given, so publishing the same id again stores nothing
+        new. With ``connection`` (asyncpg, in a transaction) the copies exist
+        exactly when that transaction commits. Returns the subscriber endpoints.
         """
-        types = type_chain(type(message))
-        correlation = correlation_id or uuid.uuid4().hex
-        if connection is not None:
-            return await self._publish_on(connection, message, types, headers, correlation)
-        pool = getattr(self.store, "pool", None)
-        if pool is None:
-            subscribers = await self.store.subscribers(self.endpoint, types)
-            for queue in subscribers:
-                envelope = self._envelope(message, correlation, headers, None)
-                await self.store.insert(queue, self.endpoint, [envelope])
-            self._log_published(message, subscribers)
-            return subscribers
-        async with pool.acquire() as conn, conn.transaction():
-            return await self._publish_on(conn, message, types, headers, correlation)
+        envelope, chain = self._publish_envelope(
+            message, correlation_id, headers, unique_id, self._deliver_time(deliver_at, delay)
+        )
+        copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
+        self._log_published(1, copies)
+        return sorted(copies)
 
-    async def _publish_on(
+    async def publish_many(
         self,
-        connection: Any,
+        messages: Sequence[Message],
+        *,
+        headers: Mapping[str, str] | None = None,
+        correlation_id: str | None = None,
+        connection: Any = None,
+    ) -> dict[str, int]:
+        """Publish many messages in one round trip and one transaction.
+
+        Each message gets its own publish id and (unless ``correlation_id`` is
+        given) its own correlation id. Returns copies stored per subscriber.
+        """
+        if not messages:
+            return {}
+        pairs = [self._publish_envelope(m, correlation_id, headers, None, None) for m in messages]
+        envelopes = [envelope for envelope, _ in pairs]
+        copies = await self.store.publish(
+            self.endpoint, envelopes, [chain for _, chain in pairs], connection
+        )
+        self._log_published(len(envelopes), copies)
+        return copies
+
+    def _publish_envelope(
+        self,
         message: Message,
-        types: tuple[str, ...],
+        correlation_id: str | None,
         headers: Mapping[str, str] | None,
-        correlation: str,
-    ) -> list[str]:
-        subscribers = await self.store.subscribers(self.endpoint, types, connection)
-        for queue in subscribers:
-            envelope = self._envelope(message, correlation, headers, None)
-            await self.store.insert(queue, self.endpoint, [envelope], connection)
-        self._log_published(message, subscribers)
-        return subscribers
+        unique_id: str | None,
+        deliver_at: datetime | None,
+    ) -> tuple[Envelope, str]:
+        """The envelope of a published message and its type chain (comma-separated)."""
+        if not isinstance(message, Message):
+            raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
+        chain = chain_header(type(message))
+        if chain is not None:
+            headers = {**(headers or {}), TYPE_CHAIN_HEADER: chain}
+        envelope = self._envelope(message, correlation_id, headers, unique_id, deliver_at)
+        return envelope, chain or envelope.label
 
-    def _log_published(self, message: Message, subscribers: list[str]) -> None:
-        if not subscribers:
-            log.info("published_without_subscribers", message_type=type_name(type(message)))
+    async def _publish_outbox(self, batch: Batch, envelopes: Sequence[Envelope]) -> None:
+        """Store what handlers of one batch published, in the batch's transaction."""
+        copies = await batch.publish(self.endpoint, envelopes, [chain_of(e) for e in envelopes])
+        self._log_published(len(envelopes), copies)
 
-    async def _subscribers_for(self, message: Message, batch: Batch) -> list[str]:
-        return await batch.subscribers(self.endpoint, type_chain(type(message)))
+    def _log_published(self, count: int, copies: Mapping[str, int]) -> None:
+        if not copies:
+            log.info("published_without_subscribers", queue=self.endpoint, messages=count)
+        else:
+            log.debug("published", queue=self.endpoint, messages=count, copies=dict(copies))
 
     # -- envelopes -------------------------------------------------------------------
 
@@ -354,6 +399,9 @@ class Bus:
             for key, value in headers.items():
                 if not isinstance(key, str) or not isinstance(value, str):
                     raise TypeError("headers must map str to str")
+                if "\x00" in key or "\x00" in value:
+                    # PostgreSQL's jsonb cannot hold U+0000; refuse it here, clearly.
+                    raise ValueError(f"header {key!r} contains a NUL character (U+0000)")
             header_text = json.dumps(dict(headers), ensure_ascii=False)
         if unique_id is not None and (not isinstance(unique_id, str) or not unique_id):
             raise ValueError("unique_id must be a non-empty string")

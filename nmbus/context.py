@@ -99,7 +99,8 @@ class Context:
         self._savepoint = False
         # A statement failed on the connection, or raw() handed it out.
         self._tainted = False
-        self._outbox: list[tuple[str, Envelope]] = []
+        # (queue, envelope) to send, or (None, envelope) to publish, at commit.
+        self._outbox: list[tuple[str | None, Envelope]] = []
         self._connection: HandlerConnection | None = None
         self._headers: dict[str, str] | None = None
 
@@ -170,17 +171,30 @@ class Context:
         return envelope.unique_id
 
     async def publish(
-        self, message: Message, *, headers: Mapping[str, str] | None = None
-    ) -> list[str]:
-        """Publish ``message`` to every subscriber, in this handler's transaction."""
-        subscribers = await self._bus._subscribers_for(message, self._batch)
-        correlation = self.correlation_id or self.unique_id
-        for queue in subscribers:
-            envelope = self._bus._envelope(
-                message, correlation_id=correlation, headers=headers, unique_id=None
-            )
-            self._outbox.append((queue, envelope))
-        return subscribers
+        self,
+        message: Message,
+        *,
+        headers: Mapping[str, str] | None = None,
+        unique_id: str | None = None,
+        deliver_at: datetime | None = None,
+        delay: float | None = None,
+    ) -> str:
+        """Publish ``message`` to every subscriber, in this handler's transaction.
+
+        The copies are stored when the handler succeeds, with the batch's
+        commit (one server call for everything the batch published), and carry
+        this message's correlation id. Returns the publish id: each copy's
+        unique_id is ``<publish id>/<subscriber>``.
+        """
+        envelope, _ = self._bus._publish_envelope(
+            message,
+            self.correlation_id or self.unique_id,
+            headers,
+            unique_id,
+            self._bus._deliver_time(deliver_at, delay),
+        )
+        self._outbox.append((None, envelope))
+        return envelope.unique_id
 
     async def reply(self, message: Message, *, headers: Mapping[str, str] | None = None) -> str:
         """Send ``message`` back to the endpoint that sent the message being handled."""

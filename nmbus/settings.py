@@ -6,6 +6,7 @@ pass them down; library code never reads the environment itself.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Literal
 
 from pydantic import Field
@@ -40,3 +41,18 @@ class Settings(BaseSettings):
     )
     send_pool_size: int = Field(default=4, ge=1, description="connections for send/publish")
     reconnect_max_delay: float = Field(default=10.0, gt=0, description="longest backoff")
+    retention_max_age: timedelta = Field(
+        default=timedelta(days=7), description="processed (X) rows older than this are removed"
+    )
+    retention_failed_max_age: timedelta | None = Field(
+        default=None, description="failed (F) rows older than this are removed; None keeps them"
+    )
+    retention_interval: float | None = Field(
+        default=None, gt=0, description="seconds between retention runs inside a worker; None: off"
+    )
+    retention_batch_size: int = Field(
+        default=5000, ge=1, le=100_000, description="rows deleted per short transaction"
+    )
+    retention_archive_dir: str | None = Field(
+        default=None, description="write removed rows to Parquet here first (needs pyarrow)"
+    )

@@ -105,6 +105,17 @@ class Batch(Protocol):
 
     async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]: ...
 
+    async def publish(
+        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
+    ) -> dict[str, int]:
+        """Copy each envelope into the queue of every live subscriber of its type chain.
+
+        ``chains[i]`` is envelope i's type chain, comma-separated, most specific
+        first; each copy's unique_id is ``<envelope unique_id>/<subscriber>``.
+        Returns copies inserted per subscriber (0 where all were already there).
+        """
+        ...
+
     async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int: ...
 
 
@@ -154,6 +165,20 @@ class Store(Protocol):
     async def subscribers(
         self, publisher: str, types: Sequence[str], connection: Any = None
     ) -> list[str]: ...
+
+    async def publish(
+        self,
+        publisher: str,
+        envelopes: Sequence[Envelope],
+        chains: Sequence[str],
+        connection: Any = None,
+    ) -> dict[str, int]:
+        """As :meth:`Batch.publish`, in one transaction (the caller's, with ``connection``)."""
+        ...
+
+    async def purge_expired_subscriptions(self, grace: float) -> int:
+        """Delete subscriptions expired more than ``grace`` seconds ago; returns how many."""
+        ...
 
     async def counts(self, queue: str) -> dict[str, int]: ...
 

@@ -56,6 +56,7 @@ class MemoryBatch:
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
         self._inserts: list[tuple[str, str, list[Envelope]]] = []
+        self.tables_to_create: set[str] = set()
         self._finishes: list[tuple[str, Outcomes, str]] = []
 
     @property
@@ -82,6 +83,15 @@ class MemoryBatch:
     async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]:
         return await self._store.subscribers(publisher, types)
 
+    async def publish(
+        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
+    ) -> dict[str, int]:
+        copies = self._store._fan_out(publisher, envelopes, chains)
+        for queue, batch in copies.items():
+            self.tables_to_create.add(queue)
+            self._inserts.append((queue, publisher, batch))
+        return {queue: len(batch) for queue, batch in copies.items()}
+
     async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
         table = self._store._require(queue)
         held = sum(1 for i in outcomes.ids if table[i].handling_client_id == client_id)
@@ -89,6 +99,8 @@ class MemoryBatch:
         return held
 
     def _commit(self) -> None:
+        for queue in self.tables_to_create:
+            self._store.tables.setdefault(queue, {})
         for queue, from_endpoint, envelopes in self._inserts:
             self._store._insert_now(queue, from_endpoint, envelopes)
         for queue, outcomes, client_id in self._finishes:
@@ -200,7 +212,11 @@ class MemoryStore:
         await self.ensure_queue(queue)
         return self._insert_now(queue, from_endpoint, envelopes)
 
-    def _insert_now(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
+    def _insert_now(
+        self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope], create: bool = False
+    ) -> int:
+        if create:
+            self.tables.setdefault(queue, {})
         table = self._require(queue)
         seen = {r.unique_id for r in table.values()}
         now = _now()
@@ -273,6 +289,46 @@ class MemoryStore:
                 if pub == publisher and name in types and (expires is None or expires > now)
             }
         )
+
+    def _fan_out(
+        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
+    ) -> dict[str, list[Envelope]]:
+        now = _now()
+        wanted: dict[str, set[str]] = {}
+        for (pub, name, sub), expires in self.subscriptions.items():
+            if pub == publisher and (expires is None or expires > now):
+                wanted.setdefault(sub, set()).add(name)
+        copies: dict[str, list[Envelope]] = {}
+        for sub in sorted(wanted):
+            copies[sub] = [
+                replace(e, unique_id=f"{e.unique_id}/{sub}")
+                for e, chain in zip(envelopes, chains, strict=True)
+                if wanted[sub].intersection(chain.split(","))
+            ]
+            if not copies[sub]:
+                del copies[sub]
+        return copies
+
+    async def publish(
+        self,
+        publisher: str,
+        envelopes: Sequence[Envelope],
+        chains: Sequence[str],
+        connection: Any = None,
+    ) -> dict[str, int]:
+        if connection is not None:
+            raise ConfigurationError("the in-memory store cannot publish inside a connection")
+        return {
+            queue: self._insert_now(queue, publisher, batch, create=True)
+            for queue, batch in self._fan_out(publisher, envelopes, chains).items()
+        }
+
+    async def purge_expired_subscriptions(self, grace: float) -> int:
+        cutoff = _now() - timedelta(seconds=grace)
+        expired = [k for k, v in self.subscriptions.items() if v is not None and v < cutoff]
+        for key in expired:
+            del self.subscriptions[key]
+        return len(expired)
 
     async def counts(self, queue: str) -> dict[str, int]:
         counts = dict.fromkeys("IRXF", 0)

@@ -33,9 +33,10 @@ from pydantic import ValidationError
 from nmbus.context import Context
 from nmbus.errors import DatabaseUnavailable, PermanentError, RetryLater, StoreError
 from nmbus.handlers import HandlerFunc
-from nmbus.messages import Envelope, Message, StoredMessage, lookup_type
+from nmbus.messages import Envelope, Message, StoredMessage
 from nmbus.retry import RetryPolicy
 from nmbus.store import Batch, Outcomes, WorkerSession
+from nmbus.subscriptions import decode_type
 
 if TYPE_CHECKING:
     from nmbus.bus import Bus
@@ -151,6 +152,14 @@ class _SerialBatch:
             return await self._batch.subscribers(publisher, types)
         async with self._lock:
             return await self._batch.subscribers(publisher, types)
+
+    async def publish(
+        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
+    ) -> dict[str, int]:
+        if self._held:
+            return await self._batch.publish(publisher, envelopes, chains)
+        async with self._lock:
+            return await self._batch.publish(publisher, envelopes, chains)
 
     async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
         return await self._batch.finish(queue, outcomes, client_id)
@@ -327,7 +336,7 @@ class Worker:
         self, session: WorkerSession, batch: list[StoredMessage], claim_ahead: bool
     ) -> list[StoredMessage]:
         outcomes = Outcomes()
-        outbox: list[tuple[str, Envelope]] = []
+        outbox: list[tuple[str | None, Envelope]] = []
         debug = _debug_enabled()
         async with session.batch() as tx:
             if self.settings.handler_concurrency > 1 and len(batch) > 1:
@@ -379,7 +388,7 @@ class Worker:
         tx: Batch,
         batch: list[StoredMessage],
         outcomes: Outcomes,
-        outbox: list[tuple[str, Envelope]],
+        outbox: list[tuple[str | None, Envelope]],
         debug: bool,
     ) -> None:
         """Up to ``handler_concurrency`` handlers of the batch at once, for I/O-bound work.
@@ -406,25 +415,31 @@ class Worker:
             for message in batch:
                 group.create_task(one(message))
 
-    async def _flush(self, tx: Batch, outbox: list[tuple[str, Envelope]]) -> None:
+    async def _flush(self, tx: Batch, outbox: list[tuple[str | None, Envelope]]) -> None:
         by_queue: dict[str, list[Envelope]] = defaultdict(list)
+        published: list[Envelope] = []
         for queue, envelope in outbox:
-            by_queue[queue].append(envelope)
+            if queue is None:
+                published.append(envelope)
+            else:
+                by_queue[queue].append(envelope)
         for queue, envelopes in by_queue.items():
             await self.bus.store.ensure_queue(queue)
             await tx.insert(queue, self.queue, envelopes)
+        if published:
+            await self.bus._publish_outbox(tx, published)
 
     async def _handle(
         self,
         tx: Batch,
         row: StoredMessage,
         outcomes: Outcomes,
-        outbox: list[tuple[str, Envelope]],
+        outbox: list[tuple[str | None, Envelope]],
         debug: bool,
         lock: asyncio.Lock | None = None,
     ) -> None:
         bus = self.bus
-        cls = lookup_type(row.label) if row.label else None
+        cls = decode_type(row.label, row.msg_headers)
         handlers = bus.registry.handlers_for(cls) if cls is not None else ()
         if not handlers:
             reason = (

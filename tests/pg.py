@@ -7,10 +7,13 @@ is reachable; otherwise a clear error that says how to provide one.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import uuid
-from collections.abc import Iterator
+import warnings
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -36,16 +39,25 @@ def server_dsn() -> Iterator[str]:
         yield dsn
         return
     try:
-        from testcontainers.postgres import PostgresContainer
+        # testcontainers' own deprecation warnings are not ours to fail on.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from testcontainers.postgres import PostgresContainer
 
-        container = PostgresContainer("postgres:16-alpine", driver=None)
-        container.start()
+            container = PostgresContainer("postgres:16-alpine", driver=None)
+            container.start()
     except Exception as exc:
         raise RuntimeError(f"{HOW_TO}\n(testcontainers could not start one: {exc})") from exc
     try:
         yield container.get_connection_url()
     finally:
         container.stop()
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` to completion on a loop of its own, even inside a running loop."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, coro).result()
 
 
 async def _admin(dsn: str, *statements: str) -> None:
@@ -73,17 +85,17 @@ class Databases:
         self.template = f"nmbus_tpl_{uuid.uuid4().hex[:10]}"
 
     def setup(self) -> None:
-        asyncio.run(_admin(self.server, f'CREATE DATABASE "{self.template}"'))
-        asyncio.run(_install(with_database(self.server, self.template)))
+        _run(_admin(self.server, f'CREATE DATABASE "{self.template}"'))
+        _run(_install(with_database(self.server, self.template)))
 
     def teardown(self) -> None:
-        asyncio.run(_admin(self.server, f'DROP DATABASE IF EXISTS "{self.template}" WITH (FORCE)'))
+        _run(_admin(self.server, f'DROP DATABASE IF EXISTS "{self.template}" WITH (FORCE)'))
 
     @contextmanager
     def fresh(self) -> Iterator[str]:
         name = f"nmbus_t_{uuid.uuid4().hex[:12]}"
-        asyncio.run(_admin(self.server, f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"'))
+        _run(_admin(self.server, f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"'))
         try:
             yield with_database(self.server, name)
         finally:
-            asyncio.run(_admin(self.server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            _run(_admin(self.server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -17,42 +15,15 @@ import asyncpg
 
 from nmbus import Bus, Context, PermanentError, RetryLater, RetryPolicy
 from nmbus.testing import drain
+from tests import procs
 from tests.messages import Crash, Event, OrderPlaced, Ping, Pong, Slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class Proc:
-    """A worker or sender process whose stdout lines we can wait for."""
-
+class Proc(procs.Proc):
     def __init__(self, *args: str) -> None:
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "tests.workers", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-
-    async def wait_for(self, prefix: str, timeout: float = 30.0) -> str:
-        assert self.popen.stdout is not None
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(timeout):
-            while True:
-                line = await loop.run_in_executor(None, self.popen.stdout.readline)
-                if not line:
-                    raise AssertionError(f"process exited before printing {prefix!r}")
-                self.lines.append(line.strip())
-                if line.startswith(prefix):
-                    return line.strip()
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait(10)
-        if self.popen.stdout is not None and not self.popen.stdout.closed:
-            self.lines.extend(x.strip() for x in self.popen.stdout.read().splitlines())
-            self.popen.stdout.close()
+        super().__init__("tests.workers", *args)
 
 
 async def rows(db: asyncpg.Connection, queue: str = "billing") -> list[asyncpg.Record]:

@@ -24,7 +24,14 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 def is_connection_error(exc: BaseException) -> bool:
     if isinstance(exc, _CONNECTION_ERRORS):
         return True
-    return isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc)
+    if isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc):
+        return True
+    # When the server goes away mid-query, asyncpg can leave a pooled connection's
+    # protocol half-way through an operation: the next use (or the reset on
+    # release) raises InternalClientError ("cannot switch to state ...; another
+    # operation is in progress"). Seen only on such broken connections; the
+    # statement was not run, and the pool terminates that connection.
+    return isinstance(exc, asyncpg.InternalClientError)
 
 
 @contextmanager
@@ -36,7 +43,12 @@ def wrap_errors(what: str) -> Iterator[None]:
         raise
     except asyncpg.exceptions.UndefinedTableError as exc:
         raise QueueNotFound(f"{what}: {exc}") from exc
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, *_CONNECTION_ERRORS) as exc:  # type: ignore[misc]
+    except (
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        asyncpg.InternalClientError,
+        *_CONNECTION_ERRORS,
+    ) as exc:  # type: ignore[misc]
         if is_connection_error(exc):
             raise DatabaseUnavailable(f"{what}: database unavailable ({exc})") from exc
         raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc

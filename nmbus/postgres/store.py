@@ -1,7 +1,7 @@
 """The PostgreSQL adapter of the storage port, on asyncpg.
 
 Connections a process uses: ``send_pool_size`` pooled ones for send/publish
-and schema work, one per worker loop, and one for LISTEN and lease renewal.
+and schema work, one per worker loop, one for LISTEN and one for lease renewal.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from asyncpg.transaction import Transaction
 from nmbus.errors import SchemaVersionError
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.postgres.errors import is_connection_error, wrap_errors
+from nmbus.postgres.pubsub import install_publish_function, publish_args, publish_on
 from nmbus.sql import render
 from nmbus.store import SCHEMA_VERSION, Outcomes, validate_queue_name, validate_schema_name
 
@@ -162,6 +163,13 @@ class PostgresBatch:
         rows = await self._conn.fetch(render("subscribers", self._schema), publisher, list(types))
         return [r[0] for r in rows]
 
+    async def publish(
+        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
+    ) -> dict[str, int]:
+        await self._begin()  # the copies commit with the batch, never before it
+        args = publish_args(self._schema, publisher, envelopes, chains, self._channel)
+        return await publish_on(self._conn, self._schema, args)
+
     async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
         return int(
             await self._conn.fetchval(
@@ -243,6 +251,8 @@ class PostgresStore:
         self._pool: asyncpg.Pool | None = None
         self._known_queues: set[str] = set()
         self._queue_lock = asyncio.Lock()
+        self._lease_lock = asyncio.Lock()
+        self._lease_conn: asyncpg.Connection | None = None
 
     async def connect(self) -> asyncpg.Connection:
         with wrap_errors("connect"):
@@ -262,8 +272,12 @@ class PostgresStore:
             )
             async with self._pool.acquire() as conn:
                 await install_schema(conn, self.schema)
+                await install_publish_function(conn, self.schema)
 
     async def close(self) -> None:
+        if self._lease_conn is not None:
+            conn, self._lease_conn = self._lease_conn, None
+            await _close_quietly(conn)
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await asyncio.shield(pool.close())
@@ -341,6 +355,36 @@ class PostgresStore:
             rows = await target.fetch(render("subscribers", self.schema), publisher, list(types))
         return [r[0] for r in rows]
 
+    async def publish(
+        self,
+        publisher: str,
+        envelopes: Sequence[Envelope],
+        chains: Sequence[str],
+        connection: Any = None,
+    ) -> dict[str, int]:
+        args = publish_args(self.schema, publisher, envelopes, chains, notify_channel(self.schema))
+        if connection is not None:
+            if connection.is_in_transaction():
+                return await publish_on(connection, self.schema, args)
+            async with connection.transaction():
+                return await publish_on(connection, self.schema, args)
+        # One statement is atomic on its own: no BEGIN/COMMIT round trips, unless
+        # a subscriber's table has to be created first.
+        with wrap_errors("publish"):
+            rows = await self.pool.fetch(render("publish", self.schema), *args)
+        if not any(r[2] for r in rows):
+            return {r[0]: int(r[1]) for r in rows}
+        with wrap_errors("publish"):
+            async with self.pool.acquire() as conn, conn.transaction():
+                return await publish_on(conn, self.schema, args)
+
+    async def purge_expired_subscriptions(self, grace: float) -> int:
+        with wrap_errors("purge expired subscriptions"):
+            status = await self.pool.execute(
+                render("purge_expired_subscriptions", self.schema), grace
+            )
+        return int(status.split()[-1])
+
     async def counts(self, queue: str) -> dict[str, int]:
         with wrap_errors(f"count {queue}"):
             rows = await self.pool.fetch(render("subqueue_counts", self.schema, queue))
@@ -350,10 +394,25 @@ class PostgresStore:
     async def renew_leases(
         self, queue: str, ids: Sequence[int], client_id: str, lease: float
     ) -> None:
-        with wrap_errors(f"renew leases in {queue}"):
-            await self.pool.execute(
-                render("renew_leases", self.schema, queue), list(ids), client_id, lease
-            )
+        # On a connection of its own, never the send pool: an application that
+        # holds every pooled connection (long outbox transactions, a burst of
+        # sends) must not make the leases of running handlers expire.
+        async with self._lease_lock:
+            with wrap_errors(f"renew leases in {queue}"):
+                if self._lease_conn is None or self._lease_conn.is_closed():
+                    self._lease_conn = await asyncpg.connect(self.dsn, timeout=10)
+                try:
+                    await self._lease_conn.execute(
+                        render("renew_leases", self.schema, queue),
+                        list(ids),
+                        client_id,
+                        lease,
+                        timeout=max(1.0, lease / 3),
+                    )
+                except BaseException:
+                    conn, self._lease_conn = self._lease_conn, None
+                    conn.terminate()
+                    raise
 
     async def abandon_leases(self, queue: str, ids: Sequence[int], client_id: str) -> None:
         with wrap_errors(f"abandon leases in {queue}"):

@@ -341,3 +341,341 @@ SELECT count(*) FROM {queue} WHERE subqueue = $1;
 -- The server's version and the settings that bound the figures.
 SELECT version(), current_setting('synchronous_commit'), current_setting('shared_buffers'),
        current_setting('fsync');
+
+-- ===========================================================================
+-- Publish/subscribe (docs/pubsub.md). The fan-out runs on the server: one
+-- call finds the live subscribers and stores a copy in each one's queue table.
+-- ===========================================================================
+
+-- publish_function_exists --
+-- Whether the fan-out function of this version is installed. $1: schema name (unquoted).
+SELECT to_regprocedure(format(
+    '%I.nmbus_publish_v1(text,text,text[],text[],text[],text[],text[],text[],timestamptz[],text)',
+    $1::text)) IS NOT NULL;
+
+-- create_publish_function --
+-- Install nmbus_publish_v1 (the version is in its name, so processes of an older
+-- nmbus keep calling the function they know). Per message it takes its type
+-- chain ("a.Sub,a.Base", most specific first), label, body, headers (JSON text),
+-- correlation id, publish id and delivery time; each copy's unique_id is
+-- "<publish id>/<subscriber>", so a re-published id is stored once per queue.
+-- Returns one row per live subscriber: (subscriber, copies inserted, missing).
+-- If any subscriber's queue table is missing it inserts nothing and returns only
+-- the missing ones (missing = true), so the caller can create them in its own
+-- transaction and call again. Wakes each subscriber with one NOTIFY.
+CREATE OR REPLACE FUNCTION {schema}.nmbus_publish_v1(
+    p_schema text, p_publisher text, p_chains text[], p_labels text[], p_texts text[],
+    p_headers text[], p_correlations text[], p_publish_ids text[],
+    p_deliver_at timestamptz[], p_channel text
+) RETURNS TABLE (subscriber text, inserted bigint, missing boolean)
+LANGUAGE plpgsql AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_types text[];
+    v_subs text[];
+    v_sub_types text[];
+    v_absent text[];
+    i integer;
+BEGIN
+    SELECT array_agg(DISTINCT t) INTO v_types
+    FROM unnest(p_chains) AS c(chain), unnest(string_to_array(c.chain, ',')) AS t;
+    SELECT array_agg(s.sub ORDER BY s.sub), array_agg(s.types ORDER BY s.sub)
+    INTO v_subs, v_sub_types
+    FROM (
+        SELECT subscriber_endpoint AS sub, string_agg(message_type, ',') AS types
+        FROM {schema}.subscriptions
+        WHERE publisher_endpoint = p_publisher AND message_type = ANY (v_types)
+          AND (expiration_date IS NULL OR expiration_date > now())
+        GROUP BY subscriber_endpoint
+    ) AS s;
+    IF v_subs IS NULL THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(x) INTO v_absent FROM unnest(v_subs) AS x
+    WHERE to_regclass(format('%I.%I', p_schema, x)) IS NULL;
+    IF v_absent IS NOT NULL THEN
+        RETURN QUERY SELECT x, 0::bigint, true FROM unnest(v_absent) AS x;
+        RETURN;
+    END IF;
+    FOR i IN 1 .. array_length(v_subs, 1) LOOP
+        subscriber := v_subs[i];
+        EXECUTE format($q$
+            WITH ins AS (
+                INSERT INTO %I.%I (from_endpoint, to_endpoint, subqueue, retry_time,
+                                   correlation_id, label, msg_text, msg_headers, unique_id)
+                SELECT $1, $2,
+                       CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
+                       greatest(coalesce(v.deliver_at, now()), now()),
+                       v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb,
+                       v.publish_id || '/' || $2
+                FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+                            $8::text[], $9::timestamptz[]) WITH ORDINALITY
+                     AS v(chain, label, msg_text, msg_headers, correlation_id, publish_id,
+                          deliver_at, ord)
+                WHERE string_to_array(v.chain, ',') && $10::text[]
+                ORDER BY v.ord
+                ON CONFLICT (unique_id) DO NOTHING
+                RETURNING 1
+            )
+            SELECT count(*) FROM ins
+        $q$, p_schema, subscriber)
+        INTO inserted
+        USING p_publisher, subscriber, p_chains, p_labels, p_texts, p_headers,
+              p_correlations, p_publish_ids, p_deliver_at,
+              string_to_array(v_sub_types[i], ',');
+        IF inserted > 0 THEN
+            PERFORM pg_notify(p_channel, subscriber);
+        END IF;
+        missing := false;
+        RETURN NEXT;
+    END LOOP;
+END
+$fn$;
+
+-- publish --
+-- Fan messages out to every live subscriber of publisher $2 (see
+-- create_publish_function for $1..$10). One row per subscriber.
+SELECT subscriber, inserted, missing
+FROM {schema}.nmbus_publish_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
+
+-- purge_expired_subscriptions --
+-- Delete subscriptions that expired more than $1 seconds ago (their subscriber is gone).
+DELETE FROM {schema}.subscriptions
+WHERE expiration_date < now() - make_interval(secs => $1::float8);
+
+-- subscriptions_of --
+-- Every subscription row, live or expired, optionally of one subscriber $1 (NULL: all).
+SELECT publisher_endpoint, subscriber_endpoint, message_type, created_date, expiration_date,
+       expiration_date IS NULL OR expiration_date > now() AS live
+FROM {schema}.subscriptions
+WHERE $1::text IS NULL OR subscriber_endpoint = $1
+ORDER BY publisher_endpoint, message_type, subscriber_endpoint;
+
+-- ---------------------------------------------------------------------------
+-- Operations: status, failed messages, subscriptions, retention (nmbus/cli,
+-- nmbus/retention.py). Readers never take more than ROW EXCLUSIVE on a queue;
+-- writers touch only F or X rows, which no worker claims.
+-- ---------------------------------------------------------------------------
+
+-- ops_queue_status --
+-- One pass over a queue: rows per subqueue, rows held by a worker, age in seconds of the oldest row waiting to be claimed, average/p99 latency (ms) and count of rows processed in the last $1 seconds.
+SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
+       count(*) FILTER (WHERE subqueue = 'R') AS scheduled,
+       count(*) FILTER (WHERE subqueue = 'X') AS processed,
+       count(*) FILTER (WHERE subqueue = 'F') AS failed,
+       count(*) FILTER (WHERE subqueue IN ('I', 'R') AND handling_client_id IS NOT NULL)
+           AS in_flight,
+       extract(epoch FROM now() - min(retry_time)
+           FILTER (WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+                   AND (lease_expires IS NULL OR lease_expires < now())))::float8
+           AS oldest_ready_seconds,
+       count(*) FILTER (WHERE subqueue = 'X'
+           AND last_processed > now() - make_interval(secs => $1)) AS recent_processed,
+       (avg(extract(epoch FROM last_processed - retry_time) * 1000)
+           FILTER (WHERE subqueue = 'X' AND last_processed > now() - make_interval(secs => $1))
+       )::float8 AS recent_avg_ms,
+       (percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM last_processed - retry_time) * 1000)
+           FILTER (WHERE subqueue = 'X' AND last_processed > now() - make_interval(secs => $1))
+       )::float8 AS recent_p99_ms,
+       count(*) FILTER (WHERE subqueue = 'F' AND last_processed > now() - make_interval(secs => $1))
+           AS recent_failed
+FROM {queue};
+
+-- ops_failed_list --
+-- Failed rows of a queue, oldest first, optionally only type $1 (NULL: all), at most $2 rows; error is the first line of error_info.
+SELECT id, label, retry_count, insert_time, last_processed,
+       split_part(coalesce(error_info, ''), E'\n', 1) AS error
+FROM {queue}
+WHERE subqueue = 'F' AND ($1::text IS NULL OR label = $1)
+ORDER BY id
+LIMIT $2;
+
+-- ops_failed_count --
+-- How many failed rows match: $1 ids[] (NULL: any), $2 type (NULL: any).
+SELECT count(*) FROM {queue}
+WHERE subqueue = 'F' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+  AND ($2::text IS NULL OR label = $2);
+
+-- ops_message --
+-- Every column of row $1 of a queue (headers as JSON text).
+SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count,
+       retry_time, error_info, correlation_id, label, msg_text, msg_headers::text AS msg_headers,
+       unique_id, handling_client_id, lease_expires
+FROM {queue} WHERE id = $1;
+
+-- ops_requeue_failed --
+-- Move up to $4 failed rows back to I as fresh messages (attempts reset, ready now, no lease; error_info kept as history) and wake the queue's workers.
+-- $1 ids[] (NULL: any), $2 type (NULL: any), $3 notify channel, $4 batch size, $5 queue name (the NOTIFY payload).
+WITH picked AS (
+    SELECT id FROM {queue}
+    WHERE subqueue = 'F' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+      AND ($2::text IS NULL OR label = $2)
+    ORDER BY id
+    LIMIT $4
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE {queue} AS q
+    SET subqueue = 'I', retry_count = 0, retry_time = now(),
+        handling_client_id = NULL, lease_expires = NULL
+    FROM picked WHERE q.id = picked.id
+    RETURNING q.id
+)
+SELECT count(*) AS moved,
+       CASE WHEN count(*) > 0 THEN pg_notify($3, $5) END AS notified
+FROM moved;
+
+-- ops_purge_failed --
+-- Delete up to $3 failed rows. $1 ids[] (NULL: any), $2 type (NULL: any). Returns how many.
+WITH picked AS (
+    SELECT id FROM {queue}
+    WHERE subqueue = 'F' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+      AND ($2::text IS NULL OR label = $2)
+    ORDER BY id
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM {queue} AS q USING picked WHERE q.id = picked.id RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- ops_subscriptions --
+-- Every subscription, live or expired, optionally of publisher $1 only (NULL: all).
+SELECT publisher_endpoint, subscriber_endpoint, message_type, created_date, expiration_date,
+       (expiration_date IS NULL OR expiration_date > now()) AS live
+FROM {schema}.subscriptions
+WHERE $1::text IS NULL OR publisher_endpoint = $1
+ORDER BY publisher_endpoint, message_type, subscriber_endpoint;
+
+-- retention_lock --
+-- Try to become the one retention run of a queue (session advisory lock). $1: lock key text.
+SELECT pg_try_advisory_lock(hashtext($1));
+
+-- retention_unlock --
+-- Give up the retention lock taken by retention_lock. $1: lock key text.
+SELECT pg_advisory_unlock(hashtext($1));
+
+-- retention_count --
+-- How many rows retention would remove: X processed more than $1 ago, F more than $2 ago ($2 NULL: none).
+SELECT count(*) FILTER (WHERE subqueue = 'X' AND last_processed < now() - $1::interval),
+       count(*) FILTER (WHERE subqueue = 'F' AND $2::interval IS NOT NULL
+                        AND last_processed < now() - $2::interval)
+FROM {queue};
+
+-- retention_bounds --
+-- Lowest and highest id of a queue, so retention walks it in id windows.
+SELECT min(id), max(id) FROM {queue};
+
+-- retention_pick --
+-- Lock the next retention batch: rows of subqueue $1[] last processed more than $2 (interval) ago, ids in ($3, $4], lowest first, at most $5; every column, headers as JSON text.
+SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count,
+       retry_time, error_info, correlation_id, label, msg_text, msg_headers::text AS msg_headers,
+       unique_id, handling_client_id, lease_expires
+FROM {queue}
+WHERE id > $3 AND id <= $4 AND subqueue = ANY($1::text[])
+      AND last_processed < now() - $2::interval
+ORDER BY id
+LIMIT $5
+FOR UPDATE SKIP LOCKED;
+
+-- retention_delete --
+-- Delete exactly the rows $1 (already locked by retention_pick), only while still in subqueue $2[]; returns their ids.
+DELETE FROM {queue} WHERE id = ANY($1::bigint[]) AND subqueue = ANY($2::text[]) RETURNING id;
+
+-- retention_delete_window --
+-- Delete, without archiving, rows of subqueue $1[] last processed more than $2 (interval) ago, ids in ($3, $4], lowest first, at most $5; returns the highest id deleted and how many.
+WITH picked AS (
+    SELECT id FROM {queue}
+    WHERE id > $3 AND id <= $4 AND subqueue = ANY($1::text[])
+      AND last_processed < now() - $2::interval
+    ORDER BY id
+    LIMIT $5
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM {queue} AS q USING picked WHERE q.id = picked.id RETURNING q.id
+)
+SELECT max(id), count(*) FROM gone;
+
+-- retention_present --
+-- How many of the ids $1 are still in the queue (recovering an interrupted archive batch).
+SELECT count(*) FROM {queue} WHERE id = ANY($1::bigint[]);
+
+-- ---------------------------------------------------------------------------
+-- Soak (nmbus.soak): the kill soak's own bookkeeping, in its own schema.
+-- ---------------------------------------------------------------------------
+
+-- soak_reset --
+-- Drop the soak's schema with everything in it (the soak owns that schema).
+DROP SCHEMA IF EXISTS {schema} CASCADE;
+
+-- soak_create_effects --
+-- The table soak handlers write through ctx.connection: one row per committed handling.
+CREATE TABLE IF NOT EXISTS {schema}.soak_effects (
+    unique_id text NOT NULL,
+    attempt integer NOT NULL,
+    pid integer NOT NULL
+);
+
+-- soak_record_effect --
+-- A soak handler's transactional effect. $1 unique_id, $2 attempt, $3 worker pid.
+INSERT INTO {schema}.soak_effects (unique_id, attempt, pid) VALUES ($1, $2, $3);
+
+-- soak_open_rows --
+-- Rows of the soak queue not yet in X or F.
+SELECT count(*) FROM {queue} WHERE subqueue IN ('I', 'R');
+
+-- soak_rows --
+-- Every row of the soak queue with its committed effects (unique_id, subqueue,
+-- retry_count, error_info's first line, effects as (attempt, pid) pairs).
+SELECT q.unique_id, q.subqueue, q.retry_count, split_part(q.error_info, E'\n', 1),
+       coalesce(array_agg(e.attempt ORDER BY e.attempt) FILTER (WHERE e.attempt IS NOT NULL),
+                ARRAY[]::integer[]),
+       coalesce(array_agg(e.pid ORDER BY e.attempt) FILTER (WHERE e.pid IS NOT NULL),
+                ARRAY[]::integer[])
+FROM {queue} AS q
+LEFT JOIN {schema}.soak_effects AS e ON e.unique_id = q.unique_id
+GROUP BY q.unique_id, q.subqueue, q.retry_count, q.error_info;
+
+-- ---------------------------------------------------------------------------
+-- demo: `nmbus demo` (nmbus/demo.py) and its own schema
+-- ---------------------------------------------------------------------------
+
+-- demo_schema_exists --
+-- Whether schema $1 (unquoted) exists.
+SELECT to_regnamespace(quote_ident($1::text)) IS NOT NULL;
+
+-- demo_is_demo_schema --
+-- Whether schema $1 (unquoted) is absent or was made by the demo (has demo_payments).
+SELECT to_regnamespace(quote_ident($1::text)) IS NULL
+    OR to_regclass(format('%I.demo_payments', $1::text)) IS NOT NULL;
+
+-- demo_drop_schema --
+-- Drop the demo schema with every queue table in it.
+DROP SCHEMA IF EXISTS {schema} CASCADE;
+
+-- demo_create_tables --
+-- Create the demo schema and the table billing writes in its handler's transaction.
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {schema}.demo_payments (
+    order_id bigint PRIMARY KEY,
+    amount numeric(12, 2) NOT NULL,
+    paid_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- demo_insert_payment --
+-- Record the payment of order $1 for amount $2 (once, whatever the retries).
+INSERT INTO {schema}.demo_payments (order_id, amount) VALUES ($1, $2)
+ON CONFLICT (order_id) DO NOTHING;
+
+-- demo_count_payments --
+-- How many payments are recorded.
+SELECT count(*) FROM {schema}.demo_payments;
+
+-- demo_retried_count --
+-- Messages of a queue that needed more than one attempt.
+SELECT count(*) FROM {queue} WHERE retry_count > 1;
+
+-- demo_top_errors --
+-- The $1 most frequent first lines of error_info in a queue, with their counts.
+SELECT split_part(error_info, E'\n', 1) AS error, count(*) AS n
+FROM {queue} WHERE error_info IS NOT NULL
+GROUP BY 1 ORDER BY n DESC, error LIMIT $1;

@@ -1,0 +1,186 @@
+"""What every command shares: options, settings, a connection, tables and JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import sys
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from datetime import date, datetime, timedelta
+from decimal import Decimal
+from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
+
+import asyncpg
+import structlog
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from nmbus.errors import NmbusError
+from nmbus.settings import Settings
+from nmbus.store import validate_queue_name
+
+T = TypeVar("T")
+
+DsnOption = Annotated[
+    str | None,
+    typer.Option("--dsn", envvar="NMBUS_DSN", help="PostgreSQL DSN [env: NMBUS_DSN]"),
+]
+SchemaOption = Annotated[
+    str | None,
+    typer.Option("--schema", envvar="NMBUS_SCHEMA_NAME", help="schema of the queue tables"),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+YesOption = Annotated[bool, typer.Option("--yes", "-y", help="do not ask for confirmation")]
+
+console = Console()
+errors = Console(stderr=True)
+
+
+class _Stderr:
+    """Whatever sys.stderr is when a line is written (it may be replaced after configuring)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def configure_logging(level: str = "warning", fmt: str = "console") -> None:
+    """The CLI owns output: log lines go to stderr, so stdout stays clean for --json."""
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(cast(TextIO, _Stderr())),
+        cache_logger_on_first_use=False,
+    )
+
+
+def settings(dsn: str | None, schema: str | None, **extra: Any) -> Settings:
+    """Build the settings once, from options first and NMBUS_* variables second."""
+    configure_logging()
+    given = {"dsn": dsn, "schema_name": schema, **extra}
+    built = Settings(**{k: v for k, v in given.items() if v is not None})
+    if not built.dsn:
+        fail("no database: pass --dsn postgresql://... or set NMBUS_DSN")
+    return built
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``message`` on stderr and exit with ``code``."""
+    errors.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+    raise typer.Exit(code)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a command's coroutine, turning database and usage errors into exit code 1."""
+    try:
+        return asyncio.run(coro)
+    except (NmbusError, asyncpg.PostgresError, OSError) as exc:
+        fail(str(exc))
+
+
+@asynccontextmanager
+async def connect(cfg: Settings) -> AsyncIterator[asyncpg.Connection]:
+    conn: asyncpg.Connection = await asyncpg.connect(cfg.dsn, timeout=10)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+def queue_name(name: str) -> str:
+    try:
+        return validate_queue_name(name)
+    except NmbusError as exc:
+        fail(str(exc))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, Decimal):
+        return float(value)
+    return value
+
+
+def emit_json(data: Any) -> None:
+    """Print ``data`` as JSON on stdout (plain, no colours, one document)."""
+    sys.stdout.write(json.dumps(data, default=_plain, ensure_ascii=False, indent=2) + "\n")
+
+
+def rows_to_dicts(rows: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{k: _plain(v) for k, v in dict(r).items()} for r in rows]
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    grid = Table(title=title, title_justify="left")
+    for column in columns:
+        grid.add_column(column, overflow="fold")
+    for row in rows:
+        grid.add_row(*(cell(v) for v in row))
+    console.print(grid)
+
+
+def cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S%z")
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    return str(value)
+
+
+def seconds_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 120:
+        return f"{value:.1f}s"
+    if value < 7200:
+        return f"{value / 60:.1f}m"
+    if value < 172800:
+        return f"{value / 3600:.1f}h"
+    return f"{value / 86400:.1f}d"
+
+
+_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_age(text: str) -> timedelta:
+    """``90s``, ``30m``, ``12h``, ``7d``, ``2w`` or plain seconds."""
+    match = _AGE.match(text)
+    if not match:
+        raise typer.BadParameter(f"{text!r} is not an age like 90s, 30m, 12h, 7d or 2w")
+    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def confirm(question: str, yes: bool) -> None:
+    """Ask before a destructive action; without a terminal or a yes, refuse (exit 1)."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        fail(f"{question} Refusing without --yes (no terminal to ask).")
+    if not typer.confirm(question, default=False):
+        fail("aborted, nothing changed")

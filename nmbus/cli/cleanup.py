@@ -1,0 +1,160 @@
+"""``nmbus cleanup``: retention from the command line (see nmbus.retention)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from nmbus.cli import app
+from nmbus.cli._common import (
+    DsnOption,
+    JsonOption,
+    SchemaOption,
+    YesOption,
+    confirm,
+    connect,
+    emit_json,
+    errors,
+    fail,
+    parse_age,
+    queue_name,
+    run,
+    settings,
+    table,
+)
+from nmbus.retention import RetentionPolicy, clean_queue
+from nmbus.settings import Settings
+from nmbus.sql import render
+
+AgeOption = Annotated[str | None, typer.Option(metavar="AGE", help="e.g. 90s, 30m, 12h, 7d, 2w")]
+
+
+async def _counts(cfg: Settings, queues: list[str], policy: RetentionPolicy) -> dict[str, Any]:
+    schema = cfg.schema_name
+    async with connect(cfg) as conn:
+        known = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
+        missing = [q for q in queues if q not in known]
+        if missing:
+            fail(f"no such queue(s): {', '.join(missing)}")
+        out: dict[str, Any] = {}
+        for name in queues or known:
+            row = await conn.fetchrow(
+                render("retention_count", schema, name), policy.max_age, policy.failed_max_age
+            )
+            assert row is not None
+            out[name] = {"X": row[0], "F": row[1]}
+        return out
+
+
+async def _clean(
+    cfg: Settings, counts: dict[str, Any], policy: RetentionPolicy, quiet: bool
+) -> list[dict[str, Any]]:
+    total = sum(c["X"] + c["F"] for c in counts.values())
+    results = []
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=errors,
+        transient=True,
+        disable=quiet,
+    ) as progress:
+        task = progress.add_task("cleanup", total=total)
+
+        def advance(queue: str, rows: int) -> None:
+            progress.update(task, advance=rows, description=f"cleanup {queue}")
+
+        async with connect(cfg) as conn:
+            for name in counts:
+                result = await clean_queue(conn, cfg.schema_name, name, policy, advance)
+                results.append(
+                    {
+                        "queue": name,
+                        "deleted_processed": result.deleted["X"],
+                        "deleted_failed": result.deleted["F"],
+                        "batches": result.batches,
+                        "longest_batch_seconds": round(result.longest_batch_seconds, 4),
+                        "files": [str(p) for p in result.files],
+                        "recovered_files": result.recovered_files,
+                        "skipped": result.skipped,
+                    }
+                )
+    return results
+
+
+@app.command()
+def cleanup(
+    queues: Annotated[
+        list[str] | None, typer.Argument(help="queues to clean (default: every queue)")
+    ] = None,
+    older_than: AgeOption = None,
+    failed_older_than: AgeOption = None,
+    batch_size: Annotated[int | None, typer.Option(help="rows per short transaction")] = None,
+    archive_dir: Annotated[
+        Path | None, typer.Option(help="archive removed rows to Parquet here first")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="only count")] = False,
+    yes: YesOption = False,
+    dsn: DsnOption = None,
+    schema: SchemaOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Delete processed rows older than --older-than (NMBUS_RETENTION_MAX_AGE), in batches.
+
+    Failed rows stay unless --failed-older-than (NMBUS_RETENTION_FAILED_MAX_AGE)
+    is given. With --archive-dir (NMBUS_RETENTION_ARCHIVE_DIR) each batch is
+    written to Parquet, fsynced, and only then deleted. Asks first, unless --yes.
+    """
+    cfg = settings(dsn, schema)
+    base = RetentionPolicy.from_settings(cfg)
+    failed_age: timedelta | None = (
+        parse_age(failed_older_than) if failed_older_than else base.failed_max_age
+    )
+    policy = RetentionPolicy(
+        max_age=parse_age(older_than) if older_than else base.max_age,
+        failed_max_age=failed_age,
+        batch_size=batch_size or base.batch_size,
+        archive_dir=archive_dir or base.archive_dir,
+    )
+    names = [queue_name(q) for q in queues or []]
+    counts = run(_counts(cfg, names, policy))
+    due = sum(c["X"] + c["F"] for c in counts.values())
+    if dry_run:
+        if as_json:
+            emit_json({"dry_run": True, "queues": counts})
+        else:
+            table(
+                f"would remove (processed > {policy.max_age}, failed > "
+                f"{policy.failed_max_age or 'never'})",
+                ["queue", "X processed", "F failed"],
+                [[q, c["X"], c["F"]] for q, c in counts.items()],
+            )
+        return
+    if due:
+        where = f", archiving to {policy.archive_dir}" if policy.archive_dir else ""
+        confirm(f"Delete {due} old row(s) from {len(counts)} queue(s){where}?", yes)
+    results = run(_clean(cfg, counts, policy, quiet=as_json or due == 0))
+    if as_json:
+        emit_json({"dry_run": False, "queues": results})
+        return
+    table(
+        "cleanup",
+        ["queue", "X deleted", "F deleted", "batches", "longest batch s", "files", "note"],
+        [
+            [
+                r["queue"],
+                r["deleted_processed"],
+                r["deleted_failed"],
+                r["batches"],
+                f"{r['longest_batch_seconds']:.3f}",
+                len(r["files"]),
+                "skipped: another run holds it" if r["skipped"] else "",
+            ]
+            for r in results
+        ],
+    )

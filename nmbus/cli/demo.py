@@ -1,0 +1,343 @@
+"""``nmbus demo``: services exchange orders live, some fail and retry, then the report.
+
+With ``--dsn`` / ``NMBUS_DSN`` it uses that server (schema ``nmbus_demo`` only);
+without, the embedded PostgreSQL in ``--data-dir`` (``.nmbus``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TextIO
+
+import structlog
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from nmbus import demo as demo_lib
+from nmbus.cli import app
+from nmbus.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
+from nmbus.errors import NmbusError
+
+console = Console()
+errors = Console(stderr=True)
+
+
+def _configure_logging(path: Path) -> TextIO:
+    """The services log JSON lines to a file, so the live view stays readable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("w", encoding="utf-8")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.WriteLoggerFactory(file=handle),
+        cache_logger_on_first_use=False,
+    )
+    return handle
+
+
+class LiveView:
+    """Progress bars for orders and a table of every queue's subqueues."""
+
+    def __init__(self, orders: int) -> None:
+        self.progress = Progress(
+            TextColumn("{task.description:<26}"),
+            BarColumn(bar_width=40),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        self.published = self.progress.add_task("orders published", total=orders)
+        self.settled = self.progress.add_task("orders through billing", total=orders)
+        self.table = Table()
+        self.last: demo_lib.Snapshot | None = None
+
+    def update(self, snap: demo_lib.Snapshot) -> None:
+        self.last = snap
+        self.progress.update(self.published, completed=snap.published)
+        self.progress.update(self.settled, completed=snap.settled)
+        self.table = queue_table(snap)
+
+    def __rich__(self) -> Group:
+        return Group(self.progress, self.table)
+
+
+def queue_table(snap: demo_lib.Snapshot) -> Table:
+    table = Table(
+        title=f"queues after {snap.elapsed:.1f}s "
+        f"({snap.attempts_failed} failed attempts, {snap.declined} cards declined)",
+        title_justify="left",
+    )
+    table.add_column("queue")
+    for column in ("ready (I)", "scheduled (R)", "processed (X)", "failed (F)", "per second"):
+        table.add_column(column, justify="right")
+    for q in snap.queues:
+        rate = q.processed / snap.elapsed if snap.elapsed > 0 else 0.0
+        table.add_row(
+            q.queue,
+            f"{q.ready:,}",
+            f"{q.scheduled:,}",
+            f"[green]{q.processed:,}[/green]",
+            f"[red]{q.failed:,}[/red]" if q.failed else "0",
+            f"{rate:,.0f}",
+        )
+    return table
+
+
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{value:,.1f} ms"
+
+
+def report_table(summary: dict[str, Any]) -> Table:
+    table = Table(title="statistics report (Spark)", title_justify="left")
+    table.add_column("queue")
+    for column in ("processed", "failed", "failure rate", "p50", "p95", "p99"):
+        table.add_column(column, justify="right")
+    rows = [*summary.get("queues", [])]
+    if "overall" in summary:
+        rows.append({"queue": "all", **summary["overall"]})
+    for q in rows:
+        latency = q.get("queue_latency_ms") or {}
+        rate = q.get("failure_rate")
+        table.add_row(
+            str(q.get("queue")),
+            f"{q.get('processed', 0):,}",
+            f"{q.get('failed', 0):,}",
+            "-" if rate is None else f"{rate:.2%}",
+            _ms(latency.get("p50")),
+            _ms(latency.get("p95")),
+            _ms(latency.get("p99")),
+        )
+    return table
+
+
+def _clean(dsn: str | None, data_dir: Path, schema: str, out: Path) -> None:
+    if dsn:
+        dropped = asyncio.run(demo_lib.drop_schema(dsn, schema))
+        console.print(
+            f"schema {schema} {'dropped' if dropped else 'was not there'} on the NMBUS_DSN server"
+        )
+    else:
+        server = EmbeddedPostgres(data_dir)
+        existed = server.pgdata.exists()
+        server.destroy()
+        console.print(
+            f"embedded PostgreSQL stopped and {server.data_dir} removed"
+            if existed
+            else f"no embedded PostgreSQL in {server.data_dir}"
+        )
+    if out.exists():
+        shutil.rmtree(out)
+        console.print(f"report folder {out} removed")
+
+
+@app.command()
+def demo(
+    orders: Annotated[int, typer.Option(help="orders the shop publishes")] = 3000,
+    dsn: Annotated[
+        str | None,
+        typer.Option(
+            envvar="NMBUS_DSN", help="PostgreSQL DSN; without one an embedded server is used"
+        ),
+    ] = None,
+    data_dir: Annotated[
+        Path, typer.Option(help="folder of the embedded PostgreSQL and the demo's log")
+    ] = DEFAULT_DATA_DIR,
+    schema: Annotated[str, typer.Option(help="schema of the demo's tables")] = (
+        demo_lib.DEFAULT_SCHEMA
+    ),
+    out: Annotated[Path, typer.Option(help="folder of the statistics report")] = Path(
+        "nmbus-report"
+    ),
+    report: Annotated[bool, typer.Option(help="run the Spark statistics report")] = True,
+    concurrency: Annotated[int, typer.Option(help="worker loops per service")] = 2,
+    flaky_rate: Annotated[
+        float, typer.Option(help="chance that an attempt fails and is retried")
+    ] = 0.12,
+    seed: Annotated[int, typer.Option(help="seed of the orders and the failures")] = 7,
+    keep_running: Annotated[
+        bool, typer.Option(help="leave the embedded PostgreSQL running afterwards")
+    ] = False,
+    clean: Annotated[
+        bool,
+        typer.Option(
+            "--clean",
+            help="drop the demo schema (or stop and delete the embedded server) and the report",
+        ),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the outcome as JSON")] = False,
+) -> None:
+    """Run a small shop on the bus: live progress, failures and retries, then the report."""
+    if clean:
+        try:
+            _clean(dsn, data_dir, schema, out)
+        except (NmbusError, OSError) as exc:
+            _fail(str(exc))
+        return
+    options = demo_lib.DemoOptions(
+        orders=orders, schema=schema, concurrency=concurrency, flaky_rate=flaky_rate, seed=seed
+    )
+    try:
+        options.check()
+    except NmbusError as exc:
+        _fail(str(exc))
+    quiet = as_json
+    say = errors if quiet else console
+
+    # Say at once what the report will need, but run the bus part in any case.
+    report_problem: str | None = None
+    if report:
+        try:
+            demo_lib.check_report()
+        except demo_lib.ReportUnavailable as exc:
+            report_problem = str(exc)
+            say.print(f"[yellow]note:[/yellow] {escape(report_problem)}", highlight=False)
+            say.print("the bus part runs anyway; the report is skipped.\n", highlight=False)
+
+    log_path = data_dir / "demo.log"
+    log_file = _configure_logging(log_path)
+    server: EmbeddedPostgres | None = None
+    was_running = False
+    if not dsn:
+        server = EmbeddedPostgres(data_dir)
+        was_running = server.status() is not None
+        try:
+            with say.status(f"starting the embedded PostgreSQL in {server.pgdata} ..."):
+                dsn = server.start()
+        except NmbusError as exc:
+            structlog.reset_defaults()
+            log_file.close()
+            _fail(str(exc))
+        say.print(f"embedded PostgreSQL: [bold]{dsn}[/bold]", highlight=False)
+    outcome: dict[str, Any] = {"dsn": dsn, "schema": schema, "log": str(log_path)}
+    try:
+        view = LiveView(orders)
+        with Live(view, console=say, refresh_per_second=4, transient=False):
+            result = asyncio.run(demo_lib.run_bus(dsn, options, on_progress=view.update))
+        outcome["bus"] = _bus_outcome(result)
+        if not quiet:
+            _print_bus(result)
+        if report and report_problem is None:
+            say.print(
+                f"\nrunning the Spark statistics job (local[2], its log: {data_dir / 'spark.log'})"
+                " ...",
+                highlight=False,
+            )
+            try:
+                stats = demo_lib.run_report(dsn, options, out, jvm_log=data_dir / "spark.log")
+            except demo_lib.ReportUnavailable as exc:
+                say.print(f"[red]report failed:[/red] {escape(str(exc))}", highlight=False)
+                outcome["report"] = {"error": str(exc)}
+            else:
+                html = Path(stats.html_path).resolve()
+                outcome["report"] = {
+                    "html": str(html),
+                    "json": str(Path(stats.json_path).resolve()),
+                    "rows": stats.rows,
+                    "seconds": round(stats.seconds, 2),
+                }
+                if not quiet:
+                    console.print(report_table(stats.summary))
+                    console.print(f"HTML report: [bold]{html}[/bold]", highlight=False)
+                    console.print(f"open it:     [bold]{html.as_uri()}[/bold]", highlight=False)
+        elif report_problem is not None:
+            outcome["report"] = {"skipped": report_problem}
+    except (NmbusError, OSError, TimeoutError) as exc:
+        _fail(f"{type(exc).__name__}: {exc}")
+    finally:
+        try:
+            if server is not None and not keep_running and not was_running:
+                server.stop()
+                outcome["embedded"] = "stopped"
+        finally:
+            structlog.reset_defaults()
+            log_file.close()
+    if as_json:
+        typer.echo(json.dumps(outcome, indent=2))
+        return
+    console.print(f"\nservice logs (JSON lines): {log_path}", highlight=False)
+    if server is not None and (keep_running or was_running):
+        console.print(
+            f"the embedded PostgreSQL keeps running at {dsn}; "
+            f"look at the rows: psql {dsn} -c 'SELECT * FROM {schema}.billing LIMIT 5'",
+            highlight=False,
+        )
+    elif server is not None:
+        console.print(
+            "the embedded PostgreSQL is stopped (its data stays in "
+            f"{server.pgdata}); `nmbus demo --keep-running` leaves it up",
+            highlight=False,
+        )
+    again = "".join(
+        f" {flag} {value}"
+        for flag, value, default in (
+            ("--data-dir", data_dir, DEFAULT_DATA_DIR),
+            ("--out", out, Path("nmbus-report")),
+            ("--schema", schema, demo_lib.DEFAULT_SCHEMA),
+        )
+        if value != default and (flag != "--data-dir" or server is not None)
+    )
+    console.print(
+        f"clean up: `nmbus demo --clean{again}` drops schema {schema}"
+        + (" and deletes the embedded server's folder" if server is not None else "")
+        + f" and {out}/",
+        highlight=False,
+    )
+
+
+def _bus_outcome(result: demo_lib.BusResult) -> dict[str, Any]:
+    snap = result.snapshot
+    return {
+        "orders": snap.orders,
+        "seconds": round(result.seconds, 2),
+        "payments": result.payments,
+        "failed_attempts": snap.attempts_failed,
+        "declined": snap.declined,
+        "queues": {
+            q.queue: {
+                "processed": q.processed,
+                "failed": q.failed,
+                "retried": result.retried.get(q.queue, 0),
+            }
+            for q in snap.queues
+        },
+        "top_errors": [
+            {"queue": queue, "error": error, "count": n} for queue, error, n in result.top_errors
+        ],
+    }
+
+
+def _print_bus(result: demo_lib.BusResult) -> None:
+    snap = result.snapshot
+    handled = sum(q.processed + q.failed for q in snap.queues)
+    console.print(
+        f"\n[bold]{snap.orders:,} orders[/bold] went through shop → billing → warehouse → "
+        f"notifications in {result.seconds:.1f}s: {handled:,} messages handled "
+        f"({handled / result.seconds:,.0f}/s), {snap.attempts_failed:,} attempts failed "
+        f"and were retried, {result.payments:,} payments recorded in the same transactions.",
+        highlight=False,
+    )
+    if result.top_errors:
+        table = Table(title="most frequent errors", title_justify="left")
+        table.add_column("queue")
+        table.add_column("error_info (first line)")
+        table.add_column("rows", justify="right")
+        for queue, error, n in result.top_errors[:6]:
+            table.add_row(queue, escape(error), f"{n:,}")
+        console.print(table)
+
+
+def _fail(message: str) -> NoReturn:
+    errors.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+    raise typer.Exit(1)

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
+
+from nmbus.cli import app
+
+
+@app.command()
+def soak(
+    messages: Annotated[int, typer.Option(help="messages to send")] = 20_000,
+    workers: Annotated[int, typer.Option(help="worker processes")] = 2,
+    kill_every: Annotated[float, typer.Option(help="SIGKILL a worker about every N s")] = 3.0,
+    fail_rate: Annotated[float, typer.Option(help="share of handler runs that fail")] = 0.1,
+    sleep_rate: Annotated[float, typer.Option(help="share of handler runs that sleep")] = 0.01,
+    sleep_max: Annotated[float, typer.Option(help="longest handler sleep, seconds")] = 0.2,
+    lease: Annotated[float, typer.Option(help="lease (visibility timeout), seconds")] = 2.0,
+    batch_size: Annotated[int, typer.Option(help="messages per claim")] = 50,
+    concurrency: Annotated[int, typer.Option(help="worker loops per process")] = 2,
+    schema: Annotated[str, typer.Option(help="schema the soak owns (dropped first!)")] = (
+        "nmbus_soak"
+    ),
+    timeout: Annotated[float, typer.Option(help="give up after N seconds")] = 3600.0,
+    dsn: Annotated[str | None, typer.Option(envvar="NMBUS_DSN", help="PostgreSQL DSN")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+) -> None:
+    """Kill soak: flaky handlers, a worker SIGKILLed every few seconds; verify nothing is lost.
+
+    Drops and recreates the schema --schema (default nmbus_soak) in the database.
+    Exits with status 1 when any guarantee was broken.
+    """
+    import logging
+
+    import structlog
+
+    from nmbus.settings import Settings
+    from nmbus.soak import run_soak
+
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+    settings = Settings(dsn=dsn) if dsn else Settings()
+    if not settings.dsn:
+        raise typer.BadParameter("give --dsn or set NMBUS_DSN", param_hint="--dsn")
+    console = Console(stderr=True)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=as_json,
+    ) as bar:
+        task = bar.add_task("soak", total=messages)
+        report = asyncio.run(
+            run_soak(
+                settings.dsn,
+                messages,
+                workers=workers,
+                kill_every=kill_every,
+                fail_rate=fail_rate,
+                sleep_rate=sleep_rate,
+                sleep_max=sleep_max,
+                lease=lease,
+                batch_size=batch_size,
+                concurrency=concurrency,
+                schema=schema,
+                timeout=timeout,
+                progress=lambda done, total: bar.update(task, completed=done),
+            )
+        )
+    data = report.as_dict()
+    if as_json:
+        typer.echo(json.dumps(data))
+    else:
+        table = Table(title="nmbus kill soak", show_header=True)
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for key, value in data.items():
+            if key == "killed_pids":
+                continue
+            table.add_row(key, f"{value:.1f}" if isinstance(value, float) else str(value))
+        Console().print(table)
+    if not report.ok:
+        raise typer.Exit(1)

@@ -1,0 +1,104 @@
+"""``nmbus worker module:bus``: run a Bus until SIGTERM or SIGINT, then stop gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import os
+import signal
+import sys
+from typing import Annotated, Any
+
+import structlog
+import typer
+
+from nmbus.bus import Bus
+from nmbus.cli import app
+from nmbus.cli._common import configure_logging, fail
+
+log = structlog.get_logger("nmbus.cli.worker")
+
+
+def load_bus(target: str) -> Any:
+    """Import ``module:attribute``; the attribute is a Bus or a callable returning one."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        fail(f"expected module:attribute (for example myapp.service:bus), got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        fail(f"cannot import {module_name!r}: {exc}")
+    obj: Any = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            fail(f"{module_name!r} has no attribute {attribute!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+async def _resolve(obj: Any) -> Bus:
+    if not isinstance(obj, Bus) and callable(obj):
+        try:
+            obj = obj()
+            if inspect.isawaitable(obj):
+                obj = await obj
+        except Exception as exc:
+            fail(f"calling the factory failed: {type(exc).__name__}: {exc}")
+    if not isinstance(obj, Bus):
+        fail(f"expected a nmbus.Bus (or a function returning one), got {type(obj).__name__}")
+    return obj
+
+
+async def serve(obj: Any) -> int:
+    """Start the bus, wait for SIGTERM/SIGINT, stop it gracefully. Returns the exit code."""
+    bus = await _resolve(obj)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("shutdown_in_progress", signal=signal.Signals(signum).name)
+            return
+        log.info("shutdown_requested", signal=signal.Signals(signum).name, queue=bus.endpoint)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        async with bus:
+            log.info("worker_ready", queue=bus.endpoint, pid=os.getpid())
+            waiters = [
+                asyncio.create_task(stop.wait()),
+                asyncio.create_task(bus.wait_stopped()),
+            ]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    log.info("worker_exited", queue=bus.endpoint)
+    return 0
+
+
+@app.command()
+def worker(
+    target: Annotated[
+        str, typer.Argument(metavar="MODULE:BUS", help="import path of a Bus or a Bus factory")
+    ],
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+    log_format: Annotated[str, typer.Option(help="console or json")] = "console",
+) -> None:
+    """Run a Bus's workers. SIGTERM or SIGINT: finish in-flight handlers, exit 0."""
+    if log_level.upper() not in logging.getLevelNamesMapping():
+        raise typer.BadParameter(f"unknown log level {log_level!r}")
+    if log_format not in ("console", "json"):
+        raise typer.BadParameter("--log-format is console or json")
+    configure_logging(log_level, log_format)
+    obj = load_bus(target)
+    code = asyncio.run(serve(obj))
+    raise typer.Exit(code)

@@ -1,0 +1,370 @@
+"""Retention: remove old processed rows in bounded batches, optionally archived first.
+
+A queue table keeps every processed (X) row for the statistics job until it is
+older than ``retention_max_age``; failed (F) rows stay until an operator acts,
+unless ``retention_failed_max_age`` is set. Removal never holds a long lock:
+
+* the table is walked in windows of ids (``10 * batch_size`` ids each), so no
+  statement scans more than one window of the primary key;
+* each batch is its own short transaction that locks at most ``batch_size``
+  X/F rows (``FOR UPDATE SKIP LOCKED``) and the table in ROW EXCLUSIVE mode,
+  the same mode the workers' claim takes, so claims never wait for it;
+* one run per queue at a time (a session advisory lock), so two runs never
+  archive the same rows.
+
+With an archive directory, each batch is written to Parquet before it is
+deleted, in the layout the statistics job reads::
+
+    <archive_dir>/queue=<name>/day=<YYYY-MM-DD>/<part>.parquet
+
+(``day`` is the UTC day of ``last_processed``; columns are exactly the queue
+table's, ``msg_headers`` as JSON text, timestamps as UTC timestamps.) The
+protocol loses no row and archives none twice, even when the process dies:
+
+1. lock the batch's rows, write them to ``.pending-<part>.parquet`` (hidden
+   from readers by its leading dot), fsync the file and its directory;
+2. delete exactly those ids in the same transaction and commit;
+3. rename the file to ``<part>.parquet`` and fsync the directory.
+
+A pending file left by a crash is settled by the next run (:func:`recover`):
+if none of its ids are in the table any more, the delete committed and the
+file is published; if all of them are, it rolled back and the file is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from nmbus.errors import NmbusError
+from nmbus.sql import render
+
+if TYPE_CHECKING:
+    import asyncpg
+
+    from nmbus.settings import Settings
+
+log = structlog.get_logger("nmbus.retention")
+
+# The queue table's columns, in table order: the archive holds exactly these.
+ARCHIVE_COLUMNS: tuple[str, ...] = (
+    "id",
+    "from_endpoint",
+    "to_endpoint",
+    "subqueue",
+    "insert_time",
+    "last_processed",
+    "retry_count",
+    "retry_time",
+    "error_info",
+    "correlation_id",
+    "label",
+    "msg_text",
+    "msg_headers",
+    "unique_id",
+    "handling_client_id",
+    "lease_expires",
+)
+_TIMESTAMPS = frozenset({"insert_time", "last_processed", "retry_time", "lease_expires"})
+_PENDING = ".pending-"
+
+
+class RetentionError(NmbusError):
+    """Retention could not remove a batch exactly as archived; nothing was deleted."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """What to remove and how: ages, batch size, and where to archive (None: don't)."""
+
+    max_age: timedelta = timedelta(days=7)
+    failed_max_age: timedelta | None = None
+    batch_size: int = 5000
+    archive_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_age < timedelta(0):
+            raise ValueError("max_age must not be negative")
+        if self.failed_max_age is not None and self.failed_max_age < timedelta(0):
+            raise ValueError("failed_max_age must not be negative")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RetentionPolicy:
+        archive = settings.retention_archive_dir
+        return cls(
+            max_age=settings.retention_max_age,
+            failed_max_age=settings.retention_failed_max_age,
+            batch_size=settings.retention_batch_size,
+            archive_dir=Path(archive) if archive else None,
+        )
+
+
+@dataclass(slots=True)
+class RetentionResult:
+    """What one run did to one queue."""
+
+    queue: str
+    deleted: dict[str, int] = field(default_factory=lambda: {"X": 0, "F": 0})
+    files: list[Path] = field(default_factory=list)
+    batches: int = 0
+    longest_batch_seconds: float = 0.0
+    recovered_files: int = 0
+    skipped: bool = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.deleted.values())
+
+
+ProgressCallback = Callable[[str, int], None]
+
+
+async def clean_queue(
+    conn: Any,
+    schema: str,
+    queue: str,
+    policy: RetentionPolicy,
+    on_batch: ProgressCallback | None = None,
+) -> RetentionResult:
+    """Remove (and archive, if the policy says so) the old rows of one queue.
+
+    ``conn`` must not be inside a transaction: each batch commits on its own.
+    ``on_batch(queue, rows)`` is called after every committed batch. When
+    another run already holds this queue, returns at once with ``skipped``.
+    """
+    result = RetentionResult(queue)
+    key = f"nmbus.retention.{schema}.{queue}"
+    if not await conn.fetchval(render("retention_lock", schema), key):
+        log.info("retention_skipped", queue=queue, reason="another run holds the queue")
+        result.skipped = True
+        return result
+    try:
+        if policy.archive_dir is not None:
+            result.recovered_files = await recover(conn, schema, queue, policy.archive_dir)
+        passes: list[tuple[str, timedelta]] = [("X", policy.max_age)]
+        if policy.failed_max_age is not None:
+            passes.append(("F", policy.failed_max_age))
+        for subqueue, age in passes:
+            await _walk(conn, schema, queue, subqueue, age, policy, result, on_batch)
+    finally:
+        await conn.fetchval(render("retention_unlock", schema), key)
+    log.info(
+        "retention_done",
+        queue=queue,
+        deleted_processed=result.deleted["X"],
+        deleted_failed=result.deleted["F"],
+        files=len(result.files),
+        batches=result.batches,
+        longest_batch_seconds=round(result.longest_batch_seconds, 3),
+    )
+    return result
+
+
+async def clean_all(
+    pool: asyncpg.Pool,
+    schema: str,
+    policy: RetentionPolicy,
+    queues: Sequence[str] | None = None,
+    on_batch: ProgressCallback | None = None,
+) -> list[RetentionResult]:
+    """Run :func:`clean_queue` over ``queues`` (default: every registered queue)."""
+    async with pool.acquire() as conn:
+        if queues is None:
+            queues = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
+        return [await clean_queue(conn, schema, q, policy, on_batch) for q in queues]
+
+
+async def _walk(
+    conn: asyncpg.Connection,
+    schema: str,
+    queue: str,
+    subqueue: str,
+    age: timedelta,
+    policy: RetentionPolicy,
+    result: RetentionResult,
+    on_batch: ProgressCallback | None,
+) -> None:
+    bounds = await conn.fetchrow(render("retention_bounds", schema, queue))
+    assert bounds is not None
+    low, high = bounds
+    if low is None:
+        return
+    window = policy.batch_size * 10
+    last = int(low) - 1
+    while last < high:
+        upper = min(last + window, int(high))
+        started = time.perf_counter()
+        if policy.archive_dir is None:
+            row = await conn.fetchrow(
+                render("retention_delete_window", schema, queue),
+                [subqueue],
+                age,
+                last,
+                upper,
+                policy.batch_size,
+            )
+            assert row is not None
+            top, count = row
+        else:
+            top, count = await _archive_batch(
+                conn, schema, queue, subqueue, age, last, upper, policy, result
+            )
+        elapsed = time.perf_counter() - started
+        if count:
+            result.batches += 1
+            result.deleted[subqueue] += count
+            result.longest_batch_seconds = max(result.longest_batch_seconds, elapsed)
+            if on_batch is not None:
+                on_batch(queue, count)
+        # A full batch may have left more rows in this window; otherwise move on.
+        last = int(top) if count == policy.batch_size else upper
+
+
+async def _archive_batch(
+    conn: asyncpg.Connection,
+    schema: str,
+    queue: str,
+    subqueue: str,
+    age: timedelta,
+    last: int,
+    upper: int,
+    policy: RetentionPolicy,
+    result: RetentionResult,
+) -> tuple[int | None, int]:
+    assert policy.archive_dir is not None
+    async with conn.transaction():
+        rows = await conn.fetch(
+            render("retention_pick", schema, queue), [subqueue], age, last, upper, policy.batch_size
+        )
+        if not rows:
+            return None, 0
+        ids = [r["id"] for r in rows]
+        pending = await asyncio.to_thread(write_pending, policy.archive_dir, queue, rows)
+        deleted = await conn.fetch(render("retention_delete", schema, queue), ids, [subqueue])
+        if len(deleted) != len(ids):
+            # Rolled back with the transaction; recover() removes the pending files.
+            raise RetentionError(
+                f"{queue}: {len(ids) - len(deleted)} of {len(ids)} locked rows changed "
+                "subqueue before deletion; nothing deleted"
+            )
+    result.files.extend(await asyncio.to_thread(publish, pending))
+    return ids[-1], len(ids)
+
+
+# -- Parquet files -------------------------------------------------------------------
+
+
+def archive_schema() -> Any:
+    """The pyarrow schema of archive files: the queue table's columns and types."""
+    import pyarrow as pa
+
+    ts = pa.timestamp("us", tz="UTC")
+    types = {
+        "id": pa.int64(),
+        "retry_count": pa.int32(),
+        **{name: ts for name in _TIMESTAMPS},
+    }
+    return pa.schema([(name, types.get(name, pa.string())) for name in ARCHIVE_COLUMNS])
+
+
+def partition_dir(archive_dir: Path, queue: str, day: str) -> Path:
+    return archive_dir / f"queue={queue}" / f"day={day}"
+
+
+def write_pending(archive_dir: Path, queue: str, rows: Sequence[Any]) -> list[Path]:
+    """Write ``rows`` as hidden pending files, one per UTC day, durable on return."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise RetentionError("archiving needs pyarrow: pip install 'nmbus[archive]'") from exc
+    by_day: dict[str, list[Any]] = {}
+    for row in rows:
+        day = row["last_processed"].astimezone(UTC).date().isoformat()
+        by_day.setdefault(day, []).append(row)
+    schema = archive_schema()
+    written: list[Path] = []
+    try:
+        for day, day_rows in sorted(by_day.items()):
+            folder = partition_dir(archive_dir, queue, day)
+            folder.mkdir(parents=True, exist_ok=True)
+            part = f"part-{day_rows[0]['id']}-{day_rows[-1]['id']}-{uuid.uuid4().hex[:8]}"
+            path = folder / f"{_PENDING}{part}.parquet"
+            table = pa.Table.from_pydict(
+                {name: [r[name] for r in day_rows] for name in ARCHIVE_COLUMNS}, schema=schema
+            )
+            with open(path, "wb") as f:
+                pq.write_table(table, f)
+                f.flush()
+                os.fsync(f.fileno())
+            written.append(path)
+            _fsync_dir(folder)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+    return written
+
+
+def publish(pending: Sequence[Path]) -> list[Path]:
+    """Rename committed pending files to their visible names, durably."""
+    final: list[Path] = []
+    for path in pending:
+        target = path.with_name(path.name.removeprefix(_PENDING))
+        os.replace(path, target)
+        _fsync_dir(target.parent)
+        final.append(target)
+    return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pending_ids(path: Path) -> list[int]:
+    import pyarrow.parquet as pq
+
+    return [int(i) for i in pq.read_table(path, columns=["id"]).column("id").to_pylist()]
+
+
+async def recover(conn: asyncpg.Connection, schema: str, queue: str, archive_dir: Path) -> int:
+    """Settle pending files a dead run left behind; returns how many were settled."""
+    root = archive_dir / f"queue={queue}"
+    if not root.is_dir():
+        return 0
+    settled = 0
+    for path in sorted(root.glob(f"day=*/{_PENDING}*.parquet")):
+        ids = await asyncio.to_thread(_pending_ids, path)
+        present = await conn.fetchval(render("retention_present", schema, queue), ids)
+        if present == 0:
+            await asyncio.to_thread(publish, [path])
+            log.warning("retention_recovered", queue=queue, file=str(path), outcome="published")
+        elif present == len(ids):
+            path.unlink()
+            log.warning("retention_recovered", queue=queue, file=str(path), outcome="discarded")
+        else:
+            log.error(
+                "retention_pending_ambiguous",
+                queue=queue,
+                file=str(path),
+                present=present,
+                rows=len(ids),
+            )
+            continue
+        settled += 1
+    return settled

@@ -1,0 +1,505 @@
+"""Render the statistics summary as one self-contained HTML page.
+
+No network, no external files: the figures are embedded as JSON and drawn as
+inline SVG by a small script in the page. When every chart is drawn the page
+sets ``data-charts-rendered="<n>"`` on ``<html>``; any script error sets
+``data-script-errors``. Tests and people check those two attributes.
+
+Standard library only, so the job can run where nmbus is not installed.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from typing import Any
+
+# A queue is "failing" at or above FAIL_RED, "degraded" at or above FAIL_AMBER.
+FAIL_RED = 0.05
+FAIL_AMBER = 0.01
+
+
+def status(metrics: dict[str, Any]) -> str:
+    """ok / degraded / failing / idle, from the failure rate of a queue or the bus."""
+    rate = metrics.get("failure_rate")
+    if not metrics.get("total"):
+        return "idle"
+    if rate is not None and rate >= FAIL_RED:
+        return "failing"
+    if rate is not None and rate >= FAIL_AMBER:
+        return "degraded"
+    return "ok"
+
+
+def _n(value: Any) -> str:
+    return "–" if value is None else f"{value:,}"
+
+
+def _pct(value: Any) -> str:
+    if value is None:
+        return "–"
+    return f"{value * 100:.2f}%" if value < 0.1 else f"{value * 100:.1f}%"
+
+
+def _ms(value: Any) -> str:
+    if value is None:
+        return "–"
+    if value >= 60_000:
+        return f"{value / 60_000:.1f} min"
+    if value >= 1000:
+        return f"{value / 1000:.2f} s"
+    if value >= 10:
+        return f"{value:.0f} ms"
+    return f"{value:.2f} ms"
+
+
+def _rate(value: Any) -> str:
+    if value is None:
+        return "–"
+    if value >= 1:
+        return f"{value:,.1f}/s"
+    return f"{value * 60:,.1f}/min"
+
+
+def _e(text: Any) -> str:
+    return html.escape("" if text is None else str(text))
+
+
+def _card(title: str, value: str, sub: str = "", cls: str = "") -> str:
+    return (
+        f'<div class="card {cls}"><div class="k">{_e(title)}</div>'
+        f'<div class="v">{_e(value)}</div><div class="s">{_e(sub)}</div></div>'
+    )
+
+
+def _queue_rows(summary: dict[str, Any]) -> str:
+    rows = []
+    for q in summary["queues"]:
+        st = status(q)
+        ql, el = q["queue_latency_ms"], q["e2e_latency_ms"]
+        rate = q.get("failure_rate") or 0.0
+        rows.append(
+            "<tr>"
+            f'<td><span class="dot {st}" title="{st}"></span>{_e(q["queue"])}</td>'
+            f'<td class="num">{_n(q["processed"])}</td>'
+            f'<td class="num">{_n(q["failed"])}</td>'
+            f'<td class="num"><span class="bar"><i class="{st}" '
+            f'style="width:{min(100.0, rate * 100 / FAIL_RED * 50):.1f}%"></i></span>'
+            f"{_pct(q.get('failure_rate'))}</td>"
+            f'<td class="num">{_rate(q.get("throughput_per_s"))}</td>'
+            f'<td class="num">{_ms(ql["p50"])}</td><td class="num">{_ms(ql["p95"])}</td>'
+            f'<td class="num"><b>{_ms(ql["p99"])}</b></td><td class="num">{_ms(ql["max"])}</td>'
+            f'<td class="num">{_ms(el["p95"])}</td>'
+            f'<td class="spark" data-queue="{_e(q["queue"])}"></td>'
+            "</tr>"
+        )
+    if not rows:
+        rows.append('<tr><td colspan="11" class="empty">no queues found</td></tr>')
+    return "\n".join(rows)
+
+
+def _error_rows(summary: dict[str, Any]) -> str:
+    rows = []
+    for err in summary["top_errors"]:
+        rows.append(
+            "<tr>"
+            f'<td class="err">{_e(err["error"])}</td><td>{_e(err["queue"])}</td>'
+            f'<td>{_e(err["label"])}</td><td class="num">{_n(err["failed"])}</td>'
+            f'<td class="num">{_n(err["recovered"])}</td>'
+            f'<td class="num">{_e(err["example_id"])}</td>'
+            "</tr>"
+        )
+    if not rows:
+        rows.append('<tr><td colspan="6" class="empty">no errors recorded</td></tr>')
+    return "\n".join(rows)
+
+
+def _queue_panels(summary: dict[str, Any]) -> str:
+    panels = []
+    for q in summary["queues"]:
+        name = _e(q["queue"])
+        panels.append(
+            f'<div class="panel"><h3><span class="dot {status(q)}"></span>{name}</h3>'
+            f'<div class="chart" data-kind="latency" data-queue="{name}"></div>'
+            f'<div class="chart" data-kind="throughput" data-queue="{name}"></div></div>'
+        )
+    return "\n".join(panels)
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The report page for ``summary`` (the structure written to summary.json)."""
+    o = summary["overall"]
+    ql, el = o["queue_latency_ms"], o["e2e_latency_ms"]
+    st = status(o)
+    queues = summary["queues"]
+    bad = [q["queue"] for q in queues if status(q) in ("failing", "degraded")]
+    # The banner takes the colour of the worst queue: one failing queue is news.
+    worst = {status(q) for q in queues}
+    banner = next((x for x in ("failing", "degraded") if x in worst), st)
+    if not o.get("total"):
+        verdict = "No processed or failed messages in this range."
+    elif bad:
+        verdict = f"{len(bad)} of {len(queues)} queue(s) need attention: {', '.join(bad)}."
+    else:
+        verdict = f"All {len(queues)} queue(s) healthy."
+    top = summary["top_errors"][0] if summary["top_errors"] else None
+    span = " → ".join(
+        x for x in (summary.get("since") or o.get("first_time"), summary.get("until")) if x
+    )
+    if not summary.get("until") and o.get("last_time"):
+        span += f" → {o['last_time']}"
+    cards = "".join(
+        [
+            _card("Processed", _n(o["processed"]), f"{len(queues)} queue(s)"),
+            _card("Failed", _n(o["failed"]), f"failure rate {_pct(o.get('failure_rate'))}", st),
+            _card("Throughput", _rate(o.get("throughput_per_s")), "processed, whole range"),
+            _card(
+                "Queue latency p99",
+                _ms(ql["p99"]),
+                f"p50 {_ms(ql['p50'])} · p95 {_ms(ql['p95'])} · max {_ms(ql['max'])}",
+            ),
+            _card(
+                "End-to-end p99",
+                _ms(el["p99"]),
+                f"p50 {_ms(el['p50'])} · p95 {_ms(el['p95'])} · mean {_ms(el['mean'])}",
+            ),
+            _card(
+                "Top error",
+                f"{_n(top['failed'])} failed" if top else "none",
+                top["error"][:70] if top else "",
+                "failing" if top and top["failed"] else "",
+            ),
+        ]
+    )
+    pct = summary.get("percentiles", {})
+    data = json.dumps(summary, separators=(",", ":")).replace("</", "<\\/")
+    values = {
+        "TITLE": _e(summary.get("title", "nmbus report")),
+        "STATUS": banner,
+        "VERDICT": _e(verdict),
+        "RANGE": _e(span or "no data"),
+        "WINDOW": _e(summary.get("window")),
+        "SOURCE": _e(f"{summary['source']['database']} · schema {summary['source']['schema']}"),
+        "GENERATED": _e(summary.get("generated_at")),
+        "CARDS": cards,
+        "QUEUE_ROWS": _queue_rows(summary),
+        "PANELS": _queue_panels(summary),
+        "ERROR_ROWS": _error_rows(summary),
+        "PCT_NOTE": _e(
+            f"Percentiles: Spark percentile_approx, accuracy {pct.get('accuracy')}; "
+            f"rank error at most {pct.get('rank_error')} of n values. Latencies over "
+            "processed messages; queue latency = last_processed − retry_time, "
+            "end-to-end = last_processed − insert_time. Times in UTC."
+        ),
+        "DATA": data,
+        "SCRIPT": _SCRIPT,
+    }
+    # One pass, so text from the data can never be taken for a placeholder.
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], _TEMPLATE)
+
+
+_PLACEHOLDER = re.compile(r"%([A-Z_]+)%")
+
+_TEMPLATE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>%TITLE%</title>
+<script>
+window.onerror = function (msg, src, line) {
+  var el = document.documentElement;
+  el.setAttribute("data-script-errors",
+    (el.getAttribute("data-script-errors") || "") + msg + " @" + line + "; ");
+};
+</script>
+<style>
+:root { --ok:#1a9e5a; --degraded:#e0a100; --failing:#d64541; --idle:#9aa3ad;
+  --ink:#1d2733; --mute:#68737f; --line:#e3e7ec; --bg:#f5f7fa; --p50:#4c8bf5;
+  --p95:#f29d38; --p99:#d64541; --proc:#4c8bf5; --fail:#d64541; }
+* { box-sizing: border-box; }
+body { margin:0; font:14px/1.4 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;
+  color:var(--ink); background:var(--bg); }
+header { padding:14px 24px; background:#fff; border-bottom:1px solid var(--line);
+  display:flex; align-items:center; gap:18px; flex-wrap:wrap; }
+header h1 { margin:0; font-size:20px; }
+header .meta { color:var(--mute); font-size:12px; }
+.verdict { padding:5px 12px; border-radius:14px; font-weight:600; color:#fff; }
+.verdict.ok { background:var(--ok); } .verdict.degraded { background:var(--degraded); }
+.verdict.failing { background:var(--failing); } .verdict.idle { background:var(--idle); }
+main { padding:16px 24px 40px; }
+.cards { display:grid; grid-template-columns:repeat(6,minmax(140px,1fr)); gap:12px; }
+.card { background:#fff; border:1px solid var(--line); border-radius:8px; padding:10px 14px;
+  border-top:4px solid var(--p50); }
+.card.failing { border-top-color:var(--failing); }
+.card.degraded { border-top-color:var(--degraded); }
+.card.ok { border-top-color:var(--ok); }
+.card .k { color:var(--mute); font-size:12px; text-transform:uppercase; letter-spacing:.04em; }
+.card .v { font-size:24px; font-weight:700; margin:2px 0; }
+.card .s { color:var(--mute); font-size:12px; white-space:nowrap; overflow:hidden;
+  text-overflow:ellipsis; }
+section { margin-top:18px; }
+h2 { font-size:15px; margin:0 0 8px; }
+table { width:100%; border-collapse:collapse; background:#fff; border:1px solid var(--line);
+  border-radius:8px; overflow:hidden; }
+th, td { padding:6px 10px; border-bottom:1px solid var(--line); text-align:left; }
+th { font-size:12px; color:var(--mute); font-weight:600; background:#fafbfc; }
+td.num, th.num { text-align:right; font-variant-numeric:tabular-nums; white-space:nowrap; }
+td.err { font-family:ui-monospace,Menlo,Consolas,monospace; font-size:12px; }
+td.empty { color:var(--mute); text-align:center; }
+td.spark { width:130px; padding:2px 8px; }
+.dot { display:inline-block; width:10px; height:10px; border-radius:50%; margin-right:7px;
+  background:var(--idle); }
+.dot.ok { background:var(--ok); } .dot.degraded { background:var(--degraded); }
+.dot.failing { background:var(--failing); }
+.bar { display:inline-block; width:50px; height:6px; background:var(--line); border-radius:3px;
+  margin-right:6px; vertical-align:middle; overflow:hidden; }
+.bar i { display:block; height:100%; background:var(--ok); }
+.bar i.degraded { background:var(--degraded); } .bar i.failing { background:var(--failing); }
+.grid { display:grid; grid-template-columns:repeat(auto-fill,minmax(520px,1fr)); gap:12px; }
+.panel { background:#fff; border:1px solid var(--line); border-radius:8px; padding:10px 12px; }
+.panel h3 { margin:0 0 4px; font-size:14px; }
+.chart svg { width:100%; height:auto; display:block; }
+.chart .t { font-size:11px; fill:var(--mute); }
+.chart .title { font-size:12px; fill:var(--ink); font-weight:600; }
+.chart .nodata { font-size:12px; fill:var(--mute); }
+.two { display:grid; grid-template-columns:1fr 1fr; gap:12px; }
+.note { color:var(--mute); font-size:12px; margin-top:14px; }
+@media (max-width: 1100px) { .cards { grid-template-columns:repeat(3,1fr); }
+  .two { grid-template-columns:1fr; } }
+</style></head>
+<body>
+<header>
+  <h1>%TITLE%</h1>
+  <span class="verdict %STATUS%">%VERDICT%</span>
+  <span class="meta">%RANGE% · window %WINDOW% · %SOURCE% · generated %GENERATED%</span>
+</header>
+<main>
+<div class="cards">%CARDS%</div>
+<section><h2>Queues</h2>
+<table><thead><tr><th>queue</th><th class="num">processed</th><th class="num">failed</th>
+<th class="num">failure rate</th><th class="num">throughput</th><th class="num">queue p50</th>
+<th class="num">p95</th><th class="num">p99</th><th class="num">max</th>
+<th class="num">end-to-end p95</th><th>throughput over time</th></tr></thead>
+<tbody>%QUEUE_ROWS%</tbody></table></section>
+<section><h2>Latency percentiles and throughput over time</h2>
+<div class="grid">%PANELS%</div></section>
+<section class="two">
+  <div class="panel"><h3>Failures by message type</h3>
+    <div class="chart" data-kind="failures"></div></div>
+  <div class="panel"><h3>Top errors (failed messages)</h3>
+    <div class="chart" data-kind="errors"></div></div>
+</section>
+<section class="two">
+  <div class="panel"><h3>Attempts per message</h3>
+    <div class="chart" data-kind="retries"></div></div>
+  <div><h2>Top errors</h2>
+  <table><thead><tr><th>error (first line)</th><th>queue</th><th>type</th>
+  <th class="num">failed</th><th class="num">recovered</th><th class="num">example id</th>
+  </tr></thead><tbody>%ERROR_ROWS%</tbody></table></div>
+</section>
+<p class="note">%PCT_NOTE%</p>
+</main>
+<script type="application/json" id="nmbus-data">%DATA%</script>
+<script>%SCRIPT%</script>
+</body></html>
+"""
+
+_SCRIPT = r"""
+(function () {
+  "use strict";
+  var D = JSON.parse(document.getElementById("nmbus-data").textContent);
+  var NS = "http://www.w3.org/2000/svg";
+  var css = getComputedStyle(document.documentElement);
+  function color(name) { return css.getPropertyValue("--" + name).trim() || "#888"; }
+  function el(tag, attrs, parent, text) {
+    var e = document.createElementNS(NS, tag);
+    for (var k in attrs) { e.setAttribute(k, attrs[k]); }
+    if (text !== undefined) { e.textContent = text; }
+    if (parent) { parent.appendChild(e); }
+    return e;
+  }
+  function svg(host, w, h) {
+    var s = el("svg", {viewBox: "0 0 " + w + " " + h, role: "img"});
+    host.appendChild(s);
+    return s;
+  }
+  function fmtMs(v) {
+    if (v === null || v === undefined) { return "–"; }
+    if (v >= 1000) { return (v / 1000).toFixed(v >= 10000 ? 0 : 1) + " s"; }
+    if (v >= 1) { return v.toFixed(v >= 10 ? 0 : 1) + " ms"; }
+    return v.toFixed(2) + " ms";
+  }
+  function fmtN(v) { return v === null || v === undefined ? "–" : v.toLocaleString("en"); }
+  function fmtTime(iso, withDay) {
+    var d = new Date(iso), p = function (x) { return String(x).padStart(2, "0"); };
+    var day = p(d.getUTCMonth() + 1) + "-" + p(d.getUTCDate());
+    var hm = p(d.getUTCHours()) + ":" + p(d.getUTCMinutes());
+    if (D.window === "day") { return day; }
+    if (D.window === "second") { hm += ":" + p(d.getUTCSeconds()); }
+    return withDay ? day + " " + hm : hm;
+  }
+  function legend(s, items, x, y) {
+    items.forEach(function (it) {
+      el("rect", {x: x, y: y - 8, width: 10, height: 10, rx: 2, fill: it.color}, s);
+      el("text", {x: x + 14, y: y + 1, "class": "t"}, s, it.name);
+      x += 14 + it.name.length * 6.5 + 12;
+    });
+  }
+  function noData(s, w, h, text) {
+    el("text", {x: w / 2, y: h / 2, "text-anchor": "middle", "class": "nodata"}, s,
+       text || "no data in this range");
+  }
+  // Time series: x is window start (ISO), series values per point; log scale for latency.
+  function timeChart(host, opt) {
+    var W = 560, H = 180, L = 56, R = 12, T = 26, B = 24;
+    var s = svg(host, W, H);
+    el("text", {x: 4, y: 14, "class": "title"}, s, opt.title);
+    legend(s, opt.series, W - R - opt.series.reduce(function (a, x) {
+      return a + 26 + x.name.length * 6.5; }, 0), 14);
+    var xs = opt.x.map(function (t) { return new Date(t).getTime(); });
+    var vals = [];
+    opt.series.forEach(function (se) { se.values.forEach(function (v) {
+      if (v !== null && v !== undefined && (!opt.log || v > 0)) { vals.push(v); } }); });
+    if (!xs.length || !vals.length) { noData(s, W, H); return; }
+    var step = D.window_seconds * 1000;
+    var x0 = Math.min.apply(null, xs), x1 = Math.max.apply(null, xs) + step;
+    var vmax = opt.stacked ? Math.max.apply(null, opt.x.map(function (_, i) {
+      return opt.series.reduce(function (a, se) { return a + (se.values[i] || 0); }, 0); }))
+      : Math.max.apply(null, vals);
+    var vmin = opt.log ? Math.min.apply(null, vals) : 0;
+    var y, ticks = [];
+    if (opt.log) {
+      var lo = Math.floor(Math.log10(vmin)), hi = Math.ceil(Math.log10(vmax));
+      if (hi === lo) { hi += 1; }
+      for (var k = lo; k <= hi; k++) { ticks.push(Math.pow(10, k)); }
+      y = function (v) { return T + (H - T - B) * (1 - (Math.log10(Math.max(v, Math.pow(10, lo)))
+        - lo) / (hi - lo)); };
+    } else {
+      var mag = Math.pow(10, Math.floor(Math.log10(vmax || 1)));
+      var top = Math.ceil((vmax || 1) / mag) * mag;
+      for (var j = 0; j <= 4; j++) { ticks.push(top * j / 4); }
+      y = function (v) { return T + (H - T - B) * (1 - v / top); };
+    }
+    var x = function (t) { return L + (W - L - R) * (t - x0) / Math.max(1, x1 - x0); };
+    ticks.forEach(function (tv) {
+      el("line", {x1: L, x2: W - R, y1: y(tv), y2: y(tv), stroke: color("line")}, s);
+      el("text", {x: L - 6, y: y(tv) + 4, "text-anchor": "end", "class": "t"}, s,
+         opt.fmt(tv));
+    });
+    var days = (x1 - x0) > 86400000, nx = days ? 4 : 6;
+    for (var i = 0; i <= nx; i++) {
+      var t = x0 + (x1 - x0) * i / nx;
+      el("text", {x: x(t), y: H - 8, "text-anchor": i === 0 ? "start" : i === nx ? "end" :
+         "middle", "class": "t"}, s, fmtTime(new Date(t).toISOString(), days));
+    }
+    if (opt.stacked) {
+      var bw = Math.max(1, (W - L - R) * step / Math.max(1, x1 - x0) - 1);
+      var base = opt.x.map(function () { return 0; });
+      opt.series.forEach(function (se) {
+        se.values.forEach(function (v, i) {
+          if (!v) { return; }
+          var y0 = y(base[i]), y1 = y(base[i] + v);
+          var r = el("rect", {x: x(xs[i]), y: y1, width: bw, height: Math.max(0.5, y0 - y1),
+            fill: se.color}, s);
+          el("title", {}, r, fmtTime(opt.x[i], true) + " " + se.name + ": " + opt.fmt(v));
+          base[i] += v;
+        });
+      });
+    } else {
+      opt.series.forEach(function (se) {
+        var d = "", pen = false;
+        se.values.forEach(function (v, i) {
+          if (v === null || v === undefined || (opt.log && v <= 0)) { pen = false; return; }
+          var px = x(xs[i] + step / 2);
+          d += (pen ? "L" : "M") + px.toFixed(1) + "," + y(v).toFixed(1);
+          pen = true;
+          if (se.values.length <= 120) {
+            var c = el("circle", {cx: px, cy: y(v), r: 2.2, fill: se.color}, s);
+            el("title", {}, c, fmtTime(opt.x[i], true) + " " + se.name + ": " + opt.fmt(v));
+          }
+        });
+        el("path", {d: d, fill: "none", stroke: se.color, "stroke-width": 1.8}, s);
+      });
+    }
+  }
+  // Horizontal bars: rows of {label, value, note, color}.
+  function hbars(host, rows, empty) {
+    var W = 560, rowH = 22, L = 236, R = 90;
+    var H = Math.max(60, 10 + rows.length * rowH);
+    var s = svg(host, W, H);
+    if (!rows.length) { noData(s, W, H, empty); return; }
+    var vmax = Math.max.apply(null, rows.map(function (r) { return r.value; })) || 1;
+    rows.forEach(function (r, i) {
+      var yy = 6 + i * rowH, w = (W - L - R) * r.value / vmax;
+      var lab = r.label.length > 36 ? r.label.slice(0, 35) + "…" : r.label;
+      var t = el("text", {x: L - 8, y: yy + 14, "text-anchor": "end", "class": "t"}, s, lab);
+      el("title", {}, t, r.label);
+      var b = el("rect", {x: L, y: yy + 3, width: Math.max(1, w), height: rowH - 8, rx: 2,
+        fill: r.color}, s);
+      el("title", {}, b, r.label + ": " + fmtN(r.value) + (r.note ? " (" + r.note + ")" : ""));
+      el("text", {x: L + w + 6, y: yy + 14, "class": "t"}, s,
+         fmtN(r.value) + (r.note ? "  " + r.note : ""));
+    });
+  }
+  function sparkline(host, points) {
+    var W = 120, H = 26, s = svg(host, W, H);
+    var v = points.map(function (p) { return p.processed + p.failed; });
+    if (!v.length) { return; }
+    var m = Math.max.apply(null, v) || 1, d = "";
+    v.forEach(function (x, i) {
+      d += (i ? "L" : "M") + (2 + (W - 4) * (v.length === 1 ? 0.5 : i / (v.length - 1))).toFixed(1)
+        + "," + (H - 2 - (H - 4) * x / m).toFixed(1);
+    });
+    el("path", {d: d, fill: "none", stroke: color("proc"), "stroke-width": 1.5}, s);
+  }
+  var byQueue = {};
+  D.queues.forEach(function (q) { byQueue[q.queue] = q; });
+  var drawn = 0;
+  document.querySelectorAll(".chart").forEach(function (host) {
+    var kind = host.getAttribute("data-kind"), q = byQueue[host.getAttribute("data-queue")];
+    if (kind === "latency") {
+      var w = q.windows;
+      timeChart(host, {title: "Queue latency (log scale)", log: true, fmt: fmtMs,
+        x: w.map(function (p) { return p.start; }), series: [
+          {name: "p50", color: color("p50"), values: w.map(function (p) { return p.q_p50; })},
+          {name: "p95", color: color("p95"), values: w.map(function (p) { return p.q_p95; })},
+          {name: "p99", color: color("p99"), values: w.map(function (p) { return p.q_p99; })}]});
+    } else if (kind === "throughput") {
+      var w2 = q.windows;
+      timeChart(host, {title: "Messages per " + D.window, stacked: true, fmt: fmtN,
+        x: w2.map(function (p) { return p.start; }), series: [
+          {name: "processed", color: color("proc"),
+           values: w2.map(function (p) { return p.processed; })},
+          {name: "failed", color: color("fail"),
+           values: w2.map(function (p) { return p.failed; })}]});
+    } else if (kind === "failures") {
+      var rows = [];
+      D.queues.forEach(function (qq) { qq.labels.forEach(function (l) {
+        if (l.failed) { rows.push({label: qq.queue + " · " + l.label, value: l.failed,
+          note: (100 * l.failure_rate).toFixed(2) + "%", color: color("fail")}); } }); });
+      rows.sort(function (a, b) { return b.value - a.value; });
+      hbars(host, rows.slice(0, 12), "no failed messages");
+    } else if (kind === "errors") {
+      hbars(host, D.top_errors.filter(function (e) { return e.failed; }).map(function (e) {
+        return {label: e.error, value: e.failed, note: "e.g. id " + e.example_id,
+                color: color("p95")}; }), "no errors recorded");
+    } else if (kind === "retries") {
+      var agg = {};
+      D.queues.forEach(function (qq) { qq.retries.forEach(function (r) {
+        var key = r.retry_count + "|" + r.outcome; agg[key] = (agg[key] || 0) + r.messages; });
+      });
+      var rr = Object.keys(agg).map(function (k) { var p = k.split("|");
+        return {n: +p[0], label: p[0] + " attempt(s), " + p[1], value: agg[k],
+                color: p[1] === "failed" ? color("fail") : color("proc")}; });
+      rr.sort(function (a, b) { return a.n - b.n || a.label.localeCompare(b.label); });
+      hbars(host, rr, "no messages");
+    }
+    drawn += 1;
+  });
+  document.querySelectorAll("td.spark").forEach(function (td) {
+    var q = byQueue[td.getAttribute("data-queue")];
+    if (q) { sparkline(td, q.windows); }
+  });
+  document.documentElement.setAttribute("data-charts-rendered", String(drawn));
+})();
+"""

@@ -1,0 +1,64 @@
+"""Start the whole shop, each service in its own process, and show the messages flow.
+
+    NMBUS_DSN=postgresql://... python -m samples.shop.all --orders 10
+
+billing and shipping start first (their subscriptions must exist before orders
+publishes); orders then places the orders and exits once all have shipped;
+the others are stopped with SIGTERM (graceful shutdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+
+async def relay(name: str, proc: asyncio.subprocess.Process, ready: asyncio.Event) -> None:
+    assert proc.stdout is not None
+    async for raw in proc.stdout:
+        line = raw.decode().rstrip()
+        print(line if line.startswith(f"[{name}]") else f"[{name}] {line}", flush=True)
+        if line.endswith("] ready"):
+            ready.set()
+
+
+async def start(name: str, *args: str) -> tuple[asyncio.subprocess.Process, asyncio.Task[None]]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-u", "-m", f"samples.shop.{name}", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    ready = asyncio.Event()
+    task = asyncio.create_task(relay(name, proc, ready))
+    await asyncio.wait(
+        [asyncio.create_task(ready.wait()), task], timeout=60, return_when="FIRST_COMPLETED"
+    )
+    if not ready.is_set():
+        raise SystemExit(f"{name} did not start")
+    return proc, task
+
+
+async def main(orders: int, interval: float) -> int:
+    started = [await start("billing"), await start("shipping")]
+    code = 1
+    try:
+        proc, task = await start("orders", "--count", str(orders), "--interval", str(interval))
+        code = await proc.wait()
+        await task
+    finally:
+        for proc, _ in started:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, task in started:
+            await proc.wait()
+            await task
+    return code
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="run orders, billing and shipping together")
+    parser.add_argument("--orders", type=int, default=10)
+    parser.add_argument("--interval", type=float, default=0.3)
+    args = parser.parse_args()
+    sys.exit(asyncio.run(main(args.orders, args.interval)))

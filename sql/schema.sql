@@ -1,0 +1,60 @@
+-- The DDL nmbus runs for schema 'nmbus' with an example queue 'billing',
+-- generated from nmbus/sql/queries.sql (tests/test_cookbook.py keeps it equal):
+--   python -m nmbus queues ddl billing --schema nmbus > sql/schema.sql
+-- nmbus creates all of this itself at start-up; this file is for reading.
+-- Run it as is with: psql -v ON_ERROR_STOP=1 -f sql/schema.sql
+
+BEGIN;
+
+CREATE SCHEMA IF NOT EXISTS "nmbus";
+CREATE TABLE IF NOT EXISTS "nmbus".schema_version (
+    version integer PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS "nmbus".queues (
+    name text PRIMARY KEY,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS "nmbus".subscriptions (
+    publisher_endpoint text NOT NULL,
+    subscriber_endpoint text NOT NULL,
+    message_type text NOT NULL,
+    created_date timestamptz NOT NULL DEFAULT now(),
+    expiration_date timestamptz,
+    PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
+);
+
+INSERT INTO "nmbus".schema_version (version) VALUES ('1') ON CONFLICT DO NOTHING;
+
+CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    from_endpoint text NOT NULL,
+    to_endpoint text NOT NULL,
+    subqueue char(1) NOT NULL DEFAULT 'I' CHECK (subqueue IN ('I', 'R', 'X', 'F')),
+    insert_time timestamptz NOT NULL DEFAULT now(),
+    last_processed timestamptz,
+    retry_count integer NOT NULL DEFAULT 0,
+    retry_time timestamptz NOT NULL DEFAULT now(),
+    error_info text,
+    correlation_id text,
+    label text,
+    msg_text text,
+    msg_headers jsonb,
+    unique_id text NOT NULL,
+    handling_client_id text,
+    lease_expires timestamptz
+) WITH (
+    fillfactor = 80,
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.05,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 1
+);
+CREATE INDEX IF NOT EXISTS "billing_ready" ON "nmbus"."billing" (retry_time, id)
+    WHERE subqueue IN ('I', 'R');
+CREATE UNIQUE INDEX IF NOT EXISTS "billing_uid" ON "nmbus"."billing" (unique_id);
+
+INSERT INTO "nmbus".queues (name) VALUES ('billing') ON CONFLICT DO NOTHING;
+
+COMMIT;

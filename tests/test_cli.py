@@ -1,0 +1,228 @@
+"""Every `nmbus` command against a real database: exit codes, tables, --json, confirmations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+import structlog
+from typer.testing import CliRunner, Result
+
+from nmbus.cli import app
+from tests.ops_data import CHARGE_ERROR, Facts, populate
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _keep_logging_config() -> Iterator[None]:
+    """The CLI configures structlog for the process; give other tests theirs back."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+class Cli:
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+
+    async def __call__(self, *args: str, dsn: bool = True, code: int = 0) -> Result:
+        argv = [*args, "--dsn", self.dsn] if dsn else list(args)
+        env = {"COLUMNS": "200", "NMBUS_DSN": None}
+        result = await asyncio.to_thread(runner.invoke, app, argv, env=env)
+        assert result.exit_code == code, (argv, result.stdout, result.stderr, result.exception)
+        return result
+
+    async def json(self, *args: str) -> Any:
+        return json.loads((await self(*args, "--json")).stdout)
+
+
+@pytest.fixture
+def cli(dsn: str) -> Cli:
+    return Cli(dsn)
+
+
+@pytest.fixture
+async def facts(db: asyncpg.Connection) -> Facts:
+    return await populate(db)
+
+
+async def count(db: asyncpg.Connection, where: str, queue: str = "billing") -> int:
+    return int(await db.fetchval(f'SELECT count(*) FROM nmbus."{queue}" WHERE {where}'))
+
+
+async def test_status(cli: Cli, facts: Facts) -> None:
+    got = await cli.json("status")
+    billing, shipping = got["queues"]
+    assert billing["queue"] == "billing" and shipping["queue"] == "shipping"
+    assert {k: billing[k] for k in ("ready", "scheduled", "processed", "failed", "in_flight")} == {
+        "ready": 6,
+        "scheduled": 3,
+        "processed": 165,
+        "failed": 3,
+        "in_flight": 2,
+    }
+    assert 1800 <= billing["oldest_ready_seconds"] < 1920
+    assert billing["recent_processed"] == 100
+    assert billing["recent_avg_ms"] == pytest.approx(50.5)
+    assert billing["recent_p99_ms"] == pytest.approx(99.01)
+    assert billing["recent_failed"] == 0  # failed 30+ minutes ago, window is 10
+    hour = await cli.json("status", "--window", "3600")
+    assert hour["queues"][0]["recent_failed"] == 3
+    text = (await cli("status")).stdout
+    assert "billing" in text and "shipping" in text and "165" in text and "30.0m" in text
+
+
+async def test_no_database_is_a_clear_error(cli: Cli) -> None:
+    result = await cli("status", dsn=False, code=1)
+    assert "NMBUS_DSN" in result.stderr
+    bad = await cli("status", "--dsn", "postgresql://postgres@127.0.0.1:1/none", dsn=False, code=1)
+    assert "error" in bad.stderr
+
+
+async def test_failed_list_and_show(cli: Cli, facts: Facts) -> None:
+    listed = await cli.json("failed", "list")
+    assert [(r["queue"], r["id"]) for r in listed] == [("billing", i) for i in facts.failed_ids]
+    assert listed[0]["error"] == "ValueError: card declined"
+    only = await cli.json("failed", "list", "billing", "--type", "billing.Refund")
+    assert [r["label"] for r in only] == ["billing.Refund"]
+    text = (await cli("failed", "list")).stdout
+    assert "ValueError: card declined" in text and "KeyError" in text
+    shown = await cli.json("failed", "show", "billing", str(facts.failed_ids[0]))
+    assert shown["error_info"] == CHARGE_ERROR and shown["subqueue"] == "F"
+    assert json.loads(shown["msg_headers"]) == {"tenant": "acme"}
+    text = (await cli("failed", "show", "billing", str(facts.failed_ids[0]))).stdout
+    assert "Traceback (most recent call last)" in text
+    missing = await cli("failed", "show", "billing", "999999", code=1)
+    assert "no message 999999" in missing.stderr
+    nowhere = await cli("failed", "list", "nosuchqueue", code=1)
+    assert "no queue" in nowhere.stderr
+    await cli("failed", "list", "bad name!", code=1)
+
+
+async def test_failed_requeue(cli: Cli, facts: Facts, db: asyncpg.Connection, dsn: str) -> None:
+    first, *rest = facts.failed_ids
+    listener = await asyncpg.connect(dsn)
+    notes: asyncio.Queue[str] = asyncio.Queue()
+    await listener.add_listener("nmbus_nmbus", lambda *a: notes.put_nowait(a[3]))
+    try:
+        got = await cli.json("failed", "requeue", "billing", "--id", str(first))
+        assert got == {"queue": "billing", "requeued": 1}
+        assert await asyncio.wait_for(notes.get(), 10) == "billing"
+    finally:
+        await listener.close()
+    row = await db.fetchrow(
+        "SELECT subqueue, retry_count, handling_client_id, lease_expires, now() - retry_time "
+        "FROM nmbus.billing WHERE id = $1",
+        first,
+    )
+    assert tuple(row)[:4] == ("I", 0, None, None) and row[4] < timedelta(minutes=1)
+    # An id that is not failed any more: reported, exit 1.
+    again = await cli("failed", "requeue", "billing", "--id", str(first), code=1)
+    assert "not failed messages" in again.stderr
+    # Bulk requeue asks first; without a terminal and without --yes it refuses.
+    refused = await cli("failed", "requeue", "billing", "--all", code=1)
+    assert "--yes" in refused.stderr
+    assert await count(db, "subqueue = 'F'") == 2
+    await cli("failed", "requeue", "billing", code=2)  # no selection: usage error
+    await cli("failed", "requeue", "billing", "--all", "--id", "1", code=2)
+    text = (await cli("failed", "requeue", "billing", "--all", "--yes")).stdout
+    assert "requeued 2" in text
+    assert await count(db, f"id = ANY('{{{','.join(map(str, rest))}}}') AND subqueue = 'I'") == 2
+
+
+async def test_failed_purge(cli: Cli, facts: Facts, db: asyncpg.Connection) -> None:
+    refused = await cli("failed", "purge", "billing", "--type", "billing.Refund", code=1)
+    assert "Refusing without --yes" in refused.stderr
+    assert await count(db, "subqueue = 'F'") == 3
+    got = await cli.json("failed", "purge", "billing", "--type", "billing.Refund", "--yes")
+    assert got == {"queue": "billing", "purged": 1}
+    assert await count(db, "label = 'billing.Refund'") == 0
+    text = (await cli("failed", "purge", "billing", "--all", "--yes")).stdout
+    assert "purged 2" in text
+    assert await count(db, "subqueue = 'F'") == 0
+    assert await count(db, "true") == 165 + 9  # nothing else was touched
+
+
+async def test_failed_requeue_in_batches(cli: Cli, db: asyncpg.Connection) -> None:
+    await cli("queues", "create", "bulk")
+    await db.execute(
+        "INSERT INTO nmbus.bulk (from_endpoint, to_endpoint, subqueue, retry_count, unique_id,"
+        " error_info) SELECT 'a', 'bulk', 'F', 5, 'u' || g, 'E: x' FROM generate_series(1, 2500) g"
+    )
+    got = await cli.json("failed", "requeue", "bulk", "--all", "--yes")
+    assert got == {"queue": "bulk", "requeued": 2500}
+    assert await count(db, "subqueue = 'I' AND retry_count = 0", "bulk") == 2500
+
+
+async def test_queues(cli: Cli, db: asyncpg.Connection) -> None:
+    assert await cli.json("queues", "create", "alpha", "beta") == {
+        "created_or_present": ["alpha", "beta"]
+    }
+    assert await cli.json("queues", "list") == ["alpha", "beta"]
+    assert "alpha" in (await cli("queues", "list")).stdout
+    assert "ready: gamma" in (await cli("queues", "create", "gamma")).stdout
+    refused = await cli("queues", "drop", "alpha", code=1)
+    assert "--yes" in refused.stderr
+    assert await cli.json("queues", "list") == ["alpha", "beta", "gamma"]
+    assert await cli.json("queues", "drop", "alpha", "--yes") == {"dropped": ["alpha"]}
+    assert "dropped: gamma" in (await cli("queues", "drop", "gamma", "--yes")).stdout
+    assert await db.fetchval("SELECT to_regclass('nmbus.alpha')") is None
+    missing = await cli("queues", "drop", "alpha", "--yes", code=1)
+    assert "no such queue" in missing.stderr
+    await cli("queues", "create", "no good", code=1)
+
+
+async def test_subscriptions(cli: Cli, facts: Facts) -> None:
+    got = await cli.json("subscriptions", "list")
+    assert [(r["publisher_endpoint"], r["subscriber_endpoint"], r["live"]) for r in got] == [
+        ("orders", "billing", True),  # orders.OrderCancelled
+        ("orders", "audit", False),  # orders.OrderPlaced, by subscriber
+        ("orders", "billing", True),
+        ("orders", "shipping", True),
+        ("payments", "billing", True),
+    ]
+    live = await cli.json("subscriptions", "list", "--live", "--publisher", "orders")
+    assert len(live) == 3 and all(r["live"] for r in live)
+    text = (await cli("subscriptions", "list")).stdout
+    assert "payments.Refunded" in text and "expired" in text
+
+
+async def test_cleanup(cli: Cli, facts: Facts, db: asyncpg.Connection, tmp_path: Path) -> None:
+    dry = await cli.json("cleanup", "--older-than", "12h", "--dry-run")
+    assert dry["queues"] == {"billing": {"X": 65, "F": 0}, "shipping": {"X": 0, "F": 0}}
+    assert "65" in (await cli("cleanup", "--older-than", "12h", "--dry-run")).stdout
+    refused = await cli("cleanup", "--older-than", "12h", code=1)
+    assert "--yes" in refused.stderr
+    assert await count(db, "subqueue = 'X'") == 165
+    got = await cli.json(
+        "cleanup", "billing", "--older-than", "12h", "--batch-size", "10",
+        "--archive-dir", str(tmp_path), "--yes",
+    )  # fmt: skip
+    (result,) = got["queues"]
+    assert result["deleted_processed"] == 65 and result["deleted_failed"] == 0
+    assert result["batches"] == 7  # 65 rows in batches of 10
+    assert len({Path(f).parent.name for f in result["files"]}) == 4  # 1, 2, 3 and 30 days ago
+    assert all(Path(f).is_relative_to(tmp_path / "queue=billing") for f in result["files"])
+    assert await count(db, "subqueue = 'X'") == 100
+    text = (
+        await cli("cleanup", "--older-than", "1s", "--failed-older-than", "35m", "--yes")
+    ).stdout
+    assert "billing" in text
+    assert await count(db, "subqueue = 'X'") == 0
+    assert await count(db, "subqueue = 'F'") == 1
+    assert await count(db, "subqueue IN ('I', 'R')") == 9
+    await cli("cleanup", "--older-than", "soon", code=2)
+    await cli("cleanup", "nosuch", "--yes", code=1)
+
+
+async def test_version_and_ddl(cli: Cli) -> None:
+    await cli("version", dsn=False)
+    text = (await cli("queues", "ddl", "orders", "--schema", "ops", dsn=False)).stdout
+    assert 'CREATE TABLE IF NOT EXISTS "ops"."orders"' in text

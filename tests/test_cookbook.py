@@ -1,0 +1,253 @@
+"""Every query of the sql/ cookbook, run verbatim with psql on a populated database."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+from collections import Counter
+from datetime import UTC, timedelta
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from nmbus import Bus
+from nmbus.cli.queues import schema_ddl
+from nmbus.postgres import install_schema
+from tests.messages import Ping
+from tests.ops_data import CHARGE_ERROR, REFUND_ERROR, Facts, populate
+
+ROOT = Path(__file__).resolve().parent.parent
+COOKBOOK = ROOT / "sql" / "cookbook"
+TESTED = {
+    "queue_depth.sql",
+    "all_queues.sql",
+    "failed.sql",
+    "requeue_one.sql",
+    "requeue_all.sql",
+    "processed_per_day.sql",
+    "latency.sql",
+    "oldest_ready.sql",
+    "held_too_long.sql",
+    "subscriptions.sql",
+}
+
+
+async def psql(dsn: str, file: str | Path, **variables: object) -> list[dict[str, str]]:
+    """Run one cookbook file exactly as an operator would, and parse its CSV output."""
+    args = ["psql", dsn, "-X", "-q", "--csv", "-v", "ON_ERROR_STOP=1"]
+    for name, value in variables.items():
+        args += ["-v", f"{name}={value}"]
+    path = file if isinstance(file, Path) else COOKBOOK / file
+    proc = await asyncio.create_subprocess_exec(
+        *args, "-f", str(path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert not err.strip(), err.decode()
+    return list(csv.DictReader(io.StringIO(out.decode())))
+
+
+@pytest.fixture
+async def facts(db: asyncpg.Connection) -> Facts:
+    return await populate(db)
+
+
+def test_every_cookbook_file_is_tested() -> None:
+    assert {p.name for p in COOKBOOK.glob("*.sql")} == TESTED
+
+
+async def test_queue_depth(dsn: str, facts: Facts) -> None:
+    got = await psql(dsn, "queue_depth.sql", queue="billing")
+    assert got == [
+        {"subqueue": "I", "messages": "6", "held_by_worker": "2"},
+        {"subqueue": "R", "messages": "3", "held_by_worker": "0"},
+        {"subqueue": "X", "messages": "165", "held_by_worker": "0"},
+        {"subqueue": "F", "messages": "3", "held_by_worker": "0"},
+    ]
+
+
+async def test_queue_variable_is_required(dsn: str, facts: Facts) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        "psql", dsn, "-X", "-q", "-f", str(COOKBOOK / "failed.sql"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    assert b"set the queue" in err and out == b""
+
+
+async def test_all_queues(dsn: str, facts: Facts, db: asyncpg.Connection) -> None:
+    # A queue still registered whose table is gone must not break the listing.
+    await db.execute("INSERT INTO nmbus.queues (name) VALUES ('gone')")
+    got = await psql(dsn, "all_queues.sql")
+    assert got == [
+        {"queue": "billing", "ready": "6", "scheduled": "3", "processed": "165", "failed": "3"},
+        {"queue": "shipping", "ready": "1", "scheduled": "0", "processed": "0", "failed": "0"},
+    ]
+
+
+async def test_failed_with_errors(dsn: str, facts: Facts) -> None:
+    got = await psql(dsn, "failed.sql", queue="billing")
+    assert [r["id"] for r in got] == [str(i) for i in facts.failed_ids]
+    types = ["billing.Charge", "billing.Refund", "billing.Charge"]
+    assert [r["message_type"] for r in got] == types
+    assert [r["error"] for r in got] == [
+        CHARGE_ERROR.splitlines()[0],
+        REFUND_ERROR.splitlines()[0],
+        CHARGE_ERROR.splitlines()[0],
+    ]
+    assert {r["attempts"] for r in got} == {"5"}
+
+
+async def _listen(dsn: str) -> tuple[asyncpg.Connection, asyncio.Queue[str]]:
+    conn = await asyncpg.connect(dsn)
+    got: asyncio.Queue[str] = asyncio.Queue()
+    await conn.add_listener("nmbus_nmbus", lambda _c, _p, _ch, payload: got.put_nowait(payload))
+    return conn, got
+
+
+async def test_requeue_one(dsn: str, facts: Facts, db: asyncpg.Connection) -> None:
+    target = facts.failed_ids[0]
+    listener, notes = await _listen(dsn)
+    try:
+        got = await psql(dsn, "requeue_one.sql", queue="billing", id=target)
+        assert got == [{"requeued": "1", "notified": "t"}]
+        assert await asyncio.wait_for(notes.get(), 10) == "billing"
+    finally:
+        await listener.close()
+    r = await db.fetchrow("SELECT *, now() AS db_now FROM nmbus.billing WHERE id = $1", target)
+    assert r["subqueue"] == "I" and r["retry_count"] == 0
+    assert r["handling_client_id"] is None and r["lease_expires"] is None
+    assert abs(r["retry_time"] - r["db_now"]) < timedelta(minutes=1)
+    assert r["error_info"] == CHARGE_ERROR  # kept as history until the next attempt
+    # Not failed (any more): nothing happens.
+    assert await psql(dsn, "requeue_one.sql", queue="billing", id=target) == [
+        {"requeued": "0", "notified": "f"}
+    ]
+    left = await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'F'")
+    assert left == 2
+
+
+async def test_requeued_message_is_handled_again(
+    dsn: str, db: asyncpg.Connection, make_bus: object
+) -> None:
+    """A message requeued with psql is picked up by a running worker, woken by NOTIFY."""
+    bus = Bus("billing", dsn=dsn, poll_interval=60.0, lease_seconds=10.0)
+    seen: asyncio.Queue[int] = asyncio.Queue()
+
+    @bus.handler
+    async def on_ping(msg: Ping, ctx: object) -> None:
+        seen.put_nowait(msg.n)
+
+    async with bus:
+        await bus.send(Ping(n=7), to="billing")
+        assert await asyncio.wait_for(seen.get(), 20) == 7
+        async with asyncio.timeout(20):  # the handler ran; wait for its batch to commit
+            while await db.fetchval("SELECT subqueue FROM nmbus.billing") != "X":
+                await asyncio.sleep(0.05)
+        await db.execute("UPDATE nmbus.billing SET subqueue = 'F', retry_count = 5")
+        # The fallback poll is a minute away: only the NOTIFY can wake the worker in time.
+        got = await psql(dsn, "requeue_all.sql", queue="billing")
+        assert got == [{"requeued": "1", "notified": "t"}]
+        assert await asyncio.wait_for(seen.get(), 20) == 7
+    row = await db.fetchrow("SELECT subqueue, retry_count FROM nmbus.billing")
+    assert tuple(row) == ("X", 1)
+
+
+async def test_requeue_all_by_type_then_all(dsn: str, facts: Facts, db: asyncpg.Connection) -> None:
+    got = await psql(dsn, "requeue_all.sql", queue="billing", type="billing.Charge")
+    assert got == [{"requeued": "2", "notified": "t"}]
+    rows = await db.fetch("SELECT label FROM nmbus.billing WHERE subqueue = 'F'")
+    assert [r[0] for r in rows] == ["billing.Refund"]
+    assert await psql(dsn, "requeue_all.sql", queue="billing") == [
+        {"requeued": "1", "notified": "t"}
+    ]
+    counts = await db.fetchrow(
+        "SELECT count(*) FILTER (WHERE subqueue = 'F'), "
+        "count(*) FILTER (WHERE id = ANY($1) AND subqueue = 'I' AND retry_count = 0) "
+        "FROM nmbus.billing",
+        facts.failed_ids,
+    )
+    assert tuple(counts) == (0, 3)
+
+
+async def test_processed_per_day(dsn: str, facts: Facts) -> None:
+    today = facts.now.astimezone(UTC).date()
+    expected = Counter(
+        t.astimezone(UTC).date()
+        for t in facts.processed_at
+        if t.astimezone(UTC).date() > today - timedelta(days=7)
+    )
+    got = await psql(dsn, "processed_per_day.sql", queue="billing")
+    assert {r["day_utc"]: int(r["processed"]) for r in got} == {
+        d.isoformat(): n for d, n in expected.items()
+    }
+    assert sum(expected.values()) == 160  # the 30-day-old rows are outside the window
+    older = [r for r in got if r["day_utc"] < today.isoformat()]
+    assert {r["avg_latency_ms"] for r in older} == {"1000.0"}
+    wider = await psql(dsn, "processed_per_day.sql", queue="billing", days=40)
+    assert sum(int(r["processed"]) for r in wider) == 165
+
+
+async def test_latency_last_ten_minutes(dsn: str, facts: Facts) -> None:
+    # Latencies 1..100 ms: mean 50.5, p99 (continuous) 1 + 0.99 * 99 = 99.01.
+    got = await psql(dsn, "latency.sql", queue="billing")
+    assert got == [{"processed": "100", "avg_ms": "50.5", "p99_ms": "99.0", "max_ms": "100.0"}]
+    wider = await psql(dsn, "latency.sql", queue="billing", minutes=2 * 24 * 60 + 10)
+    assert wider[0]["processed"] == "130"  # plus the 10 + 20 of one and two days ago
+
+
+async def test_oldest_ready(dsn: str, facts: Facts) -> None:
+    got = await psql(dsn, "oldest_ready.sql", queue="billing")
+    # 4 free I, 1 I whose lease lapsed, 1 R that is due; not the live-leased or future ones.
+    assert got[0]["waiting"] == "6"
+    age = float(got[0]["oldest_age_seconds"])
+    assert 30 * 60 <= age < 30 * 60 + 120
+
+
+async def test_held_too_long(dsn: str, facts: Facts) -> None:
+    got = await psql(dsn, "held_too_long.sql", queue="billing")
+    assert [(r["held_by"], r["lease_lapsed"]) for r in got] == [
+        ("host:1:live", "f"),
+        ("host:2:dead", "t"),
+    ]
+    assert 20.0 <= float(got[0]["ready_for_minutes"]) < 22.0
+    assert [r["held_by"] for r in await psql(dsn, "held_too_long.sql", queue="billing",
+                                             minutes=15)] == ["host:1:live"]  # fmt: skip
+
+
+async def test_subscriptions_per_publisher(dsn: str, facts: Facts) -> None:
+    got = await psql(dsn, "subscriptions.sql")
+    assert got == [
+        {
+            "publisher": "orders",
+            "live": "3",
+            "expired": "1",
+            "message_types": "2",
+            "live_subscribers": "billing, shipping",
+        },
+        {
+            "publisher": "payments",
+            "live": "1",
+            "expired": "0",
+            "message_types": "1",
+            "live_subscribers": "billing",
+        },
+    ]
+
+
+def test_schema_sql_is_generated_from_queries() -> None:
+    assert (ROOT / "sql" / "schema.sql").read_text() == schema_ddl("nmbus", "billing"), (
+        "sql/schema.sql is stale: python -m nmbus queues ddl billing > sql/schema.sql"
+    )
+
+
+async def test_schema_sql_runs_and_nmbus_accepts_it(dsn: str, db: asyncpg.Connection) -> None:
+    await db.execute("DROP SCHEMA nmbus CASCADE")
+    await psql(dsn, ROOT / "sql" / "schema.sql")
+    await install_schema(db, "nmbus")  # recognises the version, migrates nothing
+    async with Bus("sender", dsn=dsn, concurrency=0) as bus:
+        await bus.send(Ping(n=1), to="billing")
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'I'") == 1
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 1

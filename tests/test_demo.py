@@ -1,0 +1,224 @@
+"""``nmbus demo`` end to end: the services, their failures, the report, the clean-up."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from nmbus import demo
+from nmbus.errors import ConfigurationError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _spark_ready() -> bool:
+    """Whether this machine can run the report (CI installs all of it)."""
+    try:
+        demo.check_report()
+    except demo.ReportUnavailable:
+        return False
+    return True
+
+
+def _nmbus(*args: str, env: dict[str, str], timeout: float = 300) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, "-m", "nmbus", "demo", *args, "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    outcome: dict[str, Any] = json.loads(result.stdout)
+    return outcome
+
+
+async def _counts(conn: asyncpg.Connection, schema: str, queue: str) -> dict[str, int]:
+    rows = await conn.fetch(
+        f'SELECT subqueue, count(*) FROM "{schema}"."{queue}" GROUP BY subqueue'
+    )
+    found = {r[0]: int(r[1]) for r in rows}
+    return {sq: found.get(sq, 0) for sq in "IRXF"}
+
+
+async def test_every_order_settles_and_failures_are_retried(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    options = demo.DemoOptions(orders=150, flaky_rate=0.2, decline_rate=0.05, timeout=120)
+    seen: list[demo.Snapshot] = []
+    result = await demo.run_bus(dsn, options, on_progress=seen.append)
+
+    billing = await _counts(db, "nmbus_demo", "billing")
+    warehouse = await _counts(db, "nmbus_demo", "warehouse")
+    notifications = await _counts(db, "nmbus_demo", "notifications")
+    for counts in (billing, warehouse, notifications):
+        assert counts["I"] == counts["R"] == 0
+    # Every order is charged or failed once; every charge ships; both ends notify.
+    assert billing["X"] + billing["F"] == 150
+    assert warehouse["X"] + warehouse["F"] == billing["X"]
+    assert notifications["X"] + notifications["F"] == 150 + warehouse["X"]
+    # The payment row commits with the message, so there is one per charged order.
+    assert await db.fetchval("SELECT count(*) FROM nmbus_demo.demo_payments") == billing["X"]
+    assert result.payments == billing["X"]
+    declined = await db.fetchval(
+        "SELECT count(*) FROM nmbus_demo.billing WHERE subqueue = 'F' "
+        "AND error_info LIKE 'PermanentError: card declined%' AND retry_count = 1"
+    )
+    assert declined == result.snapshot.declined > 0
+    retried = await db.fetchval(
+        "SELECT count(*) FROM nmbus_demo.billing WHERE subqueue = 'X' AND retry_count > 1"
+    )
+    assert retried > 0 and result.retried["billing"] >= retried
+    # What the live view was given, it was given in order, ending with the outcome.
+    assert seen and seen[-1].done and seen[-1].settled == 150
+    assert [s.published for s in seen] == sorted(s.published for s in seen)
+
+
+async def test_a_schema_that_is_not_the_demos_is_left_alone(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await db.execute("CREATE SCHEMA precious; CREATE TABLE precious.data (n int)")
+    with pytest.raises(ConfigurationError, match="not a demo schema"):
+        await demo.run_bus(dsn, demo.DemoOptions(orders=5, schema="precious"))
+    with pytest.raises(ConfigurationError, match="not a demo schema"):
+        await demo.drop_schema(dsn, "precious")
+    assert await db.fetchval("SELECT to_regclass('precious.data') IS NOT NULL")
+
+
+def _charts_drawn(html: Path, tmp_path: Path) -> int:
+    """How many charts the page drew in headless Chromium (it marks <html> when done)."""
+    dom = subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'chromium'}",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            html.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    found = re.search(r'data-charts-rendered="(-?\d+)"', dom)
+    assert found, "the report's script did not finish"
+    return int(found.group(1))
+
+
+async def _fetch_counts(dsn: str, queue: str) -> dict[str, int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await _counts(conn, "nmbus_demo", queue)
+    finally:
+        await conn.close()
+
+
+async def _schema_exists(dsn: str) -> bool:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return bool(await conn.fetchval("SELECT to_regnamespace('nmbus_demo') IS NOT NULL"))
+    finally:
+        await conn.close()
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(420)
+def test_demo_command_with_a_dsn_runs_the_report(dsn: str, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    env = {**os.environ, "NMBUS_DSN": dsn}
+    outcome = _nmbus(
+        "--orders", "200", "--out", str(out), "--data-dir", str(tmp_path / ".nmbus"), env=env
+    )
+    bus = outcome["bus"]
+    assert bus["orders"] == 200
+    billing = bus["queues"]["billing"]
+    assert billing["processed"] + billing["failed"] == 200
+    assert "embedded" not in outcome
+    assert (tmp_path / ".nmbus" / "demo.log").read_text().count('"event": "bus_started"') == 4
+
+    if _spark_ready():
+        report = outcome["report"]
+        html = Path(report["html"])
+        assert all(f"{q}" in html.read_text() for q in demo.QUEUES)
+        if shutil.which("chromium"):
+            assert _charts_drawn(html, tmp_path) > 0
+        summary = json.loads(Path(report["json"]).read_text())
+        by_queue = {q["queue"]: q for q in summary["queues"]}
+        for queue in demo.QUEUES:
+            counts = asyncio.run(_fetch_counts(dsn, queue))
+            assert by_queue[queue]["processed"] == counts["X"]
+            assert by_queue[queue]["failed"] == counts["F"]
+    else:
+        # The bus part ran; the report says exactly what is missing.
+        skipped = outcome["report"]["skipped"]
+        assert any(
+            hint in skipped for hint in (demo.SPARK_HINT, demo.JAVA_HINT, demo.JOB_MISSING, "JDBC")
+        ), skipped
+
+    cleaned = subprocess.run(
+        [sys.executable, "-m", "nmbus", "demo", "--clean", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "schema nmbus_demo dropped" in cleaned.stdout
+    assert not asyncio.run(_schema_exists(dsn))
+    assert not out.exists()
+
+
+@pytest.mark.timeout(240)
+def test_demo_without_a_dsn_uses_the_embedded_server(tmp_path: Path) -> None:
+    if importlib.util.find_spec("pgserver") is None:
+        pytest.fail("the embedded extra (pgserver) is not installed: pip install -e '.[embedded]'")
+    data_dir = tmp_path / ".nmbus"
+    env = {k: v for k, v in os.environ.items() if k != "NMBUS_DSN"}
+    outcome = _nmbus("--orders", "60", "--no-report", "--data-dir", str(data_dir), env=env)
+    assert outcome["dsn"].startswith("postgresql://postgres@127.0.0.1:")
+    assert outcome["bus"]["queues"]["billing"]["processed"] > 0
+    assert outcome["embedded"] == "stopped"
+    assert not (data_dir / "pgdata" / "postmaster.pid").exists()
+    # A second run starts the same folder again, on the same port when it is free.
+    again = _nmbus("--orders", "20", "--no-report", "--data-dir", str(data_dir), env=env)
+    assert again["bus"]["orders"] == 20
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nmbus",
+            "demo",
+            "--clean",
+            "--data-dir",
+            str(data_dir),
+            "--out",
+            str(tmp_path / "report"),
+        ],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    assert not data_dir.exists()

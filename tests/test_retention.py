@@ -1,0 +1,200 @@
+"""Retention: exactly the old rows go, in short batches, archived without loss."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, timedelta
+from pathlib import Path
+
+import asyncpg
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+
+from nmbus import Bus
+from nmbus.retention import (
+    ARCHIVE_COLUMNS,
+    RetentionPolicy,
+    archive_schema,
+    clean_queue,
+    publish,
+    recover,
+    write_pending,
+)
+from nmbus.sql import render
+from tests import retention_bench as bench
+from tests.ops_data import populate
+
+ALL = "SELECT * FROM nmbus.billing ORDER BY id"
+PICK = (
+    "SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count, "
+    "retry_time, error_info, correlation_id, label, msg_text, msg_headers::text AS msg_headers, "
+    "unique_id, handling_client_id, lease_expires FROM nmbus.billing WHERE {} ORDER BY id"
+)
+
+
+async def ids(db: asyncpg.Connection, where: str = "true", *args: object) -> set[int]:
+    return {r[0] for r in await db.fetch(f"SELECT id FROM nmbus.billing WHERE {where}", *args)}
+
+
+def found(root: Path, pattern: str) -> list[Path]:
+    return sorted(root.rglob(pattern))
+
+
+async def test_deletes_exactly_the_old_processed_rows(db: asyncpg.Connection) -> None:
+    await populate(db)
+    before = await ids(db)
+    old = await ids(db, "subqueue = 'X' AND last_processed < now() - interval '12 hours'")
+    assert len(old) == 65
+    untouched = await db.fetch("SELECT * FROM nmbus.billing WHERE NOT (id = ANY($1)) ORDER BY id",
+                               list(old))  # fmt: skip
+    # A batch of 7 and windows of 70 ids: many batches, windows with and without old rows.
+    policy = RetentionPolicy(max_age=timedelta(hours=12), batch_size=7)
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert result.deleted == {"X": 65, "F": 0}
+    assert result.batches >= 65 // 7
+    assert await ids(db) == before - old
+    # Every row left is exactly as it was: I, R, F and the recent X rows.
+    assert await db.fetch(ALL) == untouched
+    again = await clean_queue(db, "nmbus", "billing", policy)
+    assert again.total == 0
+
+
+async def test_failed_rows_stay_unless_configured(db: asyncpg.Connection) -> None:
+    await populate(db)
+    failed = await ids(db, "subqueue = 'F'")
+    keep = RetentionPolicy(max_age=timedelta(0))
+    await clean_queue(db, "nmbus", "billing", keep)
+    assert await ids(db, "subqueue = 'F'") == failed
+    assert await ids(db, "subqueue = 'X'") == set()
+    # F rows failed 50, 40 and 30 minutes ago; remove those older than 35 minutes.
+    policy = RetentionPolicy(max_age=timedelta(days=1), failed_max_age=timedelta(minutes=35))
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert result.deleted == {"X": 0, "F": 2}
+    assert await ids(db, "subqueue = 'F'") == {max(failed)}
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue IN ('I','R')") == 9
+
+
+async def test_one_run_per_queue(dsn: str, db: asyncpg.Connection) -> None:
+    await populate(db)
+    other = await asyncpg.connect(dsn)
+    try:
+        key = "nmbus.retention.nmbus.billing"
+        assert await other.fetchval(render("retention_lock", "nmbus"), key)
+        result = await clean_queue(db, "nmbus", "billing", RetentionPolicy(max_age=timedelta(0)))
+        assert result.skipped and result.total == 0
+        assert await ids(db, "subqueue = 'X'")
+    finally:
+        await other.close()
+
+
+def read_archive(root: Path) -> pa.Table:
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    return table.sort_by("id") if table.num_rows else table
+
+
+async def test_archive_then_delete_loses_no_row(db: asyncpg.Connection, tmp_path: Path) -> None:
+    await populate(db)
+    where = "subqueue = 'X' AND last_processed < now() - interval '12 hours'"
+    expected = await db.fetch(PICK.format(where))
+    policy = RetentionPolicy(max_age=timedelta(hours=12), batch_size=9, archive_dir=tmp_path)
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert result.deleted["X"] == len(expected) == 65
+    assert await ids(db, where) == set()
+    # Layout agreed with the statistics job; no pending file left behind.
+    files = found(tmp_path, "*.parquet")
+    assert files == sorted(result.files)
+    days = {r["last_processed"].astimezone(UTC).date().isoformat() for r in expected}
+    assert {f.parent.relative_to(tmp_path).as_posix() for f in files} == {
+        f"queue=billing/day={d}" for d in days
+    }
+    assert not found(tmp_path, ".pending-*")
+    for f in files:
+        table = pa.parquet.read_table(f)
+        assert table.schema.equals(archive_schema())
+        assert table.column_names == list(ARCHIVE_COLUMNS)
+        day = f.parent.name.removeprefix("day=")
+        assert {t.date().isoformat() for t in table.column("last_processed").to_pylist()} == {day}
+    # The files hold exactly the deleted rows, column for column.
+    archived = read_archive(tmp_path)
+    assert archived.column("id").to_pylist() == [r["id"] for r in expected]
+    for name in ARCHIVE_COLUMNS:
+        got = archived.column(name).to_pylist()
+        want = [r[name] for r in expected]
+        assert got == want, name
+    assert archive_schema().field("insert_time").type == pa.timestamp("us", tz="UTC")
+    assert json.loads(archived.column("msg_headers")[0].as_py()) == {"tenant": "acme"}
+
+
+async def test_a_crash_mid_batch_is_settled_by_the_next_run(
+    db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    await populate(db)
+    rows = await db.fetch(PICK.format("subqueue = 'X' ORDER BY id LIMIT 20 --"))
+    committed, rolled_back = rows[:10], rows[10:]
+    # Died after the delete committed, before the rename: the file must be published.
+    pending_done = write_pending(tmp_path, "billing", committed)
+    await db.execute("DELETE FROM nmbus.billing WHERE id = ANY($1)", [r["id"] for r in committed])
+    # Died before the delete committed: the rows are still there, the file must go.
+    pending_lost = write_pending(tmp_path, "billing", rolled_back)
+    assert all(p.name.startswith(".pending-") for p in pending_done + pending_lost)
+    assert read_archive(tmp_path).num_rows == 0  # readers never see pending files
+    assert await recover(db, "nmbus", "billing", tmp_path) == 2
+    assert not found(tmp_path, ".pending-*")
+    assert read_archive(tmp_path).column("id").to_pylist() == [r["id"] for r in committed]
+    assert publish([]) == []
+
+
+async def test_cli_sized_run_never_blocks_a_conflicting_lock_for_long(dsn: str) -> None:
+    """The million-row measurement of docs/operations.md, on a CI-sized table.
+
+    A probe keeps taking a SHARE lock (which waits for any retention batch in
+    progress) and another keeps claiming; the longest wait of each is recorded.
+    """
+    conn = await asyncpg.connect(dsn)
+    try:
+        await bench.fill(conn, 30_000, ready=200)
+    finally:
+        await conn.close()
+    policy = RetentionPolicy(max_age=timedelta(days=1), batch_size=1000)
+    result, locks, claims, _ = await bench.measure(dsn, policy, lock_timeout=5.0)
+    assert result.deleted["X"] == 30_000
+    assert result.batches == 30
+    # The probe really ran between batches: it saw the table part-way through.
+    assert len({c for c in locks.seen_counts if 0 < c < 30_000}) >= 3
+    assert locks.timeouts == 0 and claims.timeouts == 0
+    assert locks.longest < 1.0, f"a SHARE lock waited {locks.longest:.3f}s"
+    assert claims.longest < 1.0, f"a claim waited {claims.longest:.3f}s"
+    conn = await asyncpg.connect(dsn)
+    try:
+        left = await conn.fetchrow(
+            f"SELECT count(*) FILTER (WHERE subqueue = 'X'), count(*) FILTER (WHERE subqueue = 'I')"
+            f' FROM nmbus."{bench.QUEUE}"'
+        )
+        assert tuple(left) == (0, 200)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("archive", [False, True])
+async def test_retention_runs_inside_a_worker_on_a_schedule(
+    dsn: str, db: asyncpg.Connection, tmp_path: Path, archive: bool
+) -> None:
+    await populate(db)
+    old = await ids(db, "subqueue = 'X' AND last_processed < now() - interval '7 days'")
+    assert len(old) == 5
+    bus = Bus(
+        "billing",
+        dsn=dsn,
+        poll_interval=2.0,
+        retention_interval=0.2,
+        retention_archive_dir=str(tmp_path) if archive else None,
+    )
+    async with bus:
+        async with asyncio.timeout(30):
+            while await ids(db, "id = ANY($1)", list(old)):
+                await asyncio.sleep(0.1)
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'X'") == 160
+    if archive:
+        assert set(read_archive(tmp_path).column("id").to_pylist()) == old

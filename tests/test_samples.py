@@ -1,0 +1,34 @@
+"""The README's example runs as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_example_is_the_quickstart_sample() -> None:
+    readme = (ROOT / "README.md").read_text()
+    sample = (ROOT / "samples" / "quickstart.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    assert blocks, "README.md shows no Python example"
+    assert blocks[0].strip() in sample
+
+
+def test_quickstart_runs(dsn: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "samples.quickstart"],
+        cwd=ROOT,
+        env={**os.environ, "NMBUS_DSN": dsn},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "order 1 paid" in result.stdout
+    assert "order 3 paid" in result.stdout
+    assert "{'I': 0, 'R': 0, 'X': 4, 'F': 1}" in result.stdout

@@ -1,0 +1,640 @@
+"""The Spark statistics job against an exact computation in PostgreSQL.
+
+The database is seeded with known timings (including NULL timestamps, rows
+without a type, rows still in I/R, a queue with only failures and an empty
+queue); every count and rate must equal what SQL computes, and every
+percentile must lie within the stated rank bound of ``percentile_cont``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from nmbus.postgres import PostgresStore
+
+pytestmark = [
+    pytest.mark.spark,
+    # py4j leaves its gateway sockets to the garbage collector.
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+]
+
+pyspark = pytest.importorskip("pyspark")
+JAR = "/usr/share/java/postgresql.jar"
+if not shutil.which("java") or not os.path.isfile(JAR):
+    pytest.skip(
+        "needs Java and the PostgreSQL JDBC driver (apt-get install default-jre-headless "
+        "libpostgresql-jdbc-java)",
+        allow_module_level=True,
+    )
+
+from nmbus.stats import job  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+T0 = datetime(2024, 3, 1, 9, 40, tzinfo=UTC)
+ERRORS = ["ValueError: boom", "KeyError: 'customer_id'", "TimeoutError: gateway"]
+LABELS = ["orders.OrderPlaced", "billing.ChargeCard", "mail.SendReceipt"]
+PCTS = (0.5, 0.95, 0.99)
+
+# $1 queue name, $2 start time, $3 error lines, $4 labels, $5 rows.
+SEED = """
+INSERT INTO {q} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
+                 retry_count, retry_time, error_info, label, unique_id)
+SELECT 'test', $1,
+       CASE WHEN g % 10 = 0 THEN 'F' WHEN g % 97 = 0 THEN 'I' WHEN g % 89 = 0 THEN 'R'
+            ELSE 'X' END,
+       ins,
+       CASE WHEN g % 211 = 0 THEN NULL
+            ELSE ready + ((g * 37) % 1000 + 1) * interval '1 millisecond'
+                 + (g % 13) * interval '1 microsecond'
+                 + CASE WHEN g % 50 = 7 THEN interval '5 seconds' ELSE interval '0' END
+       END,
+       1 + g % 4, ready,
+       CASE WHEN g % 10 = 0 AND g % 30 <> 20
+                 THEN ($3::text[])[1 + (g / 10) % 3] || E'  \\nTraceback:\\n  line 1'
+            WHEN g % 4 > 0 AND g % 3 = 0 THEN E'TimeoutError: slow\\r\\n  File x'
+       END,
+       CASE WHEN g % 53 = 0 THEN NULL ELSE ($4::text[])[1 + g % 3] END,
+       $1 || '-' || g
+FROM (
+    SELECT g, $2::timestamptz + g * interval '1.7 seconds' AS ins,
+           $2::timestamptz + g * interval '1.7 seconds' + (g % 7) * interval '250 ms' AS ready
+    FROM generate_series(1, $5::int) AS g
+) AS s
+"""
+
+# Every queue's X/F rows as one relation, in plain SQL.
+ROWS = """
+SELECT q.queue, t.id, t.subqueue, coalesce(t.label, '(none)') AS label, t.retry_count,
+       coalesce(t.last_processed, t.retry_time, t.insert_time) AS ev,
+       date_trunc('hour', coalesce(t.last_processed, t.retry_time, t.insert_time)
+                  AT TIME ZONE 'UTC') AS w,
+       CASE WHEN t.subqueue = 'X' THEN (extract(epoch FROM t.last_processed)
+            - extract(epoch FROM t.retry_time)) * 1000 END AS qms,
+       CASE WHEN t.subqueue = 'X' THEN (extract(epoch FROM t.last_processed)
+            - extract(epoch FROM t.insert_time)) * 1000 END AS ems,
+       t.error_info
+FROM ({union}) AS t JOIN (VALUES {names}) AS q(queue) ON q.queue = t.src
+WHERE t.subqueue IN ('X', 'F') {extra}
+"""
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def _seed(dsn: str, sizes: dict[str, int], start: datetime = T0) -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        for q in sizes:
+            await store.ensure_queue(q)
+    finally:
+        await store.close()
+    conn = await asyncpg.connect(dsn)
+    try:
+        for i, (q, n) in enumerate(sizes.items()):
+            if n:
+                await conn.execute(
+                    SEED.format(q=f'nmbus."{q}"'),
+                    q,
+                    start + timedelta(minutes=13 * i),
+                    ERRORS,
+                    LABELS,
+                    n,
+                )
+    finally:
+        await conn.close()
+
+
+async def _seed_doomed(dsn: str) -> None:
+    """A queue where everything failed; one row has no error text, one no timestamps left."""
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        await store.ensure_queue("doomed")
+    finally:
+        await store.close()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            """
+            INSERT INTO nmbus.doomed (from_endpoint, to_endpoint, subqueue, insert_time,
+                last_processed, retry_count, retry_time, error_info, label, unique_id)
+            SELECT 'test', 'doomed', 'F', $1::timestamptz + g * interval '1 minute',
+                   CASE WHEN g = 2 THEN NULL
+                        ELSE $1::timestamptz + g * interval '1 minute' + interval '3 s' END,
+                   5, $1::timestamptz + g * interval '1 minute',
+                   CASE WHEN g = 3 THEN NULL ELSE 'RuntimeError: poison' || E'\\nTraceback' END,
+                   'poison.Pill', 'doomed-' || g
+            FROM generate_series(1, 6) AS g
+            """,
+            T0,
+        )
+    finally:
+        await conn.close()
+
+
+async def _fetch(dsn: str, sql: str, *args: Any) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return list(await conn.fetch(sql, *args))
+    finally:
+        await conn.close()
+
+
+def rows_sql(queues: list[str], extra: str = "") -> str:
+    union = " UNION ALL ".join(
+        f"SELECT {job.quote_literal(q)} AS src, id, subqueue, label, retry_count, insert_time, "
+        f"last_processed, retry_time, error_info FROM nmbus.{job.quote_ident(q)}"
+        for q in queues
+    )
+    names = ", ".join(f"({job.quote_literal(q)})" for q in queues)
+    return ROWS.format(union=union, names=names, extra=extra)
+
+
+def exact_levels(dsn: str, queues: list[str], extra: str = "") -> dict[str, dict]:
+    """Counts, rates and sorted latencies per level, computed by PostgreSQL."""
+    base = rows_sql(queues, extra)
+    levels = {
+        "windows": ("queue, label, w", 3),
+        "queue_windows": ("queue, w", 2),
+        "labels": ("queue, label", 2),
+        "queues": ("queue", 1),
+    }
+    out: dict[str, dict] = {}
+    for level, (keys, nkeys) in levels.items():
+        sql = f"""
+            SELECT {keys},
+                   count(*) FILTER (WHERE subqueue = 'X') AS processed,
+                   count(*) FILTER (WHERE subqueue = 'F') AS failed,
+                   min(ev) AS first_time, max(ev) AS last_time,
+                   avg(qms) AS qmean, max(qms) AS qmax, avg(ems) AS emean, max(ems) AS emax,
+                   percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY qms) AS qcont,
+                   percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY ems) AS econt,
+                   array_agg(qms ORDER BY qms) FILTER (WHERE qms IS NOT NULL) AS qs,
+                   array_agg(ems ORDER BY ems) FILTER (WHERE ems IS NOT NULL) AS es
+            FROM ({base}) AS r GROUP BY {keys}
+        """
+        result = {}
+        for r in _run(_fetch(dsn, sql)):
+            key = tuple(
+                r[i].replace(tzinfo=UTC) if isinstance(r[i], datetime) else r[i]
+                for i in range(nkeys)
+            )
+            result[key] = dict(r)
+        out[level] = result
+    return out
+
+
+def _key(rec: dict, level: str) -> tuple:
+    names = {
+        "windows": ("queue", "label", "window_start"),
+        "queue_windows": ("queue", "window_start"),
+        "labels": ("queue", "label"),
+        "queues": ("queue",),
+    }[level]
+    # pyspark returns naive local times
+    return tuple(rec[n].astimezone(UTC) if isinstance(rec[n], datetime) else rec[n] for n in names)
+
+
+def assert_within_bound(value: float | None, values: list, p: float, accuracy: int) -> None:
+    """The stated bound: a data value within ceil(n/A) + 1 ranks of percentile_cont's rank."""
+    if not values:
+        assert value is None
+        return
+    xs = [float(v) for v in values]
+    n = len(xs)
+    k = math.ceil(n / accuracy) + 1
+    pos = p * (n - 1)
+    lo, hi = max(0, math.floor(pos) - k), min(n - 1, math.ceil(pos) + k)
+    assert value is not None
+    assert xs[lo] - 1e-9 <= value <= xs[hi] + 1e-9, (value, p, n, xs[lo], xs[hi])
+    assert any(abs(value - x) < 1e-6 for x in xs[lo : hi + 1])  # an actual value, not a guess
+
+
+def close(a: float | None, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return math.isclose(a, float(b), rel_tol=1e-9, abs_tol=1e-9)
+
+
+def check_level(
+    spark_rows: list[dict], exact: dict, level: str, accuracy: int, seconds: int | None
+) -> None:
+    got = {_key(r, level): r for r in spark_rows}
+    assert set(got) == set(exact), (level, set(got) ^ set(exact))
+    for key, e in exact.items():
+        g = got[key]
+        assert (g["processed"], g["failed"]) == (e["processed"], e["failed"]), (level, key)
+        total = e["processed"] + e["failed"]
+        assert g["total"] == total
+        assert close(g["failure_rate"], e["failed"] / total if total else None)
+        if seconds is not None:
+            assert close(g["throughput_per_s"], e["processed"] / seconds)
+        else:
+            span = (e["last_time"] - e["first_time"]).total_seconds()
+            assert close(g["throughput_per_s"], e["processed"] / span if span > 0 else None)
+        for prefix, short in (("queue_latency", "q"), ("e2e_latency", "e")):
+            values = e[f"{short}s"] or []
+            assert g[f"{prefix}_rows"] == len(values)
+            assert close(g[f"{prefix}_mean_ms"], e[f"{short}mean"])
+            assert close(g[f"{prefix}_max_ms"], e[f"{short}max"])
+            for i, p in enumerate(PCTS):
+                value = g[f"{prefix}_p{round(p * 100)}_ms"]
+                assert_within_bound(value, values, p, accuracy)
+                if values:  # and so it is close to PostgreSQL's interpolated value
+                    cont = float(e[f"{short}cont"][i])
+                    assert abs(value - cont) <= float(values[-1]) - float(values[0]) + 1e-9
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    session = job.build_session("local[2]", driver_memory="1g", shuffle_partitions=4)
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def out_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="nmbus-stats-") as d:
+        yield Path(d)
+
+
+def parquet(spark: Any, out: Path, table: str) -> list[dict]:
+    return [r.asDict() for r in spark.read.parquet(str(out / "parquet" / table)).collect()]
+
+
+QUEUES = {"orders": 3000, "billing": 1200, "empty": 0}
+
+
+@pytest.mark.parametrize("accuracy", [job.DEFAULT_ACCURACY, 100])
+def test_figures_match_exact_sql(spark: Any, dsn: str, out_dir: Path, accuracy: int) -> None:
+    _run(_seed(dsn, QUEUES))
+    _run(_seed_doomed(dsn))
+    opts = job.Options(dsn=dsn, out=str(out_dir), accuracy=accuracy, partitions=3)
+    opts.write_table = accuracy == job.DEFAULT_ACCURACY
+    result = job.run(spark, opts)
+
+    names = [*QUEUES, "doomed"]
+    exact = exact_levels(dsn, names)
+    for level in ("windows", "queue_windows", "labels", "queues"):
+        seconds = 3600 if "windows" in level else None
+        check_level(parquet(spark, out_dir, level), exact[level], level, accuracy, seconds)
+
+    # The summary carries the same queue totals, every queue listed, the empty one too.
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(result.summary))
+    assert [q["queue"] for q in summary["queues"]] == sorted(names)
+    by_queue = {q["queue"]: q for q in summary["queues"]}
+    assert by_queue["empty"]["total"] == 0
+    assert by_queue["empty"]["queue_latency_ms"]["p99"] is None
+    for (q,), e in exact["queues"].items():
+        assert by_queue[q]["processed"] == e["processed"]
+        assert by_queue[q]["failed"] == e["failed"]
+    overall = summary["overall"]
+    assert overall["processed"] == sum(e["processed"] for e in exact["queues"].values())
+    assert overall["failed"] == sum(e["failed"] for e in exact["queues"].values())
+
+    # A queue with only failures: rate 1, no latency; NULL timestamps still counted.
+    doomed = by_queue["doomed"]
+    assert (doomed["processed"], doomed["failed"], doomed["failure_rate"]) == (0, 6, 1.0)
+    assert doomed["queue_latency_ms"]["rows"] == 0
+    assert doomed["e2e_latency_ms"]["p50"] is None
+    nulls = _run(
+        _fetch(
+            dsn, "SELECT count(*) FROM nmbus.orders WHERE subqueue = 'X' AND last_processed IS NULL"
+        )
+    )[0][0]
+    assert nulls > 0
+    orders = exact["queues"][("orders",)]
+    assert by_queue["orders"]["queue_latency_ms"]["rows"] == orders["processed"] - nulls
+
+    # Attempts per message, by type and outcome.
+    retries = _run(
+        _fetch(
+            dsn,
+            f"""SELECT queue, label, CASE subqueue WHEN 'X' THEN 'processed' ELSE 'failed' END,
+                       retry_count, count(*) FROM ({rows_sql(names)}) AS r
+                GROUP BY 1, 2, 3, 4""",
+        )
+    )
+    assert {tuple(r) for r in retries} == {
+        (r["queue"], r["label"], r["outcome"], r["retry_count"], r["messages"])
+        for r in parquet(spark, out_dir, "retries")
+    }
+
+    # Errors by first line, trailing blanks and CR cut; F rows without text are named.
+    errors = _run(
+        _fetch(
+            dsn,
+            f"""SELECT queue, label, error, count(*) FILTER (WHERE subqueue = 'F'),
+                       count(*) FILTER (WHERE subqueue = 'X'),
+                       coalesce(min(id) FILTER (WHERE subqueue = 'F'), min(id))
+                FROM (SELECT *, CASE
+                        WHEN coalesce(regexp_replace(split_part(error_info, E'\\n', 1),
+                                                     '\\s+$', ''), '') <> ''
+                        THEN regexp_replace(split_part(error_info, E'\\n', 1), '\\s+$', '')
+                        WHEN subqueue = 'F' THEN '(no error recorded)' END AS error
+                      FROM ({rows_sql(names)}) AS r) AS e
+                WHERE error IS NOT NULL GROUP BY 1, 2, 3""",
+        )
+    )
+    got = {
+        (r["queue"], r["label"], r["error"], r["failed"], r["recovered"], r["example_id"])
+        for r in parquet(spark, out_dir, "errors")
+    }
+    assert got == {tuple(r) for r in errors}
+    assert any(e[2] == "TimeoutError: slow" for e in got)
+    assert any(e[2] == job.NO_ERROR and e[0] == "doomed" for e in got)
+    top = summary["top_errors"][0]
+    assert top["failed"] == max(r[3] for r in errors)
+
+    if opts.write_table:  # the optional copy for SQL users
+        stored = _run(_fetch(dsn, "SELECT count(*), sum(processed) FROM nmbus.stats_windows"))
+        assert stored[0][0] == len(exact["windows"])
+        assert stored[0][1] == overall["processed"]
+
+
+def test_since_until_filter(spark: Any, dsn: str, out_dir: Path) -> None:
+    _run(_seed(dsn, {"orders": 3000}))
+    since, until = T0 + timedelta(minutes=20), T0 + timedelta(minutes=61)
+    opts = job.Options(dsn=dsn, out=str(out_dir), since=since, until=until, window="minute")
+    result = job.run(spark, opts)
+    extra = "AND coalesce(t.last_processed, t.retry_time, t.insert_time) >= $1 " + (
+        "AND coalesce(t.last_processed, t.retry_time, t.insert_time) < $2"
+    )
+    exact = _run(
+        _fetch(
+            dsn,
+            f"""SELECT count(*) FILTER (WHERE subqueue = 'X'),
+                       count(*) FILTER (WHERE subqueue = 'F'),
+                       count(DISTINCT date_trunc('minute', ev))
+                FROM ({rows_sql(["orders"], extra)}) r""",
+            since,
+            until,
+        )
+    )[0]
+    o = result.summary["overall"]
+    assert (o["processed"], o["failed"]) == (exact[0], exact[1])
+    assert len(parquet(spark, out_dir, "queue_windows")) == exact[2]
+    assert close(o["throughput_per_s"], exact[0] / (until - since).total_seconds())
+
+
+def _archive_rows(dsn: str, queue: str, where: str) -> list[dict]:
+    rows = _run(
+        _fetch(
+            dsn,
+            f"SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, "
+            f"retry_count, retry_time, error_info, correlation_id, label, msg_text, "
+            f"msg_headers::text AS msg_headers, unique_id, handling_client_id, lease_expires "
+            f"FROM nmbus.{job.quote_ident(queue)} WHERE {where} ORDER BY id",
+        )
+    )
+    return [dict(r) for r in rows]
+
+
+def _write_archive(root: Path, queue: str, rows: list[dict], name: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ts = pa.timestamp("us", tz="UTC")
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("from_endpoint", pa.string()),
+            ("to_endpoint", pa.string()),
+            ("subqueue", pa.string()),
+            ("insert_time", ts),
+            ("last_processed", ts),
+            ("retry_count", pa.int32()),
+            ("retry_time", ts),
+            ("error_info", pa.string()),
+            ("correlation_id", pa.string()),
+            ("label", pa.string()),
+            ("msg_text", pa.string()),
+            ("msg_headers", pa.string()),
+            ("unique_id", pa.string()),
+            ("handling_client_id", pa.string()),
+            ("lease_expires", ts),
+        ]
+    )
+    by_day: dict[str, list[dict]] = {}
+    for r in rows:
+        day = (r["last_processed"] or r["retry_time"]).astimezone(UTC).date().isoformat()
+        by_day.setdefault(day, []).append(r)
+    for day, part in by_day.items():
+        folder = root / f"queue={queue}" / f"day={day}"
+        folder.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pylist(part, schema=schema)
+        pq.write_table(table, folder / f"{name}.parquet")
+
+
+def test_archived_and_live_rows_are_counted_once(spark: Any, dsn: str, out_dir: Path) -> None:
+    _run(_seed(dsn, {"orders": 3000, "gone": 40}))
+    exact = exact_levels(dsn, ["orders", "gone"])
+    archive = out_dir / "archive"
+    # Retention archived X rows up to id 1500 (twice, as after a retried batch) and
+    # deleted those up to 1000: 1001..1500 are both archived and live.
+    archived = _archive_rows(dsn, "orders", "subqueue = 'X' AND id <= 1500")
+    _write_archive(archive, "orders", archived, "batch-1")
+    _write_archive(archive, "orders", archived[:200], "batch-1-retry")
+    # A queue whose table was dropped after everything was archived.
+    _write_archive(archive, "gone", _archive_rows(dsn, "gone", "subqueue IN ('X', 'F')"), "b")
+    _run(
+        _fetch(
+            dsn,
+            "WITH d AS (DELETE FROM nmbus.orders WHERE subqueue = 'X' AND id <= 1000 RETURNING 1)"
+            " SELECT count(*) FROM d",
+        )
+    )
+    _run(_fetch(dsn, "DROP TABLE nmbus.gone"))
+    _run(_fetch(dsn, "DELETE FROM nmbus.queues WHERE name = 'gone'"))
+
+    result = job.run(spark, job.Options(dsn=dsn, out=str(out_dir / "r"), archive_dir=str(archive)))
+    for level in ("windows", "labels", "queues"):
+        seconds = 3600 if level == "windows" else None
+        check_level(
+            parquet(spark, out_dir / "r", level), exact[level], level, job.DEFAULT_ACCURACY, seconds
+        )
+    assert [q["queue"] for q in result.summary["queues"]] == ["gone", "orders"]
+
+
+def test_empty_archive_directory_and_empty_tables(spark: Any, dsn: str, out_dir: Path) -> None:
+    _run(_seed(dsn, {"idle": 0, "waiting": 0}))
+    _run(
+        _fetch(
+            dsn,
+            "INSERT INTO nmbus.waiting (from_endpoint, to_endpoint, unique_id) "
+            "VALUES ('a', 'waiting', 'u1')",
+        )
+    )
+    (out_dir / "archive").mkdir()
+    result = job.run(
+        spark, job.Options(dsn=dsn, out=str(out_dir / "r"), archive_dir=str(out_dir / "archive"))
+    )
+    o = result.summary["overall"]
+    assert (o["processed"], o["failed"], o["failure_rate"]) == (0, 0, None)
+    assert [q["queue"] for q in result.summary["queues"]] == ["idle", "waiting"]
+    assert (out_dir / "r" / "report.html").is_file()
+    dom = chromium_dom(out_dir / "r" / "report.html")
+    assert_charts_rendered(dom)
+    assert "No processed or failed messages" in dom
+
+
+def test_missing_archive_directory_is_a_clear_error(spark: Any, dsn: str, out_dir: Path) -> None:
+    _run(_seed(dsn, {"orders": 10}))
+    with pytest.raises(job.StatsError, match="does not exist"):
+        job.run(spark, job.Options(dsn=dsn, out=str(out_dir), archive_dir=str(out_dir / "nope")))
+
+
+def test_missing_database_is_a_clear_error(spark: Any, dsn: str, out_dir: Path) -> None:
+    bad = re.sub(r"/[^/]+$", "/no_such_database_here", dsn)
+    with pytest.raises(job.StatsError, match="no_such_database_here"):
+        job.run(spark, job.Options(dsn=bad, out=str(out_dir)))
+
+
+# ------------------------------------------------------------------ the page in a browser
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+HEADLESS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def _chromium(args: list[str]) -> str:
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("needs chromium (apt-get install chromium)")
+    with tempfile.TemporaryDirectory(prefix="nmbus-chromium-") as profile:
+        proc = subprocess.run(
+            [CHROMIUM, *HEADLESS, f"--user-data-dir={profile}", *args],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def chromium_dom(page: Path) -> str:
+    return _chromium(["--dump-dom", page.as_uri()])
+
+
+def assert_charts_rendered(dom: str) -> None:
+    assert "data-script-errors" not in dom.split("<head>")[0], dom[:500]
+    m = re.search(r'data-charts-rendered="(\d+)"', dom)
+    assert m, "the page's script did not finish"
+    charts = dom.count('class="chart"')
+    assert int(m.group(1)) == charts > 0
+    # Every chart holds a drawing.
+    assert len(re.findall(r'<div class="chart"[^>]*><svg', dom)) == charts
+
+
+def test_report_renders_in_headless_chromium(spark: Any, dsn: str, out_dir: Path) -> None:
+    _run(_seed(dsn, {"orders": 3000, "billing": 1200}))
+    _run(_seed_doomed(dsn))
+    result = job.run(spark, job.Options(dsn=dsn, out=str(out_dir), window="minute"))
+    page = Path(result.html_path)
+    html = page.read_text()
+    assert "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in html and "<script src" not in html
+    dom = chromium_dom(page)
+    assert_charts_rendered(dom)
+    assert dom.count('class="chart"') == 2 * 3 + 3  # two per queue, three for the bus
+    assert "RuntimeError: poison" in dom
+
+    shots = Path(os.environ.get("NMBUS_TEST_ARTIFACTS", out_dir))
+    shots.mkdir(parents=True, exist_ok=True)
+    shot = shots / "report.png"
+    _chromium(
+        ["--window-size=1440,1000", "--hide-scrollbars", f"--screenshot={shot}", page.as_uri()]
+    )
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert shot.stat().st_size > 20_000  # a drawn page, not a blank one
+    print(f"screenshot: {shot}")
+
+
+# ------------------------------------------------------------------ command lines
+
+
+def test_nmbus_report_command(spark: Any, dsn: str, out_dir: Path) -> None:
+    from typer.testing import CliRunner
+
+    from nmbus.cli import app
+
+    _run(_seed(dsn, {"orders": 300}))
+    res = CliRunner().invoke(
+        app, ["report", "--dsn", dsn, "--out", str(out_dir), "--window", "day", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["window"] == "day"
+    assert summary["overall"]["total"] > 0
+    assert (out_dir / "report.html").is_file() and (out_dir / "parquet" / "windows").is_dir()
+    assert spark.sparkContext._jsc is not None  # the borrowed session was left running
+
+
+def test_unreachable_database_cli(out_dir: Path) -> None:
+    from typer.testing import CliRunner
+
+    from nmbus.cli import app
+
+    res = CliRunner().invoke(
+        app, ["report", "--dsn", "postgresql://postgres@127.0.0.1:1/x", "--out", str(out_dir)]
+    )
+    assert res.exit_code == 2
+    assert "cannot reach PostgreSQL at 127.0.0.1:1" in res.output
+
+
+def test_job_file_runs_standalone_and_fails_clearly(out_dir: Path) -> None:
+    """As spark-submit runs it: a plain file, nmbus not importable; exit 2 with a reason."""
+    code = (
+        "import runpy, sys; sys.modules['nmbus'] = None; "
+        f"sys.path.insert(0, {str(ROOT / 'nmbus' / 'stats')!r}); "
+        "sys.argv = ['job.py', '--dsn', 'postgresql://postgres@127.0.0.1:1/x', "
+        f"'--out', {str(out_dir)!r}]; "
+        f"runpy.run_path({str(ROOT / 'nmbus' / 'stats' / 'job.py')!r}, run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=out_dir
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot reach PostgreSQL at 127.0.0.1:1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_jdbc_jar_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(job, "JDBC_JAR_CANDIDATES", ("/nonexistent/postgresql.jar",))
+    monkeypatch.delenv("NMBUS_JDBC_JAR", raising=False)
+    with pytest.raises(job.StatsError, match="apt-get install libpostgresql-jdbc-java"):
+        job.find_jdbc_jar()
+
+
+def test_dsn_to_jdbc() -> None:
+    j = job.jdbc_from_dsn("postgresql://u:p%40ss@db.example:6543/app?sslmode=require")
+    assert j.url == "jdbc:postgresql://db.example:6543/app?sslmode=require"
+    assert (j.user, j.password) == ("u", "p@ss")
+    with pytest.raises(job.StatsError):
+        job.jdbc_from_dsn("mysql://x")
+    assert job.parse_time("2024-03-01T10:00") == datetime(2024, 3, 1, 10, tzinfo=UTC)

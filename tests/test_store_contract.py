@@ -1,0 +1,164 @@
+"""The storage port's contract, run against both adapters.
+
+The worker only relies on what is checked here, so the in-memory store can
+stand in for PostgreSQL in unit tests without lying about the semantics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from nmbus.messages import Envelope
+from nmbus.postgres import PostgresStore
+from nmbus.store import Outcomes, Store
+from nmbus.testing import MemoryStore
+
+
+@pytest.fixture(params=["memory", "postgres"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    dsn = request.getfixturevalue("dsn")
+    pg = PostgresStore(dsn)
+    await pg.open()
+    try:
+        yield pg
+    finally:
+        await pg.close()
+
+
+def envelope(n: int, *, uid: str | None = None, at: datetime | None = None) -> Envelope:
+    uid = uid or uuid.uuid4().hex
+    return Envelope("test.Ping", f'{{"n":{n}}}', None, uid, uid, at)
+
+
+async def claim(store: Store, limit: int = 10, client: str = "c1", lease: float = 30.0) -> list:
+    async with store.worker_session() as session:
+        return await session.claim("q", limit, client, lease)
+
+
+async def finish(store: Store, outcomes: Outcomes, client: str = "c1") -> int:
+    async with store.worker_session() as session, session.batch() as tx:
+        return await tx.finish("q", outcomes, client)
+
+
+async def test_insert_skips_known_unique_ids(store: Store) -> None:
+    assert await store.insert("q", "me", [envelope(1, uid="a"), envelope(2, uid="b")]) == 2
+    assert await store.insert("q", "me", [envelope(3, uid="a")]) == 0
+    assert await store.counts("q") == {"I": 2, "R": 0, "X": 0, "F": 0}
+
+
+async def test_claim_takes_ready_rows_in_order_and_counts_the_attempt(store: Store) -> None:
+    await store.insert("q", "me", [envelope(n) for n in range(5)])
+    first = await claim(store, limit=3)
+    assert [m.msg_text for m in first] == ['{"n":0}', '{"n":1}', '{"n":2}']
+    assert {m.retry_count for m in first} == {1}
+    assert not any(m.recovered for m in first)
+    second = await claim(store, limit=10, client="c2")
+    assert [m.msg_text for m in second] == ['{"n":3}', '{"n":4}']
+    assert await claim(store) == []  # everything is leased
+
+
+async def test_scheduled_rows_wait_for_their_time(store: Store) -> None:
+    later = datetime.now(UTC) + timedelta(seconds=60)
+    await store.insert("q", "me", [envelope(1, at=later)])
+    assert await store.counts("q") == {"I": 0, "R": 1, "X": 0, "F": 0}
+    assert await claim(store) == []
+    async with store.worker_session() as session:
+        due = await session.next_due("q")
+    assert due is not None and 58 < due <= 60
+
+
+async def test_past_deliver_at_is_ready_now(store: Store) -> None:
+    await store.insert("q", "me", [envelope(1, at=datetime(2001, 1, 1, tzinfo=UTC))])
+    assert len(await claim(store)) == 1
+
+
+async def test_finish_records_each_outcome(store: Store) -> None:
+    await store.insert("q", "me", [envelope(n) for n in range(4)])
+    ids = [m.id for m in await claim(store)]
+    outcomes = Outcomes()
+    outcomes.add(ids[0], "X")
+    outcomes.add(ids[1], "R", delay=0.0, error_info="ValueError: once")
+    outcomes.add(ids[2], "F", error_info="PermanentError: never")
+    outcomes.add(ids[3], None, correction=-1)  # released, attempt refunded
+    assert await finish(store, outcomes) == 4
+    assert await store.counts("q") == {"I": 1, "R": 1, "X": 1, "F": 1}
+    again = {m.id: m for m in await claim(store)}
+    assert set(again) == {ids[1], ids[3]}
+    assert again[ids[1]].retry_count == 2
+    assert again[ids[3]].retry_count == 1
+
+
+async def test_finish_ignores_rows_another_client_holds(store: Store) -> None:
+    await store.insert("q", "me", [envelope(1)])
+    (row,) = await claim(store, client="c1")
+    outcomes = Outcomes()
+    outcomes.add(row.id, "X")
+    assert await finish(store, outcomes, client="c2") == 0
+
+
+async def test_an_expired_lease_lets_another_worker_recover_the_row(store: Store) -> None:
+    await store.insert("q", "me", [envelope(1)])
+    (first,) = await claim(store, client="c1", lease=0.2)
+    assert await claim(store, client="c2") == []
+    await asyncio.sleep(0.3)
+    (again,) = await claim(store, client="c2")
+    assert again.id == first.id
+    assert again.retry_count == 2 and again.recovered
+    outcomes = Outcomes()
+    outcomes.add(first.id, "X")
+    assert await finish(store, outcomes, client="c1") == 0  # c1 lost it
+    assert await finish(store, outcomes, client="c2") == 1
+
+
+async def test_renew_and_abandon_leases(store: Store) -> None:
+    await store.insert("q", "me", [envelope(1), envelope(2)])
+    a, b = await claim(store, client="c1", lease=0.3)
+    await store.renew_leases("q", [a.id], "c1", 30.0)
+    await store.abandon_leases("q", [b.id], "c1")
+    (again,) = await claim(store, client="c2")
+    assert again.id == b.id and again.retry_count == 2
+    await asyncio.sleep(0.4)
+    assert await claim(store, client="c3") == []  # a's lease was renewed
+
+
+async def test_a_failed_batch_writes_nothing(store: Store) -> None:
+    await store.insert("q", "me", [envelope(1)])
+    (row,) = await claim(store)
+    await store.ensure_queue("out")
+    with pytest.raises(RuntimeError):
+        async with store.worker_session() as session, session.batch() as tx:
+            await tx.insert("out", "q", [envelope(9)])
+            outcomes = Outcomes()
+            outcomes.add(row.id, "X")
+            await tx.finish("q", outcomes, "c1")
+            raise RuntimeError("handler blew up the batch")
+    assert await store.counts("out") == {"I": 0, "R": 0, "X": 0, "F": 0}
+    assert await store.counts("q") == {"I": 1, "R": 0, "X": 0, "F": 0}
+
+
+async def test_subscriptions_expire_and_match_type_names(store: Store) -> None:
+    await store.subscribe("orders", "billing", ["Event", "OrderPlaced"], ttl=None)
+    await store.subscribe("orders", "shipping", ["OrderPlaced"], ttl=0.2)
+    await store.subscribe("other", "audit", ["OrderPlaced"], ttl=None)
+    assert await store.subscribers("orders", ["OrderPlaced", "Event"]) == ["billing", "shipping"]
+    assert await store.subscribers("orders", ["Event"]) == ["billing"]
+    await asyncio.sleep(0.3)
+    assert await store.subscribers("orders", ["OrderPlaced"]) == ["billing"]
+    await store.unsubscribe("orders", "billing", ["OrderPlaced", "Event"])
+    assert await store.subscribers("orders", ["OrderPlaced", "Event"]) == []
+
+
+async def test_queues_are_listed_and_dropped(store: Store) -> None:
+    await store.ensure_queue("alpha")
+    await store.ensure_queue("beta")
+    assert {"alpha", "beta"} <= set(await store.list_queues())
+    await store.drop_queue("alpha")
+    assert "alpha" not in await store.list_queues()

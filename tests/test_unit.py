@@ -1,0 +1,124 @@
+"""Fast tests without a database: the API surface, registration, retry policy,
+and the real worker running on the in-memory store."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import nmbus
+from nmbus import Bus, Context, Message, PermanentError, RetryPolicy
+from nmbus.errors import ConfigurationError, HandlerError, InvalidQueueName, MessageTooLarge
+from nmbus.testing import MemoryStore, drain
+from tests.messages import Event, OrderPlaced, Ping, Pong
+
+
+def memory_bus(endpoint: str = "billing", **settings: object) -> Bus:
+    return Bus(endpoint, store=MemoryStore(), poll_interval=0.05, **settings)
+
+
+def test_all_matches_the_public_names() -> None:
+    public = {name for name in dir(nmbus) if not name.startswith("_")}
+    modules = {name for name in public if inspect.ismodule(getattr(nmbus, name))}
+    assert set(nmbus.__all__) == public - modules
+    for name in ("Bus", "Message", "Context", "RetryPolicy", "PermanentError", "RetryLater"):
+        assert name in nmbus.__all__
+
+
+@pytest.mark.parametrize(
+    "name",
+    ['bad"name', "has space", "x; DROP TABLE y", "a" * 200, "", "9lives", "schema_version", 7],
+)
+def test_hostile_queue_names_are_refused(name: object) -> None:
+    with pytest.raises(InvalidQueueName):
+        memory_bus(name)  # type: ignore[arg-type]
+
+
+def test_handler_registration_checks_at_once() -> None:
+    bus = memory_bus()
+    with pytest.raises(HandlerError, match="async"):
+
+        @bus.handler
+        def not_async(msg: Ping, ctx: Context) -> None: ...
+
+    with pytest.raises(HandlerError, match="annotate"):
+
+        @bus.handler
+        async def no_annotation(msg, ctx: Context) -> None: ...  # type: ignore[no-untyped-def]
+
+    with pytest.raises(HandlerError, match="not a subclass"):
+
+        @bus.handler
+        async def wrong_type(msg: int, ctx: Context) -> None: ...
+
+    with pytest.raises(HandlerError, match=r"exactly \(msg, ctx\)"):
+
+        @bus.handler
+        async def too_many(msg: Ping, ctx: Context, extra: int) -> None: ...
+
+    with pytest.raises(TypeError):
+        bus.handler(retry="3")(lambda: None)  # type: ignore[call-overload]
+
+
+def test_retry_normalises_ints_and_policies() -> None:
+    assert RetryPolicy.of(3).max_attempts == 3
+    policy = RetryPolicy(max_attempts=4, initial_delay=2, backoff=3, max_delay=10, jitter=0)
+    assert RetryPolicy.of(policy) is policy
+    assert [policy.delay(n) for n in (1, 2, 3)] == [2, 6, 10]
+    assert not policy.gives_up_after(3) and policy.gives_up_after(4)
+    with pytest.raises(ValueError):
+        RetryPolicy(max_attempts=0)
+
+
+def test_type_names_are_explicit_and_clashes_are_refused() -> None:
+    assert OrderPlaced.__type_name__ == "test.OrderPlaced"
+    with pytest.raises(ConfigurationError, match="used by both"):
+
+        class Clash(Message, type_name="test.Ping"):
+            x: int
+
+    with pytest.raises(ConfigurationError, match="invalid message type name"):
+
+        class Bad(Message, type_name="has space"):
+            x: int
+
+
+async def test_send_refuses_bad_arguments() -> None:
+    async with memory_bus(max_message_bytes=1000) as bus:
+        with pytest.raises(MessageTooLarge, match="over the limit of 1000"):
+            await bus.send(Event(name="x" * 2000), to="billing")
+        with pytest.raises(ValueError, match="timezone-aware"):
+            import datetime
+
+            await bus.send(Ping(n=1), to="billing", deliver_at=datetime.datetime(2030, 1, 1))
+        with pytest.raises(ValueError, match="delay"):
+            await bus.send(Ping(n=1), to="billing", delay=-1)
+        with pytest.raises(TypeError, match=r"nmbus\.Message"):
+            await bus.send({"n": 1}, to="billing")  # type: ignore[arg-type]
+        with pytest.raises(InvalidQueueName):
+            await bus.send(Ping(n=1), to='x"; DROP')
+
+
+async def test_the_worker_runs_on_the_memory_store() -> None:
+    store = MemoryStore()
+    bus = Bus("billing", store=store, poll_interval=0.05, max_attempts=2, retry_delay=0)
+    seen: list[tuple[str, int]] = []
+
+    @bus.handler
+    async def on_event(msg: Event, ctx: Context) -> None:
+        seen.append((type(msg).__name__, ctx.retry_count))
+        if isinstance(msg, OrderPlaced) and msg.order_id == 2:
+            raise PermanentError("bad order")
+        if isinstance(msg, OrderPlaced) and msg.order_id == 3 and ctx.retry_count == 1:
+            raise RuntimeError("flaky")
+        await ctx.send(Pong(n=1), to="audit")
+
+    async with bus:
+        for order in (1, 2, 3):
+            await bus.send(OrderPlaced(name="o", order_id=order), to="billing")
+        await drain(bus)
+    states = [(r.subqueue, r.retry_count) for r in store.rows("billing")]
+    assert states == [("X", 1), ("F", 1), ("X", 2)]
+    assert len(store.rows("audit")) == 2  # the failed attempts sent nothing
+    assert seen.count(("OrderPlaced", 1)) == 3

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +33,7 @@ class HandlerConnection:
 
     async def _enter(self) -> asyncpg.Connection:
         if not self._ctx._savepoint:
-            begin = self._ctx._begin
-            if begin is not None:
-                await begin()  # a batch run without savepoints: see Worker._run_batch
-            else:
-                await self._batch.savepoint()
+            await self._batch.savepoint()
             self._ctx._savepoint = True
         conn: asyncpg.Connection = self._batch.connection
         return conn
@@ -76,10 +72,7 @@ class HandlerConnection:
     async def raw(self) -> asyncpg.Connection:
         """The underlying asyncpg connection, with the handler's savepoint taken."""
         # What happens on it is unknown to us: treat its savepoint as possibly aborted.
-        # (Without savepoints, an aborted transaction fails the batch, which is then
-        # handled message by message.)
-        if self._ctx._begin is None:
-            self._ctx._tainted = True
+        self._ctx._tainted = True
         return await self._enter()
 
 
@@ -88,7 +81,6 @@ class Context:
 
     __slots__ = (
         "_batch",
-        "_begin",
         "_bus",
         "_connection",
         "_headers",
@@ -99,20 +91,11 @@ class Context:
         "queue",
     )
 
-    def __init__(
-        self,
-        bus: Bus,
-        queue: str,
-        row: StoredMessage,
-        batch: Batch,
-        begin: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
+    def __init__(self, bus: Bus, queue: str, row: StoredMessage, batch: Batch) -> None:
         self._bus = bus
         self.queue = queue
         self._row = row
         self._batch = batch
-        # Set when the batch runs without savepoints: how to begin its transaction.
-        self._begin = begin
         self._savepoint = False
         # A statement failed on the connection, or raw() handed it out.
         self._tainted = False

@@ -24,7 +24,7 @@ import logging
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Coroutine, Generator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
@@ -108,10 +108,6 @@ class _Resumed:
                     value = coro.send(received)
                 except StopIteration:
                     return
-
-
-class _Replay(Exception):
-    """A handler that wrote failed in a batch run without savepoints: run it again with them."""
 
 
 class _SerialBatch:
@@ -339,41 +335,10 @@ class Worker:
     async def _run_batch(
         self, session: WorkerSession, batch: list[StoredMessage], claim_ahead: bool
     ) -> list[StoredMessage]:
-        """Handle the batch without savepoints; if a handler that wrote fails, replay it.
-
-        A savepoint costs a round trip per writing handler. Most batches have no
-        failure, so they first run without any: handlers' writes go straight into
-        the batch's transaction. If a handler that touched ``ctx.connection``
-        fails (or swallowed a failed statement), the whole transaction is rolled
-        back and the batch runs again with a savepoint per handler, so only the
-        failing handler's writes are undone. Its batch-mates then run twice,
-        which at-least-once delivery allows; what they wrote the first time is gone.
-        """
-        if len(batch) > 1 and self.settings.handler_concurrency == 1:
-            try:
-                return await self._run_batch_once(session, batch, claim_ahead, savepoints=False)
-            except _Replay as replay:
-                log.info(
-                    "batch_replayed_with_savepoints",
-                    queue=self.queue,
-                    size=len(batch),
-                    error=str(replay.__cause__ or replay),
-                )
-        return await self._run_batch_once(session, batch, claim_ahead, savepoints=True)
-
-    async def _run_batch_once(
-        self,
-        session: WorkerSession,
-        batch: list[StoredMessage],
-        claim_ahead: bool,
-        savepoints: bool,
-    ) -> list[StoredMessage]:
         outcomes = Outcomes()
         outbox: list[tuple[str | None, Envelope]] = []
         debug = _debug_enabled()
         async with session.batch() as tx:
-            # Stores without a bare begin (MemoryStore) always use savepoints.
-            begin = None if savepoints else getattr(tx, "begin", None)
             if self.settings.handler_concurrency > 1 and len(batch) > 1:
                 await self._handle_concurrently(tx, batch, outcomes, outbox, debug)
             else:
@@ -382,7 +347,7 @@ class Worker:
                         # Never started: back to I at once; the attempt does not count.
                         outcomes.add(message.id, None, correction=-1)
                         continue
-                    await self._handle(tx, message, outcomes, outbox, debug, begin=begin)
+                    await self._handle(tx, message, outcomes, outbox, debug)
             if outbox:
                 await self._flush(tx, outbox)
             ahead: list[StoredMessage] = []
@@ -472,7 +437,6 @@ class Worker:
         outbox: list[tuple[str | None, Envelope]],
         debug: bool,
         lock: asyncio.Lock | None = None,
-        begin: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         bus = self.bus
         cls = decode_type(row.label, row.msg_headers)
@@ -511,7 +475,7 @@ class Worker:
             return
 
         serial = _SerialBatch(tx, lock) if lock is not None else None
-        ctx = Context(bus, self.queue, row, serial or tx, begin)
+        ctx = Context(bus, self.queue, row, serial or tx)
         # ``queue`` is bound once per loop (in _loop); these two change per message.
         tokens = structlog.contextvars.bind_contextvars(message_id=row.id, message_type=row.label)
         try:
@@ -519,7 +483,7 @@ class Worker:
             try:
                 for handler in handlers:
                     await _call(handler.func, message, ctx, handler.timeout or self.default_timeout)
-                if ctx._savepoint and begin is None:
+                if ctx._savepoint:
                     # A clean savepoint can be released with the next one (a round
                     # trip saved); stores that cannot defer release it now.
                     defer = None if ctx._tainted else getattr(tx, "defer_release", None)
@@ -531,13 +495,9 @@ class Worker:
                 raise
             except Exception as exc:
                 if ctx._savepoint:
-                    if begin is not None:
-                        raise _Replay from exc
                     await tx.rollback_savepoint()
                 self._failed(row, exc, policy, outcomes)
                 return
-            if ctx._savepoint and begin is not None and ctx._tainted:
-                raise _Replay("a handler swallowed a failed statement")
             outcomes.add(row.id, "X")
             outbox.extend(ctx._outbox)
             if debug:

@@ -145,35 +145,3 @@ async def test_savepoints_released_late_still_undo_only_the_failing_handler(
     states = await db.fetch('SELECT subqueue, error_info FROM nmbus."billing" ORDER BY id')
     assert [r["subqueue"] for r in states] == ["X", "F", "F", "X"] * 3
     assert "InFailedSQLTransaction" in states[2]["error_info"]
-
-
-async def test_a_batch_runs_without_savepoints_and_replays_with_them_on_failure(
-    make_bus: Callable[..., Bus], db: asyncpg.Connection
-) -> None:
-    await db.execute("CREATE TABLE effects (n int NOT NULL)")
-    bus = make_bus("billing", batch_size=10, max_attempts=1)
-    calls: list[int] = []
-
-    @bus.handler
-    async def handle(msg: Ping, ctx: Context) -> None:
-        calls.append(msg.n)
-        await ctx.connection.execute("INSERT INTO effects (n) VALUES ($1)", msg.n)
-        if msg.n == 13:
-            raise ValueError("fails after its write")
-
-    async with Bus("sender", dsn=bus.settings.dsn, concurrency=0) as sender:
-        for n in range(20):  # two batches of 10; only the second has a failure
-            await sender.send(Ping(n=n), to="billing")
-    with structlog.testing.capture_logs() as logs:
-        async with bus:
-            await drain(bus, timeout=30)
-    replays = [e for e in logs if e["event"] == "batch_replayed_with_savepoints"]
-    assert len(replays) == 1 and replays[0]["size"] == 10
-    # The first batch ran once; in the second, 10..13 ran, then all ten again.
-    assert sorted(calls) == sorted([*range(20), 10, 11, 12, 13])
-    # Every write exactly once, the failing handler's not at all.
-    effects = [r["n"] for r in await db.fetch("SELECT n FROM effects ORDER BY n")]
-    assert effects == [n for n in range(20) if n != 13]
-    states = await db.fetch('SELECT subqueue, retry_count FROM nmbus."billing" ORDER BY id')
-    assert [r["subqueue"] for r in states] == ["F" if n == 13 else "X" for n in range(20)]
-    assert {r["retry_count"] for r in states} == {1}

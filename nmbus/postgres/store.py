@@ -119,10 +119,6 @@ class PostgresBatch:
     def connection(self) -> asyncpg.Connection:
         return self._conn
 
-    async def begin(self) -> None:
-        """Begin the batch's transaction now (a no-op once it has begun)."""
-        await self._begin()
-
     async def _begin(self) -> None:
         if self.transaction is None:
             transaction = self._conn.transaction()

@@ -156,6 +156,24 @@ async def test_outbox_send_exists_exactly_when_the_caller_commits(
     assert [r["msg_text"] for r in await rows(db)] == ['{"n":2}']
 
 
+async def test_outbox_send_to_a_new_queue_needs_no_second_connection(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # The caller holds the pool's only connection; the queue table does not exist yet.
+    async with make_bus("orders", concurrency=0, send_pool_size=1) as bus:
+        pool = bus.store.pool  # type: ignore[attr-defined]
+        async with asyncio.timeout(10):
+            async with pool.acquire() as conn:
+                tx = conn.transaction()
+                await tx.start()
+                await bus.send(Ping(n=1), to="fresh_queue", connection=conn)
+                await tx.rollback()
+                assert await db.fetchval("SELECT to_regclass('nmbus.fresh_queue')") is None
+                async with conn.transaction():
+                    await bus.send(Ping(n=2), to="fresh_queue", connection=conn)
+    assert [r["msg_text"] for r in await rows(db, "fresh_queue")] == ['{"n":2}']
+
+
 # -- 4. retries, F, and workers killed mid-handler ----------------------------------------
 
 

@@ -7,6 +7,7 @@ and schema work, one per worker loop, one for LISTEN and one for lease renewal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,7 +19,12 @@ from asyncpg.transaction import Transaction
 from nmbus.errors import SchemaVersionError
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.postgres.errors import is_connection_error, wrap_errors
-from nmbus.postgres.pubsub import install_publish_function, publish_args, publish_on
+from nmbus.postgres.pubsub import (
+    create_queue_on,
+    install_publish_function,
+    publish_args,
+    publish_on,
+)
 from nmbus.sql import render
 from nmbus.store import SCHEMA_VERSION, Outcomes, validate_queue_name, validate_schema_name
 
@@ -323,14 +329,28 @@ class PostgresStore:
         envelopes: Sequence[Envelope],
         connection: Any = None,
     ) -> int:
-        await self.ensure_queue(queue)
         sql = render("insert_messages", self.schema, queue)
         args = _insert_args(from_endpoint, queue, envelopes, notify_channel(self.schema))
-        with wrap_errors(f"send to {queue}"):
-            if connection is not None:
-                row = await connection.fetchrow(sql, *args)
-            else:
+        if connection is None:
+            await self.ensure_queue(queue)
+            with wrap_errors(f"send to {queue}"):
                 row = await self.pool.fetchrow(sql, *args)
+            return int(row[0]) if row else 0
+        # The caller's connection may be the pool's last one: never wait for another.
+        # A missing table is created in the caller's transaction, and goes if it rolls back.
+        with wrap_errors(f"send to {queue}"):
+            own = None if connection.is_in_transaction() else connection.transaction()
+            async with own or contextlib.nullcontext():
+                if queue not in self._known_queues:
+                    validate_queue_name(queue)
+                    exists = await connection.fetchval(
+                        render("queue_exists", self.schema), self.schema, queue
+                    )
+                    if exists:
+                        self._known_queues.add(queue)
+                    else:
+                        await create_queue_on(connection, self.schema, queue)
+                row = await connection.fetchrow(sql, *args)
         return int(row[0]) if row else 0
 
     async def subscribe(

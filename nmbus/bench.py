@@ -14,7 +14,8 @@ at. The modes:
                    message its own transaction (claim one, insert, mark X, commit).
 ``latency``        a producer on its own connections sends at a fixed rate; the
                    time from send to handler start, as percentiles.
-``fanout``         publishers call ``Bus.publish`` to 3 subscribers; published
+``fanout``         publishers call ``Bus.publish``, then ``Bus.publish_many`` in
+                   batches, to 3 subscribers; published
                    messages and stored rows per second.
 ``xrows``          drain on an empty table, then with millions of X rows in the
                    same table, and ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
@@ -76,6 +77,7 @@ class BenchOptions:
     subscribers: int = 3
     publishers: int = 8
     fanout_messages: int = 10_000
+    fanout_batch: int = 500
     x_rows: int = 5_000_000
     repeat: int = 1
 
@@ -419,16 +421,31 @@ async def measure_fanout(options: BenchOptions, scratch: _Scratch) -> dict[str, 
             started = time.perf_counter()
             await asyncio.gather(*(publish_loop() for _ in range(options.publishers)))
             elapsed = time.perf_counter() - started
+
+            # The same messages again through publish_many: one statement and one
+            # commit per fanout_batch messages, every copy still in its own row.
+            batches = iter(range(0, total, options.fanout_batch))
+
+            async def publish_many_loop() -> None:
+                for first in batches:
+                    last = min(total, first + options.fanout_batch)
+                    await publisher.publish_many([Tick(n=n) for n in range(first, last)])
+
+            started = time.perf_counter()
+            await asyncio.gather(*(publish_many_loop() for _ in range(options.publishers)))
+            batched_elapsed = time.perf_counter() - started
     finally:
         for sub in buses:
             await sub.stop()
     for name in subscribers:
         stored = await scratch.count("I", name)
-        if stored != total + 1:
-            raise RuntimeError(f"subscriber {name} got {stored} rows, expected {total + 1}")
+        if stored != 2 * total + 1:
+            raise RuntimeError(f"subscriber {name} got {stored} rows, expected {2 * total + 1}")
     return {
         "published_per_s": total / elapsed,
         "rows_per_s": total * len(subscribers) / elapsed,
+        "batched_published_per_s": total / batched_elapsed,
+        "batched_rows_per_s": total * len(subscribers) / batched_elapsed,
     }
 
 
@@ -529,6 +546,10 @@ async def run(
             figures = await _scratch_run(dsn, lambda s: measure_fanout(options, s))
             results["fanout"].add("published_per_s", figures["published_per_s"], "msg/s")
             results["fanout"].add("rows_per_s", figures["rows_per_s"], "rows/s")
+            results["fanout"].add(
+                "batched_published_per_s", figures["batched_published_per_s"], "msg/s"
+            )
+            results["fanout"].add("batched_rows_per_s", figures["batched_rows_per_s"], "rows/s")
         if "xrows" in results:
             progress(f"drain on an empty table, run {rep}")
             empty = await _scratch_run(dsn, lambda s: measure_drain(options, s))

@@ -131,8 +131,10 @@ async def test_the_bench_leaves_the_users_queues_alone(dsn: str, db: asyncpg.Con
 async def test_fanout_with_one_publisher_stores_a_copy_per_subscriber(dsn: str) -> None:
     # One publisher once deadlocked: publish held the only pooled connection while
     # ensure_queue waited for another to look at a subscriber queue.
-    options = BenchOptions(dsn=dsn, publishers=1, fanout_messages=20, subscribers=2)
+    options = BenchOptions(dsn=dsn, publishers=1, fanout_messages=20, fanout_batch=7, subscribers=2)
     [result] = await asyncio.wait_for(run(["fanout"], options), timeout=60)
     published = result.figures["published_per_s"]
     assert result.figures["rows_per_s"] == pytest.approx(2 * published)
+    batched = result.figures["batched_published_per_s"]
+    assert result.figures["batched_rows_per_s"] == pytest.approx(2 * batched)
     assert result.settings["subscribers"] == 2

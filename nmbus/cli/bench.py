@@ -35,6 +35,9 @@ def bench(
     subscribers: Annotated[int, typer.Option(min=1, help="fanout: subscriber queues")] = 3,
     publishers: Annotated[int, typer.Option(min=1, help="fanout: concurrent publishers")] = 8,
     fanout_messages: Annotated[int, typer.Option(min=1, help="fanout: messages")] = 10_000,
+    fanout_batch: Annotated[
+        int, typer.Option(min=1, help="fanout: messages per publish_many call")
+    ] = 500,
     x_rows: Annotated[int, typer.Option(min=0, help="xrows: processed rows pre-loaded")] = (
         5_000_000
     ),
@@ -67,6 +70,7 @@ def bench(
         subscribers=subscribers,
         publishers=publishers,
         fanout_messages=fanout_messages,
+        fanout_batch=fanout_batch,
         x_rows=x_rows,
         repeat=repeat,
     )

@@ -585,5 +585,6 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
             "messages": o.fanout_messages,
             "subscribers": o.subscribers,
             "publishers": o.publishers,
+            "publish_many_batch": o.fanout_batch,
         }
     return {**base, "messages": o.messages, "x_rows": o.x_rows}

@@ -68,6 +68,8 @@ class Outcomes:
     delay: list[float | None] = field(default_factory=list)
     error_info: list[str | None] = field(default_factory=list)
     correction: list[int] = field(default_factory=list)
+    # True while every message so far was simply processed (X, no error, counted).
+    all_processed: bool = True
 
     def add(
         self,
@@ -77,6 +79,8 @@ class Outcomes:
         error_info: str | None = None,
         correction: int = 0,
     ) -> None:
+        if subqueue != "X" or error_info is not None or correction:
+            self.all_processed = False
         self.ids.append(id)
         self.subqueue.append(subqueue)
         self.delay.append(delay)
@@ -186,7 +190,11 @@ class Store(Protocol):
         self, queue: str, ids: Sequence[int], client_id: str, lease: float
     ) -> None: ...
 
-    async def abandon_leases(self, queue: str, ids: Sequence[int], client_id: str) -> None: ...
+    async def abandon_leases(
+        self, queue: str, ids: Sequence[int], client_id: str, refund: bool = False
+    ) -> None:
+        """Free rows ``ids`` at once; ``refund`` when their attempt never started."""
+        ...
 
     def worker_session(self) -> AbstractAsyncContextManager[WorkerSession]: ...
 

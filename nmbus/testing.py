@@ -344,12 +344,15 @@ class MemoryStore:
             if i in table and table[i].handling_client_id == client_id:
                 table[i].lease_expires = _now() + timedelta(seconds=lease)
 
-    async def abandon_leases(self, queue: str, ids: Sequence[int], client_id: str) -> None:
+    async def abandon_leases(
+        self, queue: str, ids: Sequence[int], client_id: str, refund: bool = False
+    ) -> None:
         table = self._require(queue)
         for i in ids:
             if i in table and table[i].handling_client_id == client_id:
                 table[i].handling_client_id = None
                 table[i].lease_expires = None
+                table[i].retry_count -= int(refund)
 
     @asynccontextmanager
     async def worker_session(self) -> AsyncIterator[MemorySession]:

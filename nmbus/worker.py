@@ -181,7 +181,9 @@ class Worker:
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.in_flight: set[int] = set()
+        # Rows a cancelled loop still holds: started (attempt counted) or not.
         self._abandoned: set[int] = set()
+        self._unstarted: set[int] = set()
         self.handled = 0
         self.default_timeout = bus.settings.handler_timeout
 
@@ -213,12 +215,18 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         self._tasks.clear()
-        if self._abandoned:
-            ids, self._abandoned = sorted(self._abandoned), set()
+        # A batch claimed ahead that a cancelled loop never reached never started either.
+        self._unstarted |= self.in_flight - self._abandoned
+        for ids, refund in ((self._abandoned, False), (self._unstarted, True)):
+            if not ids:
+                continue
             try:
-                await self.bus.store.abandon_leases(self.queue, ids, self.bus.client_id)
+                await self.bus.store.abandon_leases(
+                    self.queue, sorted(ids), self.bus.client_id, refund=refund
+                )
             except StoreError as exc:
                 log.warning("worker_abandon_failed", queue=self.queue, ids=len(ids), error=str(exc))
+        self._abandoned, self._unstarted = set(), set()
 
     # -- the loop -----------------------------------------------------------------
 
@@ -309,10 +317,12 @@ class Worker:
         """Handle ``batch``; return the next batch when it was claimed along with the finish."""
         ids = [m.id for m in batch]
         self.in_flight.update(ids)
+        started: set[int] = set()
         try:
-            return await self._run_batch(session, batch, claim_ahead)
+            return await self._run_batch(session, batch, claim_ahead, started)
         except asyncio.CancelledError:
-            self._abandoned.update(ids)
+            self._abandoned.update(started)
+            self._unstarted.update(i for i in ids if i not in started)
             raise
         except DatabaseUnavailable:
             raise
@@ -333,20 +343,25 @@ class Worker:
             self.in_flight.difference_update(ids)
 
     async def _run_batch(
-        self, session: WorkerSession, batch: list[StoredMessage], claim_ahead: bool
+        self,
+        session: WorkerSession,
+        batch: list[StoredMessage],
+        claim_ahead: bool,
+        started: set[int],
     ) -> list[StoredMessage]:
         outcomes = Outcomes()
         outbox: list[tuple[str | None, Envelope]] = []
         debug = _debug_enabled()
         async with session.batch() as tx:
             if self.settings.handler_concurrency > 1 and len(batch) > 1:
-                await self._handle_concurrently(tx, batch, outcomes, outbox, debug)
+                await self._handle_concurrently(tx, batch, outcomes, outbox, debug, started)
             else:
                 for message in batch:
                     if self._stopping.is_set():
                         # Never started: back to I at once; the attempt does not count.
                         outcomes.add(message.id, None, correction=-1)
                         continue
+                    started.add(message.id)
                     await self._handle(tx, message, outcomes, outbox, debug)
             if outbox:
                 await self._flush(tx, outbox)
@@ -390,6 +405,7 @@ class Worker:
         outcomes: Outcomes,
         outbox: list[tuple[str | None, Envelope]],
         debug: bool,
+        started: set[int],
     ) -> None:
         """Up to ``handler_concurrency`` handlers of the batch at once, for I/O-bound work.
 
@@ -407,6 +423,7 @@ class Worker:
                 if self._stopping.is_set():
                     outcomes.add(message.id, None, correction=-1)
                     return
+                started.add(message.id)
                 await self._handle(tx, message, outcomes, outbox, debug, lock)
 
         # A TaskGroup: if one fails outside its handler (a database error while

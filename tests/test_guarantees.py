@@ -379,10 +379,10 @@ async def test_shutdown_finishes_in_flight_and_returns_the_rest(
     assert states[1:] == [("I", 0, None)] * 9
 
 
-async def test_shutdown_timeout_cancels_a_hung_handler_and_frees_its_message(
+async def test_shutdown_timeout_cancels_a_hung_handler_and_frees_its_batch(
     make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
-    bus = make_bus("billing", shutdown_timeout=0.3, lease_seconds=60)
+    bus = make_bus("billing", shutdown_timeout=0.3, lease_seconds=60, batch_size=10)
     started = asyncio.Event()
 
     @bus.handler
@@ -390,15 +390,20 @@ async def test_shutdown_timeout_cancels_a_hung_handler_and_frees_its_message(
         started.set()
         await asyncio.sleep(3600)
 
+    async with make_bus("orders", concurrency=0) as sender:
+        for n in range(3):
+            await sender.send(Ping(n=n), to="billing")
     await bus.start()
-    await bus.send(Ping(n=1), to="billing")
     await asyncio.wait_for(started.wait(), 10)
     t0 = time.monotonic()
     await bus.stop()
     assert time.monotonic() - t0 < 3
-    (row,) = await rows(db)
-    assert (row["subqueue"], row["handling_client_id"], row["lease_expires"]) == ("I", None, None)
-    assert row["retry_count"] == 1  # it did start
+    states = [
+        (r["subqueue"], r["retry_count"], r["handling_client_id"], r["lease_expires"])
+        for r in await rows(db)
+    ]
+    # The hung one did start: its attempt counts. Its batch-mates never did.
+    assert states == [("I", 1, None, None), ("I", 0, None, None), ("I", 0, None, None)]
 
 
 # -- scheduling and wake-ups ------------------------------------------------------------

@@ -193,17 +193,27 @@ class PostgresBatch:
         self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
     ) -> tuple[int, list[StoredMessage]]:
         """``finish``, then claim up to ``limit`` more rows, in one statement."""
-        rows = await self._conn.fetch(
-            render("finish_claim", self._schema, queue),
-            outcomes.ids,
-            outcomes.subqueue,
-            outcomes.delay,
-            outcomes.error_info,
-            outcomes.correction,
-            client_id,
-            limit,
-            lease,
-        )
+        if outcomes.all_processed:
+            # The common case needs no per-row outcome arrays on the wire or in a join.
+            rows = await self._conn.fetch(
+                render("finish_claim_processed", self._schema, queue),
+                outcomes.ids,
+                client_id,
+                limit,
+                lease,
+            )
+        else:
+            rows = await self._conn.fetch(
+                render("finish_claim", self._schema, queue),
+                outcomes.ids,
+                outcomes.subqueue,
+                outcomes.delay,
+                outcomes.error_info,
+                outcomes.correction,
+                client_id,
+                limit,
+                lease,
+            )
         finished = int(rows[0][11]) if rows else 0
         claimed = [StoredMessage(*r[:11]) for r in rows if r[0] is not None]
         claimed.sort(key=_claim_order)
@@ -434,10 +444,12 @@ class PostgresStore:
                     conn.terminate()
                     raise
 
-    async def abandon_leases(self, queue: str, ids: Sequence[int], client_id: str) -> None:
+    async def abandon_leases(
+        self, queue: str, ids: Sequence[int], client_id: str, refund: bool = False
+    ) -> None:
         with wrap_errors(f"abandon leases in {queue}"):
             await self.pool.execute(
-                render("abandon_leases", self.schema, queue), list(ids), client_id
+                render("abandon_leases", self.schema, queue), list(ids), client_id, int(refund)
             )
 
     @asynccontextmanager

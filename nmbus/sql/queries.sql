@@ -213,14 +213,53 @@ SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
 FROM (SELECT count(*) AS finished FROM done) AS d
 LEFT JOIN claimed AS c ON true;
 
+
+-- finish_claim_processed --
+-- finish_claim for the common batch where every message was processed: mark
+-- rows $1 held by client $2 X, then claim up to $3 more with a lease of $4
+-- seconds. No per-row outcome arrays to send or join.
+WITH done AS (
+    UPDATE {queue}
+    SET subqueue = 'X', last_processed = clock_timestamp(),
+        handling_client_id = NULL, lease_expires = NULL
+    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
+    RETURNING 1
+),
+ready AS (
+    SELECT id, lease_expires IS NOT NULL AS recovered FROM {queue}
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+      AND (lease_expires IS NULL OR lease_expires < now())
+      AND id <> ALL($1::bigint[])
+    ORDER BY retry_time, id
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+),
+claimed AS (
+    UPDATE {queue} AS q
+    SET retry_count = q.retry_count + 1,
+        handling_client_id = $2,
+        lease_expires = now() + make_interval(secs => $4)
+    FROM ready
+    WHERE q.id = ready.id
+    RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
+              q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
+              ready.recovered
+)
+SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
+       c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
+       d.finished
+FROM (SELECT count(*) AS finished FROM done) AS d
+LEFT JOIN claimed AS c ON true;
 -- renew_leases --
 -- Extend the lease of rows $1 held by client $2 to $3 seconds from now.
 UPDATE {queue} SET lease_expires = now() + make_interval(secs => $3)
 WHERE id = ANY($1::bigint[]) AND handling_client_id = $2;
 
 -- abandon_leases --
--- Let rows $1 held by client $2 be claimed again at once (the attempt stays counted).
-UPDATE {queue} SET lease_expires = NULL, handling_client_id = NULL
+-- Let rows $1 held by client $2 be claimed again at once. $3: how much to take
+-- off retry_count (0: the attempt stays counted; 1: it never started).
+UPDATE {queue}
+SET lease_expires = NULL, handling_client_id = NULL, retry_count = retry_count - $3
 WHERE id = ANY($1::bigint[]) AND handling_client_id = $2;
 
 -- next_due --

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -48,3 +49,19 @@ def make_bus(dsn: str) -> Callable[..., Bus]:
         return Bus(endpoint, dsn=dsn, **settings)
 
     return make
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With NMBUS_TEST_STRICT=1 (CI sets it) a skipped test fails the run.
+
+    Tests skip only when a machine lacks Java, the JDBC driver or Chromium; CI
+    installs all three, so there a skip means something is broken.
+    """
+    if not os.environ.get("NMBUS_TEST_STRICT"):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if skipped:
+        for report in skipped:
+            print(f"\nNMBUS_TEST_STRICT: skipped {report.nodeid}: {report.longrepr}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
 
 import asyncpg
+import structlog
 
 from nmbus import Bus, Message
+from nmbus.sql import quote_ident
 
 
 class Tick(Message, type_name="bench.Tick"):
@@ -88,9 +91,9 @@ async def main(dsn: str, total: int) -> None:
         conn = await asyncpg.connect(dsn)
         try:
             rows = await conn.fetch(
-                f'SELECT count(*) FROM "{schema}".billing UNION ALL '
-                f'SELECT count(*) FROM "{schema}".shipping UNION ALL '
-                f'SELECT count(*) FROM "{schema}".audit'
+                f"SELECT count(*) FROM {quote_ident(schema)}.billing UNION ALL "
+                f"SELECT count(*) FROM {quote_ident(schema)}.shipping UNION ALL "
+                f"SELECT count(*) FROM {quote_ident(schema)}.audit"
             )
             print("rows stored per subscriber:", [r[0] for r in rows])
         finally:
@@ -123,7 +126,7 @@ async def main(dsn: str, total: int) -> None:
             await bus.stop()
         conn = await asyncpg.connect(dsn)
         try:
-            await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            await conn.execute(f"DROP SCHEMA {quote_ident(schema)} CASCADE")
         finally:
             await conn.close()
 
@@ -135,4 +138,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if not args.dsn:
         parser.error("set NMBUS_DSN or pass --dsn")
+    # Figures only: the bus's own log lines would drown them.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     asyncio.run(main(args.dsn, args.messages))

@@ -24,7 +24,7 @@ CREATE TABLE IF NOT EXISTS "nmbus".subscriptions (
     PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
 );
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('1') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('2') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     handling_client_id text,
     lease_expires timestamptz
 ) WITH (
-    fillfactor = 80,
+    fillfactor = 50,
     autovacuum_vacuum_scale_factor = 0.02,
     autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_insert_scale_factor = 0.05,

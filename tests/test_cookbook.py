@@ -15,6 +15,7 @@ import pytest
 from nmbus import Bus
 from nmbus.cli.queues import schema_ddl
 from nmbus.postgres import install_schema
+from nmbus.store import SCHEMA_VERSION
 from tests.messages import Ping
 from tests.ops_data import CHARGE_ERROR, REFUND_ERROR, Facts, populate
 
@@ -250,4 +251,4 @@ async def test_schema_sql_runs_and_nmbus_accepts_it(dsn: str, db: asyncpg.Connec
     async with Bus("sender", dsn=dsn, concurrency=0) as bus:
         await bus.send(Ping(n=1), to="billing")
     assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'I'") == 1
-    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 1
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION

@@ -85,3 +85,31 @@ async def test_the_claim_uses_the_partial_index_with_many_processed_rows(
     text = json.dumps(json.loads(plan))
     assert '"Index Name": "busy_ready"' in text
     assert '"Node Type": "Seq Scan"' not in text
+
+
+async def test_an_older_schema_is_migrated_queue_by_queue(dsn: str, db: asyncpg.Connection) -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        await store.ensure_queue("billing")
+        await store.ensure_queue("Odd.Name")
+    finally:
+        await store.close()
+    # What a version-1 database looked like: queue tables 80 % full.
+    await db.execute("DELETE FROM nmbus.schema_version")
+    await db.execute("INSERT INTO nmbus.schema_version (version) VALUES (1)")
+    for table in ('nmbus."billing"', 'nmbus."Odd.Name"'):
+        await db.execute(f"ALTER TABLE {table} SET (fillfactor = 80)")
+
+    await install_schema(db, "nmbus")
+
+    versions = await db.fetch("SELECT version FROM nmbus.schema_version ORDER BY version")
+    assert [r["version"] for r in versions] == list(range(1, SCHEMA_VERSION + 1))
+    options = await db.fetch(
+        "SELECT relname, reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE nspname = 'nmbus' AND relname IN ('billing', 'Odd.Name') ORDER BY relname"
+    )
+    assert [(r["relname"], "fillfactor=50" in r["reloptions"]) for r in options] == [
+        ("Odd.Name", True),
+        ("billing", True),
+    ]

@@ -25,14 +25,15 @@ from nmbus.postgres.pubsub import (
     publish_args,
     publish_on,
 )
-from nmbus.sql import render
+from nmbus.sql import QUERIES, render
 from nmbus.store import SCHEMA_VERSION, Outcomes, validate_queue_name, validate_schema_name
 
 log = structlog.get_logger("nmbus.postgres")
 
-# Schema changes after version 1, by the version they bring the schema to.
-# Each entry is rendered per schema (and per queue table where it says so).
-MIGRATIONS: dict[int, list[str]] = {}
+# Schema changes after version 1, by the version they bring the schema to: names
+# of queries.sql blocks, run once per schema, or once per queue table when the
+# block names {queue}.
+MIGRATIONS: dict[int, list[str]] = {2: ["migrate_2_fillfactor"]}
 
 
 def notify_channel(schema: str) -> str:
@@ -82,22 +83,14 @@ async def install_schema(conn: Any, schema: str) -> None:
             return
         for target in range(version + 1, SCHEMA_VERSION + 1):
             queues = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
-            for statement in MIGRATIONS.get(target, []):
-                if "{queue}" in statement:
+            for name in MIGRATIONS.get(target, []):
+                if "{queue}" in QUERIES[name]:
                     for queue in queues:
-                        await conn.execute(statement.format(queue=render_queue(schema, queue)))
+                        await conn.execute(render(name, schema, queue))
                 else:
-                    await conn.execute(statement.format(schema=render_queue(schema, None)))
+                    await conn.execute(render(name, schema))
             await conn.execute(render("set_schema_version", schema), target)
             log.info("schema_migrated", schema=schema, version=target)
-
-
-def render_queue(schema: str, queue: str | None) -> str:
-    from nmbus.sql import quote_ident
-
-    if queue is None:
-        return quote_ident(schema)
-    return f"{quote_ident(schema)}.{quote_ident(queue)}"
 
 
 class PostgresBatch:

@@ -10,7 +10,7 @@ import functools
 import re
 from importlib.resources import files
 
-_BLOCK = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
+_BLOCK = re.compile(r"^-- ([a-z_][a-z0-9_]*) --$", re.MULTILINE)
 
 
 def _load() -> dict[str, str]:

@@ -44,8 +44,9 @@ SELECT to_regclass(format('%I.schema_version', $1::text)) IS NOT NULL;
 
 -- create_queue --
 -- Create one queue table with its indexes (idempotent).
--- fillfactor leaves room on each page so the claim's UPDATE stays HOT; the
--- autovacuum settings keep dead tuples from piling up under a busy queue.
+-- fillfactor 50 leaves room on each page for the claim's UPDATE to stay HOT (it
+-- changes no indexed column; see docs/storage.md); the autovacuum settings keep
+-- dead tuples from piling up under a busy queue.
 CREATE TABLE IF NOT EXISTS {queue} (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     from_endpoint text NOT NULL,
@@ -64,7 +65,7 @@ CREATE TABLE IF NOT EXISTS {queue} (
     handling_client_id text,
     lease_expires timestamptz
 ) WITH (
-    fillfactor = 80,
+    fillfactor = 50,
     autovacuum_vacuum_scale_factor = 0.02,
     autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_insert_scale_factor = 0.05,
@@ -74,6 +75,11 @@ CREATE TABLE IF NOT EXISTS {queue} (
 CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (retry_time, id)
     WHERE subqueue IN ('I', 'R');
 CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
+
+-- migrate_2_fillfactor --
+-- Schema version 2: queue tables leave half of each page free (was 80 % full),
+-- so claims stay HOT updates. Applies to pages written from now on.
+ALTER TABLE {queue} SET (fillfactor = 50);
 
 -- register_queue --
 -- Remember that queue $1 exists, so tools can list every queue.

@@ -272,13 +272,8 @@ class Bus:
         A ``unique_id`` already stored in that queue is not stored again.
         Returns the message's unique id.
         """
-        self._check_queue(to)
-        envelope = self._envelope(
-            message,
-            correlation_id=correlation_id,
-            headers=headers,
-            unique_id=unique_id,
-            deliver_at=self._deliver_time(deliver_at, delay),
+        envelope = self._outgoing(
+            message, to, correlation_id, headers, unique_id, deliver_at, delay
         )
         await self.store.insert(to, self.endpoint, [envelope], connection)
         return envelope.unique_id
@@ -363,8 +358,21 @@ class Bus:
 
     # -- envelopes -------------------------------------------------------------------
 
-    def _check_queue(self, to: str) -> None:
+    def _outgoing(
+        self,
+        message: Message,
+        to: str,
+        correlation_id: str | None,
+        headers: Mapping[str, str] | None,
+        unique_id: str | None,
+        deliver_at: datetime | None,
+        delay: float | None,
+    ) -> Envelope:
+        """The checked envelope of a message sent to queue ``to`` (by the bus or a handler)."""
         validate_queue_name(to)
+        return self._envelope(
+            message, correlation_id, headers, unique_id, self._deliver_time(deliver_at, delay)
+        )
 
     def _deliver_time(self, deliver_at: datetime | None, delay: float | None) -> datetime | None:
         if deliver_at is not None and delay is not None:

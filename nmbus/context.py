@@ -159,14 +159,15 @@ class Context:
         unique_id: str | None = None,
     ) -> str:
         """Send ``message`` to queue ``to`` when this handler's transaction commits."""
-        envelope = self._bus._envelope(
+        envelope = self._bus._outgoing(
             message,
-            correlation_id=self.correlation_id or self.unique_id,
-            headers=headers,
-            unique_id=unique_id,
-            deliver_at=self._bus._deliver_time(deliver_at, delay),
+            to,
+            self.correlation_id or self.unique_id,
+            headers,
+            unique_id,
+            deliver_at,
+            delay,
         )
-        self._bus._check_queue(to)
         self._outbox.append((to, envelope))
         return envelope.unique_id
 

@@ -8,7 +8,7 @@ import os
 import random
 import socket
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -158,14 +158,15 @@ class Bus:
             await self.store.close()
             raise
         if self.subscriptions.renewing:
-            self._spawn(self.subscriptions.run_renewer(), "subscriptions")
+            self._spawn(self.subscriptions.run_renewer, "subscriptions")
         if self.settings.concurrency > 0:
             if not len(self.registry):
                 log.warning("bus_without_handlers", queue=self.endpoint)
-            self._spawn(self.store.listen(self._on_wakeup), "listener")
-            self._spawn(self._lease_renewer(), "leases")
-            if self.settings.retention_interval is not None:
-                self._spawn(self._retention(self.settings.retention_interval), "retention")
+            self._spawn(lambda: self.store.listen(self._on_wakeup), "listener")
+            self._spawn(self._lease_renewer, "leases")
+            interval = self.settings.retention_interval
+            if interval is not None:
+                self._spawn(lambda: self._retention(interval), "retention")
             self.worker.start()
         log.info(
             "bus_started",
@@ -205,8 +206,42 @@ class Bus:
     ) -> None:
         await asyncio.shield(self.stop())
 
-    def _spawn(self, coro: Any, name: str) -> None:
-        self._background.append(asyncio.create_task(coro, name=f"nmbus-{self.endpoint}-{name}"))
+    def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        task = asyncio.create_task(self._supervise(run, name), name=f"nmbus-{self.endpoint}-{name}")
+        self._background.append(task)
+
+    async def _supervise(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        """Run a side task (listener, lease renewer, ...) and restart it whenever it dies.
+
+        A side task that vanished silently would leave a queue stuck (no
+        wake-ups) or its messages re-run (leases expiring): a failure is logged
+        and the task started again, with a growing pause.
+        """
+        loop = asyncio.get_running_loop()
+        pause = 0.1
+        while True:
+            started = loop.time()
+            try:
+                await run()
+                return  # finished on its own (nothing to do): not a failure
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                error = "CancelledError: cancelled by something other than the bus"
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            if loop.time() - started > 60:
+                pause = 0.1
+            log.error(
+                "background_task_failed",
+                queue=self.endpoint,
+                task=name,
+                error=error,
+                restart_in=round(pause, 3),
+            )
+            await asyncio.sleep(pause)
+            pause = min(self.settings.reconnect_max_delay, pause * 2)
 
     def _on_wakeup(self, queue: str) -> None:
         if queue == self.endpoint or queue == "*":

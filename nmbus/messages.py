@@ -109,4 +109,5 @@ class StoredMessage:
     msg_text: str | None
     msg_headers: str | None
     unique_id: str
-    recovered: bool = False
+    # How the row came back (Recovery): 0 fresh; non-zero after a crash.
+    recovered: int = 0

@@ -4,7 +4,10 @@
 (``nmbus_soak`` by default, dropped and recreated at the start), starts
 ``workers`` worker processes (``nmbus.soak._main``) and SIGKILLs
 one of them every ``kill_every`` seconds, starting a new one at once. Handlers
-fail ``fail_rate`` of the time and sometimes sleep.
+fail ``fail_rate`` of the time and sometimes sleep. ``poison`` of the messages
+are poison: their handler SIGKILLs its own process every time; a dead worker is
+restarted at once, as a process manager would. Each poison message must end in
+F (AttemptsExhausted) and no other message may be failed for dying.
 
 Each handler, before it may fail, writes ``(unique_id, attempt, pid)`` to
 ``soak_effects`` through ``ctx.connection`` (transactional: it must exist once
@@ -28,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -50,6 +52,7 @@ class SoakWork(Message, type_name="nmbus.soak.Work"):
     """One unit of soak work."""
 
     n: int
+    poison: bool = False
 
 
 class SoakFailure(Exception):
@@ -65,6 +68,10 @@ class SoakReport:
     seconds: float = 0.0
     kills: int = 0
     killed_pids: list[int] = field(default_factory=list)
+    poison_messages: int = 0
+    deaths: int = 0  # workers that died on their own (a poison message killed them)
+    poison_failed: int = 0  # poison messages in F with AttemptsExhausted: must be all
+    innocent_exhausted: int = 0  # must be 0: other messages failed for dying
     processed: int = 0  # X
     failed: int = 0  # F
     open: int = 0  # still I or R at the end
@@ -90,6 +97,8 @@ class SoakReport:
             and self.effects_duplicated == 0
             and self.effects_missing == 0
             and self.effects_in_failed == 0
+            and self.poison_failed == self.poison_messages
+            and self.innocent_exhausted == 0
         )
 
     @property
@@ -130,6 +139,9 @@ async def _worker(dsn: str, schema: str, logs: Path, options: dict[str, float]) 
 
     @bus.handler
     async def handle(msg: SoakWork, ctx: Context) -> None:
+        if msg.poison:
+            os.write(fd, f"poison {ctx.unique_id} {ctx.retry_count}\n".encode())
+            os.kill(pid, signal.SIGKILL)
         if random.random() < sleep_rate:
             await asyncio.sleep(random.uniform(0, sleep_max))
         await ctx.connection.execute(record, ctx.unique_id, ctx.retry_count, pid)
@@ -188,6 +200,9 @@ class _Proc:
         if not line.startswith("ready"):
             raise RuntimeError(f"soak worker {self.pid} exited before it was ready")
 
+    def exited(self) -> bool:
+        return self.popen.poll() is not None
+
     def kill(self) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGKILL)
@@ -223,6 +238,7 @@ async def run_soak(
     batch_size: int = 50,
     concurrency: int = 2,
     max_attempts: int = 5,
+    poison: int = 0,
     schema: str = "nmbus_soak",
     timeout: float = 600.0,
     log_dir: Path | None = None,
@@ -231,7 +247,9 @@ async def run_soak(
     """Run a kill soak against the database at ``dsn`` and report what it found."""
     if messages < 1 or workers < 1:
         raise ValueError("a soak needs at least one message and one worker")
-    report = SoakReport(messages=messages, workers=workers)
+    if not 0 <= poison <= messages:
+        raise ValueError("poison must be between 0 and the number of messages")
+    report = SoakReport(messages=messages, workers=workers, poison_messages=poison)
     owned_dir = log_dir is None
     logs = Path(tempfile.mkdtemp(prefix="nmbus-soak-")) if log_dir is None else log_dir
     logs.mkdir(parents=True, exist_ok=True)
@@ -264,7 +282,7 @@ async def run_soak(
             procs = [_Proc(args, logs / "workers.err") for _ in range(workers)]
             try:
                 await asyncio.gather(*(p.ready() for p in procs))
-                sent = await _send_all(sender, messages)
+                sent, poisoned = await _send_all(sender, messages, poison)
                 report.lost = messages - len(sent)
                 await _kill_until_done(
                     conn, schema, procs, args, logs, kill_every, timeout, report, progress
@@ -273,7 +291,7 @@ async def run_soak(
                 for proc in procs:
                     proc.terminate(timeout=30)
             report.seconds = time.monotonic() - started
-        await _verify(conn, schema, logs, report)
+        await _verify(conn, schema, logs, report, poisoned)
     finally:
         await conn.close()
         if owned_dir:
@@ -283,17 +301,22 @@ async def run_soak(
     return report
 
 
-async def _send_all(sender: Bus, messages: int) -> set[str]:
+async def _send_all(sender: Bus, messages: int, poison: int) -> tuple[set[str], set[str]]:
+    """Send the work; returns the unique ids stored, and those of the poison messages."""
+    pills = set(random.sample(range(messages), poison))
     sent: set[str] = set()
+    poisoned: set[str] = set()
     chunk = 1000
     for start in range(0, messages, chunk):
-        envelopes = [
-            sender._envelope(SoakWork(n=n), None, None, uuid.uuid4().hex)
-            for n in range(start, min(messages, start + chunk))
-        ]
+        envelopes = []
+        for n in range(start, min(messages, start + chunk)):
+            envelope = sender._envelope(SoakWork(n=n, poison=n in pills), None, None, None)
+            envelopes.append(envelope)
+            if n in pills:
+                poisoned.add(envelope.unique_id)
         await sender.store.insert(QUEUE, sender.endpoint, envelopes)
         sent.update(e.unique_id for e in envelopes)
-    return sent
+    return sent, poisoned
 
 
 async def _kill_until_done(
@@ -316,6 +339,14 @@ async def _kill_until_done(
             progress(report.messages - remaining, report.messages)
         if remaining == 0:
             return
+        for index, proc in enumerate(procs):
+            if proc.exited():
+                # Killed by what it handled: restart it, as a process manager would.
+                report.deaths += 1
+                report.killed_pids.append(proc.pid)
+                proc.kill()  # reaps it and closes its pipes
+                procs[index] = _Proc(args, logs / "workers.err")
+                await procs[index].ready()
         if time.monotonic() >= next_kill:
             victim = procs[0]
             victim.kill()
@@ -344,7 +375,9 @@ def _read_logs(logs: Path) -> tuple[dict[str, list[tuple[int, int]]], int]:
     return runs, failures
 
 
-async def _verify(conn: asyncpg.Connection, schema: str, logs: Path, report: SoakReport) -> None:
+async def _verify(
+    conn: asyncpg.Connection, schema: str, logs: Path, report: SoakReport, poisoned: set[str]
+) -> None:
     rows = await conn.fetch(render("soak_rows", schema, QUEUE))
     runs, report.injected_failures = _read_logs(logs)
     killed = set(report.killed_pids)
@@ -362,7 +395,13 @@ async def _verify(conn: asyncpg.Connection, schema: str, logs: Path, report: Soa
                 report.effects_missing += 1
         elif subqueue == "F":
             report.failed += 1
-            reasons[(reason or "").split(":")[0]] += 1
+            reason_name = (reason or "").split(":")[0]
+            reasons[reason_name] += 1
+            if reason_name == "AttemptsExhausted":
+                if unique_id in poisoned:
+                    report.poison_failed += 1
+                else:
+                    report.innocent_exhausted += 1
             if attempts:
                 report.effects_in_failed += 1
         else:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _QUEUE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 MAX_QUEUE_NAME = 48
@@ -132,6 +132,22 @@ class WorkerSession(Protocol):
 
     async def next_due(self, queue: str) -> float | None:
         """Seconds until the earliest scheduled row is due, None when none is."""
+        ...
+
+    async def isolate(
+        self,
+        queue: str,
+        ids: Sequence[int],
+        suspect: int,
+        marks: Sequence[bool],
+        client_id: str,
+    ) -> int:
+        """After a crash: keep ``suspect`` alone (marked isolated), let the rest go.
+
+        Committed at once. The rows let go get this claim's attempt back;
+        ``marks[i]`` keeps row ``ids[i]`` recognisable as one still to be tried
+        alone. Returns how many rows changed.
+        """
         ...
 
     def batch(self) -> AbstractAsyncContextManager[Batch]: ...

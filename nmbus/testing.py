@@ -48,6 +48,19 @@ class Row:
     unique_id: str
     handling_client_id: str | None = None
     lease_expires: datetime | None = None
+    isolated: bool = False
+
+
+_LONG_AGO = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _recovery(row: Row) -> int:
+    """As the claim query's ``recovered``: 0 fresh, 1 let go to be tried alone, 2/3 crashed."""
+    if row.lease_expires is None:
+        return 0
+    if row.handling_client_id is None:
+        return 1
+    return 3 if row.isolated else 2
 
 
 class MemoryBatch:
@@ -128,8 +141,9 @@ class MemorySession:
         )[:limit]
         claimed = []
         for row in ready:
-            recovered = row.lease_expires is not None
-            row.retry_count += 1
+            recovered = _recovery(row)
+            row.retry_count = min(row.retry_count, 2**31 - 2) + 1
+            row.isolated = False
             row.handling_client_id = client_id
             row.lease_expires = now + timedelta(seconds=lease)
             claimed.append(
@@ -157,6 +171,28 @@ class MemorySession:
             if r.subqueue in "IR" and r.retry_time > now
         ]
         return (min(future) - now).total_seconds() if future else None
+
+    async def isolate(
+        self,
+        queue: str,
+        ids: Sequence[int],
+        suspect: int,
+        marks: Sequence[bool],
+        client_id: str,
+    ) -> int:
+        table = self._store._require(queue)
+        changed = 0
+        for row_id, mark in zip(ids, marks, strict=True):
+            row = table.get(row_id)
+            if row is None or row.handling_client_id != client_id:
+                continue
+            changed += 1
+            row.isolated = row_id == suspect
+            if row_id != suspect:
+                row.retry_count = max(0, row.retry_count - 1)
+                row.handling_client_id = None
+                row.lease_expires = _LONG_AGO if mark else None
+        return changed
 
     @asynccontextmanager
     async def batch(self) -> AsyncIterator[MemoryBatch]:
@@ -263,7 +299,7 @@ class MemoryStore:
                     row.retry_time = now + timedelta(seconds=outcomes.delay[i] or 0.0)
             if outcomes.error_info[i] is not None:
                 row.error_info = outcomes.error_info[i]
-            row.retry_count += outcomes.correction[i]
+            row.retry_count = max(0, row.retry_count + outcomes.correction[i])
             row.handling_client_id = None
             row.lease_expires = None
 
@@ -352,7 +388,7 @@ class MemoryStore:
             if i in table and table[i].handling_client_id == client_id:
                 table[i].handling_client_id = None
                 table[i].lease_expires = None
-                table[i].retry_count -= int(refund)
+                table[i].retry_count = max(0, table[i].retry_count - int(refund))
 
     @asynccontextmanager
     async def worker_session(self) -> AsyncIterator[MemorySession]:

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import traceback
+import weakref
 from collections import defaultdict
-from collections.abc import Coroutine, Generator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Generator, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
@@ -44,24 +47,133 @@ if TYPE_CHECKING:
 log = structlog.get_logger("nmbus.worker")
 
 MAX_ERROR_INFO = 8000
+# The longest retry delay written (100 years): beyond it a timestamp overflows.
+MAX_DELAY = 100 * 365.25 * 86400
+
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Gate] = weakref.WeakKeyDictionary()
+
+
+def _process_gate() -> _Gate:
+    """The one gate of this process's event loop, shared by all its workers."""
+    loop = asyncio.get_running_loop()
+    gate = _GATES.get(loop)
+    if gate is None:
+        gate = _GATES[loop] = _Gate()
+    return gate
+
+
+# StoredMessage.recovered, as the claim query computes it.
+FRESH, LET_GO, DIED_IN_BATCH, DIED_ALONE = 0, 1, 2, 3
 
 
 class LeaseLost(StoreError):
     """Another worker took over messages of this batch (our lease ran out)."""
 
 
+def _storable(text: str) -> str:
+    """``text`` as PostgreSQL text can hold it: no NUL, no lone surrogate."""
+    text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:
+        text = f"<str() of this {type(exc).__name__} failed>"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def error_info(exc: BaseException, headline: str | None = None) -> str:
-    """``Type: message`` on the first line (the statistics job groups by it), then the trace."""
-    first = headline or f"{type(exc).__name__}: {exc}".splitlines()[0]
-    trace = "".join(traceback.format_exception(exc))
-    text = f"{first}\n{trace}"
+    """``Type: message`` on the first line (the statistics job groups by it), then the trace.
+
+    Whatever the exception holds (NUL, lone surrogates, a ``__str__`` that
+    raises), the result can be stored: the real error is never lost to it.
+    """
+    lines = (headline or _describe(exc)).splitlines()
+    first = lines[0] if lines else type(exc).__name__
+    try:
+        trace = "".join(traceback.format_exception(exc))
+    except Exception:
+        trace = f"(the traceback of this {type(exc).__name__} could not be formatted)"
+    text = _storable(f"{first}\n{trace}")
     return text if len(text) <= MAX_ERROR_INFO else text[: MAX_ERROR_INFO - 3] + "..."
 
 
+def _retry_delay(seconds: float) -> float:
+    if math.isnan(seconds) or seconds < 0:
+        return 0.0
+    return min(seconds, MAX_DELAY)
+
+
+def _per_message_logs() -> bool:
+    """Whether to log a line per message: only when the application configured structlog.
+
+    A library must be quiet by default; unconfigured, structlog would print
+    every line, one per message handled.
+    """
+    return structlog.is_configured()
+
+
 def _debug_enabled() -> bool:
+    if not _per_message_logs():
+        return False
     bound = log.bind()
     check = getattr(bound, "is_enabled_for", None)
     return bool(check(logging.DEBUG)) if check is not None else True
+
+
+def _cancelled_from_outside() -> bool:
+    """Whether this task is being cancelled (shutdown), not just seeing a stray CancelledError."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class _Gate:
+    """Batches of one process share it; a suspect after a crash runs with it alone.
+
+    While a suspect runs, no other handler of the process does (whatever Bus
+    it belongs to): if the process dies, the suspect alone is to blame.
+    """
+
+    __slots__ = ("_idle", "_open", "_running")
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._running = 0
+
+    @property
+    def closed(self) -> bool:
+        return not self._open.is_set()
+
+    async def enter(self) -> None:
+        while not self._open.is_set():
+            await self._open.wait()
+        self._running += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self._running -= 1
+        if not self._running:
+            self._idle.set()
+
+    @asynccontextmanager
+    async def alone(self) -> AsyncIterator[None]:
+        while not self._open.is_set():
+            await self._open.wait()
+        self._open.clear()
+        try:
+            await self._idle.wait()
+            yield
+        finally:
+            self._open.set()
 
 
 async def _call(func: HandlerFunc, message: Message, ctx: Context, timeout: float) -> None:
@@ -186,10 +298,12 @@ class Worker:
         self._unstarted: set[int] = set()
         self.handled = 0
         self.default_timeout = bus.settings.handler_timeout
+        self._gate: _Gate | None = None
 
     # -- life cycle -------------------------------------------------------------
 
     def start(self) -> None:
+        self._gate = _process_gate()
         for index in range(self.settings.concurrency):
             task = asyncio.create_task(self._loop(index), name=f"nmbus-worker-{self.queue}-{index}")
             self._tasks.append(task)
@@ -241,6 +355,10 @@ class Worker:
                         log.info("worker_reconnected", queue=self.queue, loop=index)
                     backoff = 0.1
                     await self._serve(session)
+            except asyncio.CancelledError:
+                if _cancelled_from_outside():
+                    raise
+                log.error("worker_error", queue=self.queue, loop=index, error="CancelledError")
             except DatabaseUnavailable as exc:
                 log.warning(
                     "worker_connection_lost",
@@ -276,9 +394,7 @@ class Worker:
                     self.queue, settings.batch_size, self.bus.client_id, settings.lease_seconds
                 )
             if batch:
-                if len(batch) > 1 and any(m.recovered for m in batch):
-                    batch = await self._isolate_recovered(session, batch)
-                ahead = await self._process(session, batch, claim_ahead=True)
+                ahead = await self._run_gated(session, batch)
                 continue
             wait = settings.poll_interval
             due = await session.next_due(self.queue)
@@ -291,22 +407,52 @@ class Worker:
                 except TimeoutError:
                     pass
 
-    async def _isolate_recovered(
+    async def _run_gated(
         self, session: WorkerSession, batch: list[StoredMessage]
     ) -> list[StoredMessage]:
-        """Handle a message whose last holder died on its own, releasing the rest first.
+        """Handle ``batch`` beside the process's other batches, or alone after a crash."""
+        gate = self._gate or _process_gate()
+        if any(m.recovered for m in batch):
+            batch = await self._isolate(session, batch)
+            # Held while it waits for the process to go quiet: keep its lease alive.
+            self.in_flight.update(m.id for m in batch)
+            async with gate.alone():
+                return await self._process(session, batch, claim_ahead=True)
+        if gate.closed:
+            self.in_flight.update(m.id for m in batch)
+        await gate.enter()
+        try:
+            return await self._process(session, batch, claim_ahead=True)
+        finally:
+            gate.leave()
 
-        If it kills this process too, no batch-mate loses an attempt to it: they
-        were given back (attempt refunded) in a committed statement beforehand.
+    async def _isolate(
+        self, session: WorkerSession, batch: list[StoredMessage]
+    ) -> list[StoredMessage]:
+        """After a crash, keep one suspect to run alone and let the rest of the batch go.
+
+        A worker that died with several messages in hand cannot say which one
+        killed it. Every attempt that died counts, but a message is failed for
+        dying (AttemptsExhausted) only when it died alone: each suspect is
+        tried on its own, with no other handler of this process running. So a
+        message that keeps killing workers ends in F and its batch-mates do
+        not. The rows let go get this claim's attempt back at once (committed
+        before the suspect runs); those still to be tried alone keep a mark.
         """
-        suspect = next(m for m in batch if m.recovered)
-        released = Outcomes()
-        for message in batch:
-            if message is not suspect:
-                released.add(message.id, None, correction=-1)
-        async with session.batch() as tx:
-            await tx.finish(self.queue, released, self.bus.client_id)
-        log.info("message_isolated", queue=self.queue, message_id=suspect.id)
+        suspect = next((m for m in batch if m.recovered == DIED_ALONE), None)
+        if suspect is None:
+            suspect = next(m for m in batch if m.recovered)
+        ids = [m.id for m in batch]
+        marks = [m is not suspect and bool(m.recovered) for m in batch]
+        await session.isolate(self.queue, ids, suspect.id, marks, self.bus.client_id)
+        if _per_message_logs():
+            log.warning(
+                "message_isolated",
+                queue=self.queue,
+                message_id=suspect.id,
+                attempts=suspect.retry_count,
+                released=len(batch) - 1,
+            )
         return [suspect]
 
     # -- one batch ---------------------------------------------------------------
@@ -326,6 +472,10 @@ class Worker:
             raise
         except DatabaseUnavailable:
             raise
+        except LeaseLost as exc:
+            # Another worker has these rows now; running them again here would be a waste.
+            log.warning("lease_lost", queue=self.queue, batch=len(batch), error=str(exc))
+            return []
         except Exception as exc:
             if len(batch) > 1:
                 # One message may be spoiling the batch: try each alone, still
@@ -337,10 +487,38 @@ class Worker:
                     await self._process(session, [message])
                 return []
             log.error("batch_failed", queue=self.queue, message_id=ids[0], error=str(exc))
-            await self.bus.store.abandon_leases(self.queue, ids, self.bus.client_id)
+            await self._record_failure(session, batch[0], exc)
             return []
         finally:
             self.in_flight.difference_update(ids)
+
+    async def _record_failure(
+        self, session: WorkerSession, row: StoredMessage, exc: Exception
+    ) -> None:
+        """The message's outcome could not be committed: a failed attempt, with backoff.
+
+        Its handler may have succeeded, but what it wrote was rolled back (a
+        deferred constraint, a send the store refused...): the attempt failed.
+        """
+        outcomes = Outcomes()
+        text = (
+            _describe(exc) if not isinstance(exc, StoreError) else _describe(exc).split(": ", 1)[-1]
+        )
+        headline = _storable(f"OutcomeNotRecorded: {text}".splitlines()[0])
+        self._failed(row, exc, self._policy(row), outcomes, headline)
+        try:
+            async with session.batch() as tx:
+                await tx.finish(self.queue, outcomes, self.bus.client_id)
+        except DatabaseUnavailable:
+            raise
+        except Exception as again:
+            log.error("outcome_not_recorded", queue=self.queue, message_id=row.id, error=str(again))
+            await self.bus.store.abandon_leases(self.queue, [row.id], self.bus.client_id)
+
+    def _policy(self, row: StoredMessage) -> RetryPolicy:
+        cls = decode_type(row.label, row.msg_headers)
+        handlers = self.bus.registry.handlers_for(cls) if cls is not None else ()
+        return (handlers[0].retry if handlers else None) or self.bus.retry
 
     async def _run_batch(
         self,
@@ -467,28 +645,34 @@ class Worker:
             )
             if self.settings.on_unknown == "skip":
                 outcomes.add(row.id, "X", error_info=f"skipped: {reason}")
-                log.warning("message_skipped", queue=self.queue, message_id=row.id, reason=reason)
+                if _per_message_logs():
+                    log.warning(
+                        "message_skipped", queue=self.queue, message_id=row.id, reason=reason
+                    )
             else:
                 outcomes.add(row.id, "F", error_info=reason)
-                log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
+                if _per_message_logs():
+                    log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
             return
         assert cls is not None
         try:
             message = cls.model_validate_json(row.msg_text or "")
         except (ValidationError, ValueError) as exc:
-            reason = f"UndecodableMessage: body is not a valid {row.label}: {exc}"
+            reason = _storable(f"UndecodableMessage: body is not a valid {row.label}: {exc}")
             outcomes.add(row.id, "F", error_info=reason[:MAX_ERROR_INFO])
-            log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
+            if _per_message_logs():
+                log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
             return
 
         policy = handlers[0].retry or bus.retry
-        if row.retry_count > policy.max_attempts:
+        if row.recovered == DIED_ALONE and row.retry_count > policy.max_attempts:
             reason = (
                 f"AttemptsExhausted: {row.retry_count - 1} attempts were started and none "
                 "finished (the worker died or lost its lease); not running it again"
             )
             outcomes.add(row.id, "F", error_info=reason)
-            log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
+            if _per_message_logs():
+                log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
             return
 
         serial = _SerialBatch(tx, lock) if lock is not None else None
@@ -508,9 +692,11 @@ class Worker:
                         defer()
                     else:
                         await tx.release_savepoint()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError) and _cancelled_from_outside():
+                    raise  # the worker is stopping: not the handler's failure
+                if isinstance(exc, KeyboardInterrupt | SystemExit):
+                    raise
                 if ctx._savepoint:
                     await tx.rollback_savepoint()
                 self._failed(row, exc, policy, outcomes)
@@ -527,28 +713,34 @@ class Worker:
     def _failed(
         self,
         row: StoredMessage,
-        exc: Exception,
+        exc: BaseException,
         policy: RetryPolicy,
         outcomes: Outcomes,
+        headline: str | None = None,
     ) -> None:
-        if isinstance(exc, RetryLater):
-            outcomes.add(row.id, "R", delay=exc.seconds, error_info=error_info(exc), correction=-1)
-            log.info("message_retry_later", seconds=exc.seconds, reason=exc.reason)
+        chatty = _per_message_logs()
+        if isinstance(exc, RetryLater) and headline is None:
+            seconds = _retry_delay(exc.seconds)
+            outcomes.add(row.id, "R", delay=seconds, error_info=error_info(exc), correction=-1)
+            if chatty:
+                log.info("message_retry_later", seconds=seconds, reason=exc.reason)
             return
-        if isinstance(exc, TimeoutError) and not str(exc):
+        if headline is None and isinstance(exc, TimeoutError) and not str(exc):
             headline = "HandlerTimeout: the handler did not finish within its timeout"
-            info = error_info(exc, headline)
-        else:
-            info = error_info(exc)
+        elif headline is None and isinstance(exc, asyncio.CancelledError):
+            headline = "HandlerCancelled: cancelled by something other than the worker"
+        info = error_info(exc, headline)
         if isinstance(exc, PermanentError) or policy.gives_up_after(row.retry_count):
             outcomes.add(row.id, "F", error_info=info)
-            log.error("message_failed", attempts=row.retry_count, error=info.splitlines()[0])
+            if chatty:
+                log.error("message_failed", attempts=row.retry_count, error=info.splitlines()[0])
             return
-        seconds = policy.delay(row.retry_count)
+        seconds = _retry_delay(policy.delay(row.retry_count))
         outcomes.add(row.id, "R", delay=seconds, error_info=info)
-        log.warning(
-            "message_retry_scheduled",
-            attempts=row.retry_count,
-            retry_in=round(seconds, 3),
-            error=info.splitlines()[0],
-        )
+        if chatty:
+            log.warning(
+                "message_retry_scheduled",
+                attempts=row.retry_count,
+                retry_in=round(seconds, 3),
+                error=info.splitlines()[0],
+            )

@@ -24,7 +24,7 @@ CREATE TABLE IF NOT EXISTS "nmbus".subscriptions (
     PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
 );
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('2') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('3') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     msg_headers jsonb,
     unique_id text NOT NULL,
     handling_client_id text,
-    lease_expires timestamptz
+    lease_expires timestamptz,
+    isolated boolean NOT NULL DEFAULT false
 ) WITH (
     fillfactor = 50,
     autovacuum_vacuum_scale_factor = 0.02,

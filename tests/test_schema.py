@@ -16,7 +16,7 @@ from nmbus.store import SCHEMA_VERSION
 COLUMNS = [
     "id", "from_endpoint", "to_endpoint", "subqueue", "insert_time", "last_processed",
     "retry_count", "retry_time", "error_info", "correlation_id", "label", "msg_text",
-    "msg_headers", "unique_id", "handling_client_id", "lease_expires",
+    "msg_headers", "unique_id", "handling_client_id", "lease_expires", "isolated",
 ]  # fmt: skip
 
 
@@ -95,11 +95,12 @@ async def test_an_older_schema_is_migrated_queue_by_queue(dsn: str, db: asyncpg.
         await store.ensure_queue("Odd.Name")
     finally:
         await store.close()
-    # What a version-1 database looked like: queue tables 80 % full.
+    # What a version-1 database looked like: queue tables 80 % full, no isolated column.
     await db.execute("DELETE FROM nmbus.schema_version")
     await db.execute("INSERT INTO nmbus.schema_version (version) VALUES (1)")
     for table in ('nmbus."billing"', 'nmbus."Odd.Name"'):
         await db.execute(f"ALTER TABLE {table} SET (fillfactor = 80)")
+        await db.execute(f"ALTER TABLE {table} DROP COLUMN isolated")
 
     await install_schema(db, "nmbus")
 
@@ -113,3 +114,8 @@ async def test_an_older_schema_is_migrated_queue_by_queue(dsn: str, db: asyncpg.
         ("Odd.Name", True),
         ("billing", True),
     ]
+    isolated = await db.fetch(
+        "SELECT table_name FROM information_schema.columns WHERE table_schema = 'nmbus' "
+        "AND column_name = 'isolated' ORDER BY table_name"
+    )
+    assert [r["table_name"] for r in isolated] == ["Odd.Name", "billing"]

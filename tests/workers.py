@@ -2,6 +2,8 @@
 
 python -m tests.workers worker DSN QUEUE [lease]   handle Ping/Crash until killed
 python -m tests.workers sender DSN QUEUE N          send N Pings, print each unique id
+python -m tests.workers poison DSN QUEUE LEASE BATCH POISON
+    handle Pings, recording each in effects; the Ping numbered POISON kills the process
 """
 
 from __future__ import annotations
@@ -39,6 +41,30 @@ async def worker(dsn: str, queue: str, lease: float) -> None:
         await bus.wait_stopped()
 
 
+async def poison(dsn: str, queue: str, lease: float, batch_size: int, pill: int) -> None:
+    bus = Bus(
+        queue,
+        dsn=dsn,
+        lease_seconds=lease,
+        poll_interval=0.2,
+        max_attempts=3,
+        batch_size=batch_size,
+    )
+
+    @bus.handler
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        print(f"ran {msg.n} attempt {ctx.retry_count}", flush=True)
+        if msg.n == pill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        await ctx.connection.execute(
+            "INSERT INTO effects (n, pid) VALUES ($1, $2)", msg.n, os.getpid()
+        )
+
+    async with bus:
+        print("ready", flush=True)
+        await bus.wait_stopped()
+
+
 async def sender(dsn: str, queue: str, count: int) -> None:
     async with Bus("sender", dsn=dsn, concurrency=0) as bus:
         print("ready", flush=True)
@@ -51,5 +77,8 @@ if __name__ == "__main__":
     mode, dsn, queue = sys.argv[1:4]
     if mode == "worker":
         asyncio.run(worker(dsn, queue, float(sys.argv[4]) if len(sys.argv) > 4 else 2.0))
+    elif mode == "poison":
+        lease, batch_size, pill = float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+        asyncio.run(poison(dsn, queue, lease, batch_size, pill))
     else:
         asyncio.run(sender(dsn, queue, int(sys.argv[4])))

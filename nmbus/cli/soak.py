@@ -24,6 +24,9 @@ def soak(
     lease: Annotated[float, typer.Option(help="lease (visibility timeout), seconds")] = 2.0,
     batch_size: Annotated[int, typer.Option(help="messages per claim")] = 50,
     concurrency: Annotated[int, typer.Option(help="worker loops per process")] = 2,
+    poison: Annotated[
+        int, typer.Option(help="messages whose handler SIGKILLs its worker every time")
+    ] = 0,
     schema: Annotated[str, typer.Option(help="schema the soak owns (dropped first!)")] = (
         "nmbus_soak"
     ),
@@ -73,6 +76,7 @@ def soak(
                 lease=lease,
                 batch_size=batch_size,
                 concurrency=concurrency,
+                poison=poison,
                 schema=schema,
                 timeout=timeout,
                 progress=lambda done, total: bar.update(task, completed=done),

@@ -33,7 +33,10 @@ log = structlog.get_logger("nmbus.postgres")
 # Schema changes after version 1, by the version they bring the schema to: names
 # of queries.sql blocks, run once per schema, or once per queue table when the
 # block names {queue}.
-MIGRATIONS: dict[int, list[str]] = {2: ["migrate_2_fillfactor"]}
+MIGRATIONS: dict[int, list[str]] = {
+    2: ["migrate_2_fillfactor"],
+    3: ["migrate_3_isolated"],
+}
 
 
 def notify_channel(schema: str) -> str:
@@ -235,6 +238,24 @@ class PostgresSession:
         with wrap_errors(f"next due in {queue}"):
             value: float | None = await self._conn.fetchval(render("next_due", self._schema, queue))
             return value
+
+    async def isolate(
+        self,
+        queue: str,
+        ids: Sequence[int],
+        suspect: int,
+        marks: Sequence[bool],
+        client_id: str,
+    ) -> int:
+        with wrap_errors(f"isolate a message of {queue}"):
+            changed = await self._conn.fetchval(
+                render("isolate", self._schema, queue),
+                list(ids),
+                suspect,
+                client_id,
+                list(marks),
+            )
+        return int(changed)
 
     @asynccontextmanager
     async def batch(self) -> AsyncIterator[PostgresBatch]:

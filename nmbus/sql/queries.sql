@@ -63,7 +63,8 @@ CREATE TABLE IF NOT EXISTS {queue} (
     msg_headers jsonb,
     unique_id text NOT NULL,
     handling_client_id text,
-    lease_expires timestamptz
+    lease_expires timestamptz,
+    isolated boolean NOT NULL DEFAULT false
 ) WITH (
     fillfactor = 50,
     autovacuum_vacuum_scale_factor = 0.02,
@@ -80,6 +81,11 @@ CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
 -- Schema version 2: queue tables leave half of each page free (was 80 % full),
 -- so claims stay HOT updates. Applies to pages written from now on.
 ALTER TABLE {queue} SET (fillfactor = 50);
+
+-- migrate_3_isolated --
+-- Schema version 3: `isolated` marks a lease taken for one row alone, after a
+-- crash, so that the next crash is blamed on that row only (no table rewrite).
+ALTER TABLE {queue} ADD COLUMN IF NOT EXISTS isolated boolean NOT NULL DEFAULT false;
 
 -- register_queue --
 -- Remember that queue $1 exists, so tools can list every queue.
@@ -125,10 +131,16 @@ SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
 
 -- claim --
 -- Claim up to $1 ready rows (I, or R that is due) that no live lease holds,
--- for client $2 with a lease of $3 seconds; counts the attempt. `recovered`
--- says the previous holder's lease ran out (it died or stalled mid-handler).
+-- for client $2 with a lease of $3 seconds; counts the attempt (saturating, so
+-- a hand-written retry_count cannot overflow the claim). `recovered`: 0 fresh,
+-- 1 let go by `isolate` to be tried alone, 2 the holder's lease ran out with
+-- the row in a batch, 3 it ran out with the row isolated (the holder died on it).
 WITH ready AS (
-    SELECT id, lease_expires IS NOT NULL AS recovered FROM {queue}
+    SELECT id, CASE WHEN lease_expires IS NULL THEN 0
+                    WHEN handling_client_id IS NULL THEN 1
+                    WHEN isolated THEN 3
+                    ELSE 2 END AS recovered
+    FROM {queue}
     WHERE subqueue IN ('I', 'R') AND retry_time <= now()
       AND (lease_expires IS NULL OR lease_expires < now())
     ORDER BY retry_time, id
@@ -136,7 +148,8 @@ WITH ready AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {queue} AS q
-SET retry_count = q.retry_count + 1,
+SET retry_count = least(q.retry_count, 2147483646) + 1,
+    isolated = false,
     handling_client_id = $2,
     lease_expires = now() + make_interval(secs => $3)
 FROM ready
@@ -160,7 +173,7 @@ WITH done AS (
                           THEN clock_timestamp() + make_interval(secs => v.delay)
                           ELSE q.retry_time END,
         error_info = coalesce(v.error_info, q.error_info),
-        retry_count = q.retry_count + v.correction,
+        retry_count = greatest(0, q.retry_count + v.correction),
         handling_client_id = NULL,
         lease_expires = NULL
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
@@ -185,7 +198,7 @@ WITH done AS (
                           THEN clock_timestamp() + make_interval(secs => v.delay)
                           ELSE q.retry_time END,
         error_info = coalesce(v.error_info, q.error_info),
-        retry_count = q.retry_count + v.correction,
+        retry_count = greatest(0, q.retry_count + v.correction),
         handling_client_id = NULL,
         lease_expires = NULL
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
@@ -194,7 +207,11 @@ WITH done AS (
     RETURNING 1
 ),
 ready AS (
-    SELECT id, lease_expires IS NOT NULL AS recovered FROM {queue}
+    SELECT id, CASE WHEN lease_expires IS NULL THEN 0
+                    WHEN handling_client_id IS NULL THEN 1
+                    WHEN isolated THEN 3
+                    ELSE 2 END AS recovered
+    FROM {queue}
     WHERE subqueue IN ('I', 'R') AND retry_time <= now()
       AND (lease_expires IS NULL OR lease_expires < now())
       AND id <> ALL($1::bigint[])
@@ -204,7 +221,8 @@ ready AS (
 ),
 claimed AS (
     UPDATE {queue} AS q
-    SET retry_count = q.retry_count + 1,
+    SET retry_count = least(q.retry_count, 2147483646) + 1,
+    isolated = false,
         handling_client_id = $6,
         lease_expires = now() + make_interval(secs => $8)
     FROM ready
@@ -232,7 +250,11 @@ WITH done AS (
     RETURNING 1
 ),
 ready AS (
-    SELECT id, lease_expires IS NOT NULL AS recovered FROM {queue}
+    SELECT id, CASE WHEN lease_expires IS NULL THEN 0
+                    WHEN handling_client_id IS NULL THEN 1
+                    WHEN isolated THEN 3
+                    ELSE 2 END AS recovered
+    FROM {queue}
     WHERE subqueue IN ('I', 'R') AND retry_time <= now()
       AND (lease_expires IS NULL OR lease_expires < now())
       AND id <> ALL($1::bigint[])
@@ -242,7 +264,8 @@ ready AS (
 ),
 claimed AS (
     UPDATE {queue} AS q
-    SET retry_count = q.retry_count + 1,
+    SET retry_count = least(q.retry_count, 2147483646) + 1,
+    isolated = false,
         handling_client_id = $2,
         lease_expires = now() + make_interval(secs => $4)
     FROM ready
@@ -265,13 +288,34 @@ WHERE id = ANY($1::bigint[]) AND handling_client_id = $2;
 -- Let rows $1 held by client $2 be claimed again at once. $3: how much to take
 -- off retry_count (0: the attempt stays counted; 1: it never started).
 UPDATE {queue}
-SET lease_expires = NULL, handling_client_id = NULL, retry_count = retry_count - $3
+SET lease_expires = NULL, handling_client_id = NULL, retry_count = greatest(0, retry_count - $3)
 WHERE id = ANY($1::bigint[]) AND handling_client_id = $2;
 
+-- isolate --
+-- After a crash, run one suspect alone. Of rows $1 held by client $3, row $2
+-- stays held and is marked isolated; the others are let go at once with this
+-- claim's attempt taken back (they have not started). $4 per row: whether a
+-- row let go must still be tried alone; its mark is a lease that ran out long
+-- ago. Returns how many rows changed.
+WITH done AS (
+    UPDATE {queue} AS q
+    SET isolated = (q.id = $2),
+        retry_count = CASE WHEN q.id = $2 THEN q.retry_count
+                           ELSE greatest(0, q.retry_count - 1) END,
+        handling_client_id = CASE WHEN q.id = $2 THEN q.handling_client_id END,
+        lease_expires = CASE WHEN q.id = $2 THEN q.lease_expires
+                             WHEN v.mark THEN 'epoch'::timestamptz END
+    FROM unnest($1::bigint[], $4::bool[]) AS v(id, mark)
+    WHERE q.id = v.id AND q.handling_client_id = $3
+    RETURNING 1
+)
+SELECT count(*) FROM done;
+
 -- next_due --
--- Seconds until the earliest scheduled row is due, or NULL when none is.
+-- Seconds until the earliest scheduled row is due, or NULL when none is; a
+-- retry_time of 'infinity' (written by hand) means never.
 SELECT extract(epoch FROM retry_time - now())::float8 FROM {queue}
-WHERE subqueue IN ('I', 'R') AND retry_time > now()
+WHERE subqueue IN ('I', 'R') AND retry_time > now() AND retry_time < 'infinity'
 ORDER BY retry_time, id
 LIMIT 1;
 

@@ -14,12 +14,15 @@ pytestmark = pytest.mark.reliability
 async def test_kill_soak_loses_nothing_and_repeats_only_killed_attempts(
     dsn: str, db: asyncpg.Connection
 ) -> None:
-    report = await run_soak(dsn, 20_000, workers=2, kill_every=1.5, timeout=300)
+    report = await run_soak(dsn, 20_000, workers=2, kill_every=1.5, poison=2, timeout=300)
     print("kill soak:", report.as_dict())
 
     assert report.kills >= 3  # the run really lived through several SIGKILLs
     assert report.injected_failures > 1000  # and ~10% of handler runs failing
     assert report.lost == 0 and report.open == 0
+    # Two poison messages killed their workers until they ended in F; nothing else did.
+    assert report.deaths >= 2
+    assert report.poison_failed == 2 and report.innocent_exhausted == 0
     assert report.processed + report.failed == 20_000
     # A failed message may only be one whose attempts all failed or died.
     assert set(report.failed_reasons) <= {"SoakFailure", "AttemptsExhausted"}

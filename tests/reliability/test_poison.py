@@ -1,0 +1,85 @@
+"""A message that kills its worker ends in F alone: its batch-mates end in X.
+
+A supervisor restarts the worker each time the poison SIGKILLs it, as a
+process manager would. Whatever the poison's place in the queue and the batch
+size, the innocent messages must each be handled (committed) exactly once and
+the poison must end in F once its attempts are used up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import asyncpg
+import pytest
+
+from nmbus import Bus
+from tests.messages import Ping
+from tests.procs import Proc
+
+pytestmark = pytest.mark.reliability
+
+MESSAGES = 10
+MAX_ATTEMPTS = 3  # tests/workers.py
+
+
+async def _supervise(dsn: str, db: asyncpg.Connection, batch_size: int, pill: int) -> list[str]:
+    """Run the worker until nothing is left to do, restarting it whenever it dies."""
+    lines: list[str] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        open_rows = await db.fetchval(
+            "SELECT count(*) FROM nmbus.billing WHERE subqueue IN ('I', 'R')"
+        )
+        if open_rows == 0:
+            return lines
+        proc = Proc("tests.workers", "poison", dsn, "billing", "0.6", str(batch_size), str(pill))
+        try:
+            while proc.popen.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                if not await db.fetchval(
+                    "SELECT count(*) FROM nmbus.billing WHERE subqueue IN ('I', 'R')"
+                ):
+                    break
+        finally:
+            proc.kill()
+            lines.extend(proc.lines)
+    raise AssertionError(f"the queue did not empty in time; worker output: {lines[-20:]}")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("batch_size", [1, 5, 100])
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+async def test_a_poison_message_takes_no_batch_mate_with_it(
+    dsn: str,
+    make_bus: Callable[..., Bus],
+    db: asyncpg.Connection,
+    batch_size: int,
+    position: str,
+) -> None:
+    pill = {"first": 1, "middle": 6, "last": MESSAGES}[position]
+    await db.execute("CREATE TABLE effects (n int, pid int)")
+    async with make_bus("billing", concurrency=0) as sender:
+        for n in range(1, MESSAGES + 1):
+            await sender.send(Ping(n=n), to="billing")
+
+    lines = await _supervise(dsn, db, batch_size, pill)
+
+    rows = await db.fetch("SELECT msg_text, subqueue, error_info FROM nmbus.billing ORDER BY id")
+    ends = {n: row["subqueue"] for n, row in enumerate(rows, start=1)}
+    assert ends == {n: "F" if n == pill else "X" for n in range(1, MESSAGES + 1)}
+    assert rows[pill - 1]["error_info"].startswith(
+        f"AttemptsExhausted: {MAX_ATTEMPTS} attempts were started"
+    )
+    # Each innocent message was committed once: its one transaction that survived.
+    effects = Counter(r["n"] for r in await db.fetch("SELECT n FROM effects"))
+    assert effects == Counter({n: 1 for n in range(1, MESSAGES + 1) if n != pill})
+    # It ran at most twice: in the batch that died (rolled back), then on its own.
+    runs = Counter(int(m.group(1)) for m in map(re.compile(r"ran (\d+) ").match, lines) if m)
+    assert max(c for n, c in runs.items() if n != pill) <= 2
+    # The poison killed a worker once per counted attempt, plus at most once in a batch.
+    assert MAX_ATTEMPTS <= runs[pill] <= MAX_ATTEMPTS + 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import socket
@@ -15,11 +16,17 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import structlog
 
-from nmbus.errors import ConfigurationError, MessageTooLarge, StoreError
+from nmbus.errors import (
+    MAX_SECONDS,
+    ConfigurationError,
+    InvalidMessage,
+    MessageTooLarge,
+    StoreError,
+)
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.messages import Envelope, Message, type_name
 from nmbus.retry import RetryPolicy
-from nmbus.settings import Settings
+from nmbus.settings import Settings, build_settings
 from nmbus.store import Store, validate_queue_name
 from nmbus.subscriptions import TYPE_CHAIN_HEADER, Subscriptions, chain_header, chain_of
 from nmbus.worker import Worker
@@ -50,14 +57,16 @@ class Bus:
         **overrides: Any,
     ) -> None:
         self.endpoint = validate_queue_name(endpoint)
+        # Validated in both cases: a value that would break at run time
+        # (inf, NaN, a negative age) is refused here, as InvalidSetting.
         if settings is None:
             given = {k: v for k, v in overrides.items() if v is not None}
             if dsn is not None:
                 given["dsn"] = dsn
-            settings = Settings(**given)
+            settings = build_settings(**given)
         elif dsn is not None or overrides:
-            settings = settings.model_copy(
-                update={**overrides, **({"dsn": dsn} if dsn is not None else {})}
+            settings = build_settings(
+                settings, **overrides, **({"dsn": dsn} if dsn is not None else {})
             )
         self.settings = settings
         if store is None:
@@ -378,8 +387,11 @@ class Bus:
         if deliver_at is not None and delay is not None:
             raise ValueError("give deliver_at or delay, not both")
         if delay is not None:
-            if delay < 0:
-                raise ValueError(f"delay must be >= 0 seconds, got {delay}")
+            if not (math.isfinite(delay) and 0 <= delay <= MAX_SECONDS):
+                raise InvalidMessage(
+                    f"delay must be >= 0 seconds and finite, at most {MAX_SECONDS} "
+                    f"(10 years), got {delay}"
+                )
             return datetime.now(UTC) + timedelta(seconds=delay) if delay else None
         if deliver_at is not None and deliver_at.tzinfo is None:
             raise ValueError("deliver_at must be timezone-aware (e.g. datetime.now(UTC))")

@@ -24,7 +24,7 @@ from nmbus.errors import (
     StoreError,
 )
 from nmbus.handlers import HandlerFunc, Registry
-from nmbus.messages import Envelope, Message, type_name
+from nmbus.messages import Envelope, Message, check_text, encode, type_name
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings, build_settings
 from nmbus.store import Store, validate_queue_name
@@ -407,7 +407,7 @@ class Bus:
     ) -> Envelope:
         if not isinstance(message, Message):
             raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
-        text = message.model_dump_json()
+        text = encode(message)
         limit = self.settings.max_message_bytes
         if len(text) * 4 > limit and len(text.encode()) > limit:
             raise MessageTooLarge(
@@ -419,12 +419,17 @@ class Bus:
             for key, value in headers.items():
                 if not isinstance(key, str) or not isinstance(value, str):
                     raise TypeError("headers must map str to str")
-                if "\x00" in key or "\x00" in value:
-                    # PostgreSQL's jsonb cannot hold U+0000; refuse it here, clearly.
-                    raise ValueError(f"header {key!r} contains a NUL character (U+0000)")
+                # Refused here, not when the batch commits: a handler's bad header
+                # must fail that handler, never its batch-mates.
+                check_text(f"header {key!r}", key)
+                check_text(f"header {key!r}", value)
             header_text = json.dumps(dict(headers), ensure_ascii=False)
-        if unique_id is not None and (not isinstance(unique_id, str) or not unique_id):
-            raise ValueError("unique_id must be a non-empty string")
+        if unique_id is not None:
+            if not isinstance(unique_id, str) or not unique_id:
+                raise ValueError("unique_id must be a non-empty string")
+            check_text("unique_id", unique_id)
+        if correlation_id is not None:
+            check_text("correlation_id", correlation_id)
         uid = unique_id or uuid.uuid4().hex
         return Envelope(
             label=type_name(type(message)),

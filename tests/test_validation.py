@@ -1,22 +1,26 @@
 """Values that would break at run time are refused where they enter (issue 11).
 
 Settings, retry policies and delays must be finite and within what PostgreSQL
-intervals hold (defect 7).
+intervals hold (defect 7); a message its receiver could not read is never
+stored (defect 8); headers and ids that PostgreSQL cannot store fail the
+handler that sent them, not its batch (defect 3).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import asyncpg
 import pytest
+from pydantic import BaseModel, Field
 
-from nmbus import Bus, Context, RetryLater, RetryPolicy, Settings
+from nmbus import Bus, Context, Message, RetryLater, RetryPolicy, Settings
 from nmbus.errors import MAX_SECONDS, HandlerError, InvalidMessage, InvalidSetting
 from nmbus.testing import MemoryStore, drain
-from tests.messages import Ping
+from tests.messages import Event, Ping, Pong
 
 INF = float("inf")
 NAN = float("nan")
@@ -172,3 +176,133 @@ async def test_retry_later_inf_in_a_handler_fails_that_attempt_with_the_real_err
     assert poison["subqueue"] == "R" and poison["retry_count"] == 1
     assert poison["error_info"].startswith("InvalidSetting: RetryLater"), poison["error_info"]
     assert sorted(r["subqueue"] for r in rows) == ["R", "X", "X", "X", "X"]
+
+
+# -- defect 8: floats that JSON cannot carry -----------------------------------------
+
+
+class Price(Message, type_name="test.validation.Price"):
+    amount: float
+
+
+class Line(BaseModel):
+    price: float
+
+
+class Order(Message, type_name="test.validation.Order"):
+    lines: list[Line]
+    rates: dict[str, float] = Field(default_factory=dict)
+    note: str | None = None
+
+
+@pytest.mark.parametrize(
+    ("message", "where"),
+    [
+        (Price(amount=INF), "amount"),
+        (Price(amount=-INF), "amount"),
+        (Price(amount=NAN), "amount"),
+        (Order(lines=[Line(price=1.0), Line(price=INF)]), "lines"),
+        (Order(lines=[], rates={"eur": NAN}), "rates"),
+    ],
+)
+async def test_send_refuses_a_float_its_receiver_could_not_read(
+    message: Message, where: str
+) -> None:
+    async with memory_bus(concurrency=0) as bus:
+        with pytest.raises(InvalidMessage, match=where) as raised:
+            await bus.send(message, to="billing")
+        with pytest.raises(InvalidMessage):
+            await bus.publish(message)
+        assert isinstance(bus.store, MemoryStore)
+        assert bus.store.tables.get("billing", {}) == {}
+    assert "\n" not in str(raised.value)
+
+
+async def test_finite_floats_and_look_alike_text_are_sent() -> None:
+    async with memory_bus(concurrency=0) as bus:
+        await bus.send(Price(amount=1e308), to="billing")
+        await bus.send(Event(name="NaN, Infinity and null"), to="billing")
+        await bus.send(Order(lines=[Line(price=-0.0)], rates={"NaN": 1.5}), to="billing")
+
+
+async def test_a_handler_sending_an_unreadable_float_fails_with_the_real_error(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", batch_size=10, max_attempts=1)
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        if msg.n == 3:
+            await ctx.send(Price(amount=INF), to="audit")
+        elif msg.n == 4:
+            await ctx.publish(Price(amount=NAN))
+        else:
+            await ctx.send(Pong(n=msg.n), to="audit")
+
+    async with bus:
+        for n in range(1, 7):
+            await bus.send(Ping(n=n), to="billing")
+        await drain(bus)
+    rows = await db.fetch("SELECT msg_text, subqueue, error_info FROM nmbus.billing ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["X", "X", "F", "F", "X", "X"]
+    for failed in rows[2:4]:
+        assert failed["error_info"].startswith("InvalidMessage: "), failed["error_info"]
+        assert "amount" in failed["error_info"].splitlines()[0]
+    sent = await db.fetch("SELECT label, msg_text FROM nmbus.audit ORDER BY id")
+    assert [r["msg_text"] for r in sent] == ['{"n":1}', '{"n":2}', '{"n":5}', '{"n":6}']
+
+
+# -- defect 3 (part): headers and ids PostgreSQL cannot store ---------------------------
+
+BAD_SENDS: list[dict[str, Any]] = [
+    {"headers": {"x": "\ud800"}},
+    {"headers": {"\udfff": "v"}},
+    {"headers": {"x": "a\x00b"}},
+    {"headers": {"a\x00": "v"}},
+    {"unique_id": "\ud800"},
+    {"unique_id": "id\x00"},
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD_SENDS)
+async def test_send_refuses_headers_and_ids_postgresql_cannot_store(
+    kwargs: dict[str, Any],
+) -> None:
+    async with memory_bus(concurrency=0) as bus:
+        with pytest.raises(InvalidMessage) as raised:
+            await bus.send(Ping(n=1), to="billing", **kwargs)
+        with pytest.raises(InvalidMessage):
+            await bus.publish(Ping(n=1), **kwargs)
+    assert "\n" not in str(raised.value)
+
+
+async def test_send_refuses_a_correlation_id_postgresql_cannot_store() -> None:
+    async with memory_bus(concurrency=0) as bus:
+        for bad in ("\ud800", "c\x00"):
+            with pytest.raises(InvalidMessage, match="correlation_id"):
+                await bus.send(Ping(n=1), to="billing", correlation_id=bad)
+
+
+@pytest.mark.parametrize("kwargs", BAD_SENDS)
+async def test_a_handler_sending_bad_headers_fails_alone_with_the_real_error(
+    kwargs: dict[str, Any], make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", batch_size=10, max_attempts=2, retry_delay=30)
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        await ctx.send(Pong(n=msg.n), to="audit", **(kwargs if msg.n == 3 else {}))
+
+    async with bus:
+        for n in range(1, 6):
+            await bus.send(Ping(n=n), to="billing")
+        await asyncio.wait_for(drain(bus), 10)
+    rows = await db.fetch(
+        "SELECT msg_text, subqueue, retry_count, error_info FROM nmbus.billing ORDER BY id"
+    )
+    assert [r["subqueue"] for r in rows] == ["X", "X", "R", "X", "X"]
+    poison = rows[2]
+    assert poison["retry_count"] == 1
+    assert poison["error_info"].startswith("InvalidMessage: "), poison["error_info"]
+    sent = await db.fetch("SELECT msg_text FROM nmbus.audit ORDER BY id")
+    assert [r["msg_text"] for r in sent] == ['{"n":1}', '{"n":2}', '{"n":4}', '{"n":5}']

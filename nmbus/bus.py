@@ -171,7 +171,9 @@ class Bus:
         if self.settings.concurrency > 0:
             if not len(self.registry):
                 log.warning("bus_without_handlers", queue=self.endpoint)
-            self._spawn(self.store.listen(self._on_wakeup), "listener")
+            self._spawn(
+                self.store.listen(self._on_wakeup, self.settings.reconnect_max_delay), "listener"
+            )
             self._spawn(self._lease_renewer(), "leases")
             if self.settings.retention_interval is not None:
                 self._spawn(self._retention(self.settings.retention_interval), "retention")

@@ -3,7 +3,8 @@
 Settings, retry policies and delays must be finite and within what PostgreSQL
 intervals hold (defect 7); a message its receiver could not read is never
 stored (defect 8); headers and ids that PostgreSQL cannot store fail the
-handler that sent them, not its batch (defect 3).
+handler that sent them, not its batch (defect 3); ``reconnect_max_delay``
+reaches the listener.
 """
 
 from __future__ import annotations
@@ -306,3 +307,22 @@ async def test_a_handler_sending_bad_headers_fails_alone_with_the_real_error(
     assert poison["error_info"].startswith("InvalidMessage: "), poison["error_info"]
     sent = await db.fetch("SELECT msg_text FROM nmbus.audit ORDER BY id")
     assert [r["msg_text"] for r in sent] == ['{"n":1}', '{"n":2}', '{"n":4}', '{"n":5}']
+
+
+# -- reconnect_max_delay reaches the listener ------------------------------------------
+
+
+async def test_reconnect_max_delay_reaches_the_listener(make_bus: Callable[..., Bus]) -> None:
+    bus = make_bus("billing", reconnect_max_delay=0.7)
+    given: list[float] = []
+    listen = bus.store.listen
+
+    async def spy(on_wakeup: Callable[[str], None], *args: Any, **kwargs: Any) -> None:
+        given.extend(args)
+        given.extend(kwargs.values())
+        await listen(on_wakeup, *args, **kwargs)
+
+    bus.store.listen = spy  # type: ignore[method-assign]
+    async with bus:
+        await asyncio.sleep(0.05)
+    assert given == [0.7]

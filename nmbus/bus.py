@@ -24,6 +24,7 @@ from nmbus.errors import (
     StoreError,
 )
 from nmbus.handlers import HandlerFunc, Registry
+from nmbus.logs import log_failure
 from nmbus.messages import Envelope, Message, check_text, encode, type_name
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings, build_settings
@@ -93,6 +94,9 @@ class Bus:
         self._background: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"<Bus {self.endpoint!r} store={self.store!r}>"
 
     # -- registration ------------------------------------------------------------
 
@@ -259,7 +263,7 @@ class Bus:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("retention_failed", queue=self.endpoint, error=str(exc))
+                log_failure(log, "retention_failed", exc, "warning", queue=self.endpoint)
 
     # -- sending ---------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from nmbus.errors import MAX_SECONDS, InvalidSetting
+from nmbus.logs import scrub
 
 # Every duration below ends up in a PostgreSQL interval or an asyncio timer:
 # inf, NaN or centuries fail there at run time, so they are refused here.
@@ -90,6 +91,11 @@ class Settings(BaseSettings):
         if value is not None and not timedelta(0) <= value <= timedelta(seconds=MAX_SECONDS):
             raise ValueError("must be between 0 and 10 years")
         return value
+
+    def __repr_args__(self) -> Any:
+        # The DSN's password must never reach a log line, a traceback or a repr.
+        for name, value in super().__repr_args__():
+            yield name, scrub(value) if name == "dsn" and isinstance(value, str) else value
 
 
 def build_settings(base: Settings | None = None, /, **values: Any) -> Settings:

@@ -175,3 +175,15 @@ async def test_reprs_and_connection_errors_never_show_the_password(dsn: str) -> 
 )
 def test_scrub_hides_passwords_in_every_dsn_form(text: str, expected: str) -> None:
     assert scrub(text) == expected
+
+
+def test_driver_errors_are_translated_without_the_password() -> None:
+    from nmbus.errors import StoreError
+    from nmbus.postgres.errors import wrap_errors
+
+    dsn = "postgresql://u:TopS3cretPW@h/db"
+    for driver_error in (asyncpg.InterfaceError(f"bad {dsn}"), OSError(f"cannot reach {dsn}")):
+        with pytest.raises(StoreError) as raised, wrap_errors("connect"):
+            raise driver_error
+        assert PASSWORD not in str(raised.value)
+        assert "u:***@h" in str(raised.value)

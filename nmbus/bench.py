@@ -66,7 +66,7 @@ TICK = type_name(Tick)
 class BenchOptions:
     """What to measure and how much of it."""
 
-    dsn: str
+    dsn: str = field(repr=False)  # it may hold a password
     messages: int = 50_000
     batch_size: int = 100
     concurrency: int = 1

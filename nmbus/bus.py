@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import socket
@@ -15,11 +16,18 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import structlog
 
-from nmbus.errors import ConfigurationError, MessageTooLarge, StoreError
+from nmbus.errors import (
+    MAX_SECONDS,
+    ConfigurationError,
+    InvalidMessage,
+    MessageTooLarge,
+    StoreError,
+)
 from nmbus.handlers import HandlerFunc, Registry
-from nmbus.messages import Envelope, Message, type_name
+from nmbus.logs import log_failure
+from nmbus.messages import Envelope, Message, check_text, encode, type_name
 from nmbus.retry import RetryPolicy
-from nmbus.settings import Settings
+from nmbus.settings import Settings, build_settings
 from nmbus.store import Store, validate_queue_name
 from nmbus.subscriptions import TYPE_CHAIN_HEADER, Subscriptions, chain_header, chain_of
 from nmbus.worker import Worker
@@ -50,14 +58,16 @@ class Bus:
         **overrides: Any,
     ) -> None:
         self.endpoint = validate_queue_name(endpoint)
+        # Validated in both cases: a value that would break at run time
+        # (inf, NaN, a negative age) is refused here, as InvalidSetting.
         if settings is None:
             given = {k: v for k, v in overrides.items() if v is not None}
             if dsn is not None:
                 given["dsn"] = dsn
-            settings = Settings(**given)
+            settings = build_settings(**given)
         elif dsn is not None or overrides:
-            settings = settings.model_copy(
-                update={**overrides, **({"dsn": dsn} if dsn is not None else {})}
+            settings = build_settings(
+                settings, **overrides, **({"dsn": dsn} if dsn is not None else {})
             )
         self.settings = settings
         if store is None:
@@ -84,6 +94,9 @@ class Bus:
         self._background: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"<Bus {self.endpoint!r} store={self.store!r}>"
 
     # -- registration ------------------------------------------------------------
 
@@ -162,7 +175,8 @@ class Bus:
         if self.settings.concurrency > 0:
             if not len(self.registry):
                 log.warning("bus_without_handlers", queue=self.endpoint)
-            self._spawn(lambda: self.store.listen(self._on_wakeup), "listener")
+            reconnect = self.settings.reconnect_max_delay
+            self._spawn(lambda: self.store.listen(self._on_wakeup, reconnect), "listener")
             self._spawn(self._lease_renewer, "leases")
             interval = self.settings.retention_interval
             if interval is not None:
@@ -224,20 +238,21 @@ class Bus:
             try:
                 await run()
                 return  # finished on its own (nothing to do): not a failure
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
                     raise
-                error = "CancelledError: cancelled by something other than the bus"
+                failure: BaseException = exc
             except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                failure = exc
             if loop.time() - started > 60:
-                pause = 0.1
-            log.error(
+                pause = 0.1  # it ran fine for a while: this is a new failure
+            log_failure(
+                log,
                 "background_task_failed",
+                failure,
                 queue=self.endpoint,
                 task=name,
-                error=error,
                 restart_in=round(pause, 3),
             )
             await asyncio.sleep(pause)
@@ -283,7 +298,7 @@ class Bus:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("retention_failed", queue=self.endpoint, error=str(exc))
+                log_failure(log, "retention_failed", exc, "warning", queue=self.endpoint)
 
     # -- sending ---------------------------------------------------------------------
 
@@ -413,8 +428,11 @@ class Bus:
         if deliver_at is not None and delay is not None:
             raise ValueError("give deliver_at or delay, not both")
         if delay is not None:
-            if delay < 0:
-                raise ValueError(f"delay must be >= 0 seconds, got {delay}")
+            if not (math.isfinite(delay) and 0 <= delay <= MAX_SECONDS):
+                raise InvalidMessage(
+                    f"delay must be >= 0 seconds and finite, at most {MAX_SECONDS} "
+                    f"(10 years), got {delay}"
+                )
             return datetime.now(UTC) + timedelta(seconds=delay) if delay else None
         if deliver_at is not None and deliver_at.tzinfo is None:
             raise ValueError("deliver_at must be timezone-aware (e.g. datetime.now(UTC))")
@@ -430,7 +448,7 @@ class Bus:
     ) -> Envelope:
         if not isinstance(message, Message):
             raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
-        text = message.model_dump_json()
+        text = encode(message)
         limit = self.settings.max_message_bytes
         if len(text) * 4 > limit and len(text.encode()) > limit:
             raise MessageTooLarge(
@@ -442,12 +460,17 @@ class Bus:
             for key, value in headers.items():
                 if not isinstance(key, str) or not isinstance(value, str):
                     raise TypeError("headers must map str to str")
-                if "\x00" in key or "\x00" in value:
-                    # PostgreSQL's jsonb cannot hold U+0000; refuse it here, clearly.
-                    raise ValueError(f"header {key!r} contains a NUL character (U+0000)")
+                # Refused here, not when the batch commits: a handler's bad header
+                # must fail that handler, never its batch-mates.
+                check_text(f"header {key!r}", key)
+                check_text(f"header {key!r}", value)
             header_text = json.dumps(dict(headers), ensure_ascii=False)
-        if unique_id is not None and (not isinstance(unique_id, str) or not unique_id):
-            raise ValueError("unique_id must be a non-empty string")
+        if unique_id is not None:
+            if not isinstance(unique_id, str) or not unique_id:
+                raise ValueError("unique_id must be a non-empty string")
+            check_text("unique_id", unique_id)
+        if correlation_id is not None:
+            check_text("correlation_id", correlation_id)
         uid = unique_id or uuid.uuid4().hex
         return Envelope(
             label=type_name(type(message)),

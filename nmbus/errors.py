@@ -5,9 +5,11 @@ The whole tree::
     NmbusError
     ├── ConfigurationError          misuse of the API, raised at registration time
     │   ├── InvalidQueueName        a queue name that cannot be a table name
+    │   ├── InvalidSetting          a setting, retry policy or delay nmbus cannot honour
     │   └── HandlerError            a handler whose signature cannot be dispatched
     ├── MessageError                a message that cannot be sent or received
     │   ├── MessageTooLarge         body over the configured size limit (at send)
+    │   ├── InvalidMessage          a body, header or id its receiver could not read (at send)
     │   ├── UnknownMessageType      a label no registered Message class carries
     │   └── UndecodableMessage      a body that does not parse or validate
     ├── StoreError                  the database said no; the driver error is __cause__
@@ -24,6 +26,12 @@ place, :mod:`nmbus.postgres.errors`.
 
 from __future__ import annotations
 
+import math
+
+# The longest delay, timeout or age nmbus accepts: 10 years, in seconds. Longer
+# is a mistake (PostgreSQL intervals and timestamps overflow not far beyond).
+MAX_SECONDS = 10 * 365 * 24 * 3600
+
 
 class NmbusError(Exception):
     """Base of every exception nmbus raises."""
@@ -37,6 +45,10 @@ class InvalidQueueName(ConfigurationError, ValueError):
     """A queue (endpoint) name that nmbus refuses to turn into a table name."""
 
 
+class InvalidSetting(ConfigurationError, ValueError):
+    """A setting, retry policy or delay that is not finite or out of range, refused at once."""
+
+
 class HandlerError(ConfigurationError, TypeError):
     """A handler that cannot be registered."""
 
@@ -47,6 +59,10 @@ class MessageError(NmbusError):
 
 class MessageTooLarge(MessageError, ValueError):
     """The serialized message is larger than ``max_message_bytes``."""
+
+
+class InvalidMessage(MessageError, ValueError):
+    """A message that its receiver could not read back: refused at send, never stored."""
 
 
 class UnknownMessageType(MessageError):
@@ -85,8 +101,12 @@ class RetryLater(HandlerSignal):
     """Try the message again after ``seconds``; the attempt does not count."""
 
     def __init__(self, seconds: float, reason: str = "") -> None:
-        if seconds < 0:
-            raise ValueError(f"RetryLater needs seconds >= 0, got {seconds}")
+        if not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
+            # Raised inside a handler, this fails the attempt with this message.
+            raise InvalidSetting(
+                f"RetryLater needs seconds >= 0 and finite, at most {MAX_SECONDS} "
+                f"(10 years), got {seconds}"
+            )
         self.seconds = float(seconds)
         self.reason = reason
         super().__init__(reason or f"retry in {seconds:g}s")

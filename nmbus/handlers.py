@@ -10,12 +10,13 @@ dispatches along the class chain.
 from __future__ import annotations
 
 import inspect
+import math
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nmbus.errors import HandlerError
+from nmbus.errors import MAX_SECONDS, HandlerError
 from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
 
@@ -84,8 +85,11 @@ class Registry:
                 f"handler {func.__qualname__} handles {message_type!r}, which is not a "
                 "subclass of nmbus.Message"
             )
-        if timeout is not None and timeout <= 0:
-            raise HandlerError(f"handler timeout must be > 0 seconds, got {timeout}")
+        if timeout is not None and not (math.isfinite(timeout) and 0 < timeout <= MAX_SECONDS):
+            raise HandlerError(
+                f"handler timeout must be > 0 seconds and finite, at most {MAX_SECONDS} "
+                f"(10 years), got {timeout}"
+            )
         policy = RetryPolicy.of(retry) if retry is not None else None
         handler = Handler(func, message_type, policy, timeout)
         self._by_type.setdefault(message_type, []).append(handler)

@@ -11,14 +11,16 @@ Python modules::
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticSerializationError
 
-from nmbus.errors import ConfigurationError
+from nmbus.errors import ConfigurationError, InvalidMessage
 
 _TYPE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
 
@@ -31,7 +33,9 @@ class Message(BaseModel):
 
     # Frozen: a handler cannot change a message others also receive. Unknown
     # fields are ignored so a newer sender can add fields without breaking us.
-    model_config = ConfigDict(frozen=True)
+    # Non-finite floats serialize as NaN/Infinity rather than a silent null, so
+    # that encode() can see them and refuse the message at send.
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
 
     __type_name__: ClassVar[str] = "Message"
 
@@ -81,6 +85,88 @@ def type_chain(cls: type[Message]) -> tuple[str, ...]:
 def lookup_type(name: str) -> type[Message] | None:
     """The Message class registered under ``name`` in this process, if any."""
     return _TYPES.get(name)
+
+
+def encode(message: Message) -> str:
+    """The JSON body of ``message``; :class:`InvalidMessage` if its receiver could not read it.
+
+    JSON has no infinity or NaN: a message holding one is refused here rather
+    than stored as a body that fails to decode at the receiver. A null that the
+    class itself cannot read back (a float inside a nested plain pydantic model
+    that was inf or nan) is refused as well.
+    """
+    name = message.__type_name__
+    try:
+        text = message.model_dump_json()
+    except PydanticSerializationError as exc:
+        raise InvalidMessage(f"{name} cannot be serialized to JSON: {_line(exc)}") from exc
+    if ("NaN" in text or "Infinity" in text) and (found := _non_finite(text)) is not None:
+        where, constant = found
+        raise InvalidMessage(
+            f"{name}.{where} is {constant}: JSON has no infinity or NaN, so no receiver could "
+            "read it; send a finite number, None or a string instead"
+        )
+    if "null" in text:
+        try:
+            type(message).model_validate_json(text)
+        except ValidationError as exc:
+            nulls = [e for e in exc.errors() if e["input"] is None]
+            if nulls:
+                where = ".".join(str(part) for part in nulls[0]["loc"])
+                raise InvalidMessage(
+                    f"{name}.{where} is sent as null, which {name} cannot read back "
+                    f"({nulls[0]['msg']}); an inf or nan float in a nested model becomes null: "
+                    "send a finite number"
+                ) from None
+    return text
+
+
+class _Constant(str):
+    """A NaN or Infinity token found by json.loads."""
+
+
+def _non_finite(text: str) -> tuple[str, str] | None:
+    """Where the first NaN/Infinity token of JSON ``text`` is, as a dotted path."""
+
+    def walk(value: Any, path: str) -> tuple[str, str] | None:
+        if isinstance(value, _Constant):
+            return path, str(value)
+        items: Any = ()
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        for key, item in items:
+            found = walk(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+        return None
+
+    return walk(json.loads(text, parse_constant=_Constant), "")
+
+
+def _line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def check_text(what: str, text: str) -> None:
+    """Refuse ``text`` that PostgreSQL cannot store in a text or jsonb column.
+
+    The error message shows the bad character escaped: it must itself be storable,
+    since a handler's error ends up in ``error_info``.
+    """
+    if "\x00" in text:
+        raise InvalidMessage(
+            f"{what} contains a NUL character (U+0000): PostgreSQL cannot store it"
+        )
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidMessage(
+                f"{what} contains a lone surrogate ({text[exc.start]!r}), which is not valid "
+                "Unicode text: PostgreSQL cannot store it"
+            ) from None
 
 
 @dataclass(slots=True)

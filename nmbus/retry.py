@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import random
 from dataclasses import dataclass
+
+from nmbus.errors import MAX_SECONDS, InvalidSetting
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,13 +28,18 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.initial_delay < 0 or self.max_delay < 0:
-            raise ValueError("retry delays must be >= 0")
-        if self.backoff < 1:
-            raise ValueError(f"backoff must be >= 1, got {self.backoff}")
+            raise InvalidSetting(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("initial_delay", "max_delay"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
+                raise InvalidSetting(
+                    f"RetryPolicy {name}: retry delays must be >= 0 and finite, at most "
+                    f"{MAX_SECONDS} seconds (10 years), got {value}"
+                )
+        if not (math.isfinite(self.backoff) and self.backoff >= 1):
+            raise InvalidSetting(f"RetryPolicy backoff must be finite and >= 1, got {self.backoff}")
         if not 0 <= self.jitter < 1:
-            raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
+            raise InvalidSetting(f"RetryPolicy jitter must be in [0, 1), got {self.jitter}")
 
     @classmethod
     def of(cls, value: RetryPolicy | int | None, default: RetryPolicy | None = None) -> RetryPolicy:
@@ -56,7 +65,13 @@ class RetryPolicy:
 
     def delay(self, attempts: int) -> float:
         """Seconds to wait after the ``attempts``-th failed attempt."""
-        base = min(self.max_delay, self.initial_delay * self.backoff ** max(0, attempts - 1))
+        base = self.max_delay
+        if self.initial_delay == 0:
+            base = 0.0
+        elif self.initial_delay < self.max_delay:
+            # backoff ** n beyond a float raises OverflowError: the cap applies.
+            with contextlib.suppress(OverflowError):
+                base = min(base, self.initial_delay * self.backoff ** max(0, attempts - 1))
         if self.jitter:
             base *= 1 + random.uniform(-self.jitter, self.jitter)
         return max(0.0, base)

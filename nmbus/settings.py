@@ -6,11 +6,30 @@ pass them down; library code never reads the environment itself.
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from nmbus.errors import MAX_SECONDS, InvalidSetting
+from nmbus.logs import scrub
+
+# Every duration below ends up in a PostgreSQL interval or an asyncio timer:
+# inf, NaN or centuries fail there at run time, so they are refused here.
+_SECONDS = (
+    "lease_seconds",
+    "poll_interval",
+    "handler_timeout",
+    "shutdown_timeout",
+    "retry_delay",
+    "retry_max_delay",
+    "subscription_ttl",
+    "reconnect_max_delay",
+    "retention_interval",
+)
+_AGES = ("retention_max_age", "retention_failed_max_age")
 
 
 class Settings(BaseSettings):
@@ -56,3 +75,53 @@ class Settings(BaseSettings):
     retention_archive_dir: str | None = Field(
         default=None, description="write removed rows to Parquet here first (needs pyarrow)"
     )
+
+    @field_validator(*_SECONDS)
+    @classmethod
+    def _finite_seconds(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value <= MAX_SECONDS):
+            raise ValueError(
+                f"must be a finite number of seconds, at most {MAX_SECONDS} (10 years)"
+            )
+        return value
+
+    @field_validator(*_AGES)
+    @classmethod
+    def _sane_age(cls, value: timedelta | None) -> timedelta | None:
+        if value is not None and not timedelta(0) <= value <= timedelta(seconds=MAX_SECONDS):
+            raise ValueError("must be between 0 and 10 years")
+        return value
+
+    def __repr_args__(self) -> Any:
+        # The DSN's password must never reach a log line, a traceback or a repr.
+        for name, value in super().__repr_args__():
+            yield name, scrub(value) if name == "dsn" and isinstance(value, str) else value
+
+
+def build_settings(base: Settings | None = None, /, **values: Any) -> Settings:
+    """``base`` (else the ``NMBUS_*`` environment) with ``values`` on top, all validated.
+
+    A value that is refused raises :class:`~nmbus.errors.InvalidSetting`, with
+    one line naming each bad setting and its environment variable.
+    """
+    try:
+        if base is None:
+            return Settings(**values)
+        return Settings(**{**dict(base), **values})
+    except ValidationError as exc:
+        raise InvalidSetting(describe(exc)) from exc
+
+
+def describe(exc: ValidationError) -> str:
+    """One line for a refused Settings: each bad setting, its variable, what is wrong."""
+    parts = []
+    for error in exc.errors():
+        name = ".".join(str(part) for part in error["loc"]) or "settings"
+        reason = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            parts.append(f"{name}: no such setting")
+            continue
+        # Never echo a DSN: it may hold a password.
+        got = "" if name == "dsn" else f", got {error['input']!r}"
+        parts.append(f"{name} (NMBUS_{name.upper()}): {reason}{got}")
+    return "invalid settings: " + "; ".join(parts)

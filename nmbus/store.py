@@ -214,9 +214,10 @@ class Store(Protocol):
 
     def worker_session(self) -> AbstractAsyncContextManager[WorkerSession]: ...
 
-    async def listen(self, on_wakeup: Callable[[str], None]) -> None:
+    async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:
         """Call ``on_wakeup(queue)`` whenever messages are inserted into ``queue``.
 
-        Runs until cancelled, reconnecting after connection loss.
+        Runs until cancelled, reconnecting after connection loss with a backoff
+        that grows up to ``reconnect_max`` seconds.
         """
         ...

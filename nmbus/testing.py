@@ -394,7 +394,7 @@ class MemoryStore:
     async def worker_session(self) -> AsyncIterator[MemorySession]:
         yield MemorySession(self)
 
-    async def listen(self, on_wakeup: Callable[[str], None]) -> None:
+    async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:
         self._listeners.append(on_wakeup)
         try:
             await asyncio.Event().wait()

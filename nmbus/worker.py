@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from nmbus.context import Context
 from nmbus.errors import DatabaseUnavailable, PermanentError, RetryLater, StoreError
 from nmbus.handlers import HandlerFunc
+from nmbus.logs import log_failure
 from nmbus.messages import Envelope, Message, StoredMessage
 from nmbus.retry import RetryPolicy
 from nmbus.store import Batch, Outcomes, WorkerSession
@@ -367,8 +368,8 @@ class Worker:
                     error=str(exc),
                     retry_in=backoff,
                 )
-            except Exception:
-                log.exception("worker_error", queue=self.queue, loop=index)
+            except Exception as exc:
+                log_failure(log, "worker_error", exc, queue=self.queue, loop=index)
             if self._stopping.is_set():
                 break
             await self._pause(backoff)

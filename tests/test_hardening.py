@@ -105,12 +105,12 @@ async def test_a_side_task_that_dies_is_logged_and_restarted(
     real_listen = store.listen
     calls = 0
 
-    async def flaky_listen(on_wakeup: Callable[[str], None], **kwargs: Any) -> None:
+    async def flaky_listen(on_wakeup: Callable[[str], None], *args: Any) -> None:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("listener bug")
-        await real_listen(on_wakeup, **kwargs)
+        await real_listen(on_wakeup, *args)
 
     store.listen = flaky_listen
     handled = asyncio.Event()
@@ -248,3 +248,31 @@ async def test_a_row_scheduled_for_infinity_is_never_due_and_breaks_nothing(
     assert [e for e in logs if e["log_level"] in ("error", "warning")] == []
     never, handled = await rows(db)
     assert never["subqueue"] == "R" and handled["subqueue"] == "X"
+
+
+# -- quiet by default ----------------------------------------------------------------
+
+
+async def test_an_unconfigured_structlog_gets_no_line_per_message(
+    make_bus: Callable[..., Bus], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import structlog
+
+    structlog.reset_defaults()
+    assert not structlog.is_configured()
+    bus = make_bus("billing", max_attempts=1)
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        if msg.n % 2:
+            raise ValueError("odd")
+
+    async with bus:
+        for n in range(40):
+            await bus.send(Ping(n=n), to="billing")
+        await drain(bus)
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    per_message = [line for line in lines if "message_" in line]
+    assert per_message == []
+    assert len(lines) < 10  # start, stop and the like; not one per message

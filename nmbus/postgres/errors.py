@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import asyncpg
 
 from nmbus.errors import DatabaseUnavailable, QueueNotFound, StoreError
+from nmbus.logs import scrub
 
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
@@ -49,6 +50,7 @@ def wrap_errors(what: str) -> Iterator[None]:
         asyncpg.InternalClientError,
         *_CONNECTION_ERRORS,
     ) as exc:  # type: ignore[misc]
+        # A driver's text may quote the DSN it was given: never its password.
         if is_connection_error(exc):
-            raise DatabaseUnavailable(f"{what}: database unavailable ({exc})") from exc
-        raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc
+            raise DatabaseUnavailable(f"{what}: database unavailable ({scrub(str(exc))})") from exc
+        raise StoreError(f"{what}: {type(exc).__name__}: {scrub(str(exc))}") from exc

@@ -17,6 +17,7 @@ import structlog
 from asyncpg.transaction import Transaction
 
 from nmbus.errors import SchemaVersionError
+from nmbus.logs import log_failure, scrub
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.postgres.errors import is_connection_error, wrap_errors
 from nmbus.postgres.pubsub import (
@@ -284,6 +285,10 @@ class PostgresStore:
         self._lease_lock = asyncio.Lock()
         self._lease_conn: asyncpg.Connection | None = None
 
+    def __repr__(self) -> str:
+        dsn = scrub(self.dsn) if self.dsn else None
+        return f"<PostgresStore schema={self.schema!r} dsn={dsn!r}>"
+
     async def connect(self) -> asyncpg.Connection:
         with wrap_errors("connect"):
             conn: asyncpg.Connection = await asyncpg.connect(self.dsn, timeout=10)
@@ -503,7 +508,7 @@ class PostgresStore:
                 raise
             except Exception as exc:
                 if not is_connection_error(exc) and not isinstance(exc.__cause__, BaseException):
-                    log.exception("listener_failed", channel=channel)
+                    log_failure(log, "listener_failed", exc, channel=channel)
                 else:
                     log.warning("listener_connection_lost", channel=channel, error=str(exc))
             finally:

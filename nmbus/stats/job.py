@@ -78,7 +78,7 @@ class StatsError(Exception):
 class Options:
     """Everything the job needs; the command line and ``nmbus report`` build one."""
 
-    dsn: str
+    dsn: str = field(repr=False)  # it may hold a password
     out: str = "nmbus-report"
     schema: str = "nmbus"
     window: str = "hour"
@@ -128,7 +128,7 @@ def parse_time(text: str) -> datetime:
 class Jdbc:
     url: str
     user: str | None
-    password: str | None
+    password: str | None = field(repr=False)  # never in a log line or a traceback
     host: str
     port: int
     database: str
@@ -152,7 +152,11 @@ def jdbc_from_dsn(dsn: str) -> Jdbc:
         dsn = dsn[len("jdbc:") :]
     parts = urlsplit(dsn)
     if parts.scheme not in ("postgresql", "postgres"):
-        raise StatsError(f"the DSN must look like postgresql://user@host:5432/db, got {dsn!r}")
+        # Not the DSN itself: it may hold a password.
+        raise StatsError(
+            "the DSN must look like postgresql://user@host:5432/db, "
+            f"not {parts.scheme + '://...' if parts.scheme else 'a URL without a scheme'}"
+        )
     host = parts.hostname or "localhost"
     try:
         port = parts.port or 5432

@@ -242,7 +242,7 @@ async def test_deliver_at_far_past_far_future_and_negative_delays(
     assert future["retry_time"] > datetime.now(UTC) + timedelta(days=365 * 7000)
     negative = by_text["retry-negative"]
     assert negative["subqueue"] == "F"
-    assert negative["error_info"].startswith("ValueError: RetryLater needs seconds >= 0")
+    assert negative["error_info"].startswith("InvalidSetting: RetryLater needs seconds >= 0")
     assert sorted(handled) == ["epoch", "past", "retry-negative", "retry-negative", "zero"]
 
     with pytest.raises(ValueError, match="retry delays must be >= 0"):

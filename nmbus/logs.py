@@ -1,0 +1,45 @@
+"""Logging an unexpected exception without leaking secrets.
+
+``log.exception(...)`` hands the exception to the application's renderer, and
+structlog's default one (rich) prints every frame's local variables: asyncpg's
+frames hold the DSN and its password. :func:`log_failure` logs the event with
+the error on one line and a plain traceback (``traceback.format_exception``,
+no locals), both with passwords scrubbed.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from typing import Any
+
+# scheme://user:password@host: the password runs to the last '@' of the authority.
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/?#@'\"]*:)[^\s/?#'\"]*@")
+# password=... as a URL query parameter, a libpq keyword or a Python repr.
+_KEYWORD_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('[^']*'|\"[^\"]*\"|[^\s&,)'\"]*)", re.I)
+
+
+def scrub(text: str) -> str:
+    """``text`` with the password of every DSN in it replaced by ``***``."""
+    if "password" not in text.lower() and "@" not in text:
+        return text
+    text = _URL_PASSWORD.sub(r"\1***@", text)
+    return _KEYWORD_PASSWORD.sub(r"\1***", text)
+
+
+def log_failure(
+    logger: Any, event: str, exc: BaseException, level: str = "error", **fields: Any
+) -> None:
+    """Log ``event`` for ``exc`` at ``level``: ``error=`` one line, ``traceback=`` the rest.
+
+    Use it instead of ``logger.exception(...)`` for exceptions nmbus did not
+    expect, so no renderer can expand the frames' local variables.
+    """
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<str() failed>"
+    name = type(exc).__name__
+    headline = f"{name}: {text}".splitlines()[0] if text else name
+    trace = "".join(traceback.format_exception(exc))
+    getattr(logger, level)(event, error=scrub(headline), traceback=scrub(trace), **fields)

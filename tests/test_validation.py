@@ -1,0 +1,328 @@
+"""Values that would break at run time are refused where they enter (issue 11).
+
+Settings, retry policies and delays must be finite and within what PostgreSQL
+intervals hold (defect 7); a message its receiver could not read is never
+stored (defect 8); headers and ids that PostgreSQL cannot store fail the
+handler that sent them, not its batch (defect 3); ``reconnect_max_delay``
+reaches the listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import pytest
+from pydantic import BaseModel, Field
+
+from nmbus import Bus, Context, Message, RetryLater, RetryPolicy, Settings
+from nmbus.errors import MAX_SECONDS, HandlerError, InvalidMessage, InvalidSetting
+from nmbus.testing import MemoryStore, drain
+from tests.messages import Event, Ping, Pong
+
+INF = float("inf")
+NAN = float("nan")
+
+
+def memory_bus(endpoint: str = "billing", **settings: Any) -> Bus:
+    return Bus(endpoint, store=MemoryStore(), **{"poll_interval": 0.05, **settings})
+
+
+# -- defect 7: settings, policies and delays -------------------------------------------
+
+
+BAD_SETTINGS = [
+    ("lease_seconds", INF),
+    ("lease_seconds", NAN),
+    ("lease_seconds", 1e12),
+    ("retry_delay", INF),
+    ("retry_delay", NAN),
+    ("retry_max_delay", INF),
+    ("retry_max_delay", NAN),
+    ("subscription_ttl", INF),
+    ("subscription_ttl", NAN),
+    ("poll_interval", INF),
+    ("poll_interval", NAN),
+    ("handler_timeout", INF),
+    ("handler_timeout", NAN),
+    ("shutdown_timeout", INF),
+    ("shutdown_timeout", NAN),
+    ("reconnect_max_delay", INF),
+    ("reconnect_max_delay", NAN),
+    ("retention_interval", INF),
+    ("retention_interval", NAN),
+    ("retention_max_age", timedelta(days=-1)),
+    ("retention_max_age", timedelta(days=999_999_999)),
+    ("retention_failed_max_age", timedelta(seconds=-1)),
+    ("retention_failed_max_age", timedelta(days=365 * 11)),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_SETTINGS)
+def test_a_setting_that_breaks_at_run_time_is_refused_by_bus(name: str, value: Any) -> None:
+    with pytest.raises(InvalidSetting, match=name) as raised:
+        memory_bus(**{name: value})
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"NMBUS_{name.upper()}" in message
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_SETTINGS)
+def test_a_bad_setting_is_refused_as_an_override_of_given_settings(name: str, value: Any) -> None:
+    with pytest.raises(InvalidSetting, match=name):
+        Bus("billing", settings=Settings(), store=MemoryStore(), **{name: value})
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_SETTINGS)
+def test_settings_themselves_refuse_the_value(name: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=name):
+        Settings(**{name: value})
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e12"])
+def test_a_bad_setting_from_the_environment_is_refused(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NMBUS_LEASE_SECONDS", value)
+    with pytest.raises(InvalidSetting, match="NMBUS_LEASE_SECONDS"):
+        memory_bus()
+
+
+def test_the_longest_values_nmbus_accepts_still_work() -> None:
+    bus = memory_bus(
+        lease_seconds=MAX_SECONDS,
+        retry_delay=MAX_SECONDS,
+        retry_max_delay=MAX_SECONDS,
+        retention_max_age=timedelta(seconds=MAX_SECONDS),
+        retention_failed_max_age=timedelta(0),
+    )
+    assert bus.settings.lease_seconds == MAX_SECONDS
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"initial_delay": INF},
+        {"initial_delay": NAN},
+        {"initial_delay": 1e12},
+        {"backoff": INF},
+        {"backoff": NAN},
+        {"max_delay": INF},
+        {"max_delay": NAN},
+        {"max_delay": 1e12},
+        {"jitter": NAN},
+    ],
+)
+def test_a_retry_policy_that_breaks_at_run_time_is_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(InvalidSetting, match=next(iter(kwargs))):
+        RetryPolicy(**kwargs)
+
+
+def test_retry_delays_never_overflow() -> None:
+    policy = RetryPolicy(max_attempts=100_000, initial_delay=1, backoff=1e300, jitter=0)
+    assert policy.delay(50_000) == policy.max_delay
+    slow = RetryPolicy(max_attempts=100_000, initial_delay=0.5, backoff=2, max_delay=60)
+    assert 0 < slow.delay(5_000) <= 66
+    assert RetryPolicy(initial_delay=0, backoff=1e300, jitter=0).delay(10) == 0
+
+
+@pytest.mark.parametrize("seconds", [INF, -INF, NAN, 1e12, MAX_SECONDS + 1, -1])
+def test_retry_later_refuses_delays_that_cannot_be_stored(seconds: float) -> None:
+    with pytest.raises(InvalidSetting, match="RetryLater") as raised:
+        RetryLater(seconds)
+    assert "\n" not in str(raised.value)
+
+
+def test_retry_later_accepts_up_to_ten_years() -> None:
+    assert RetryLater(MAX_SECONDS).seconds == MAX_SECONDS
+    assert RetryLater(0).seconds == 0
+
+
+@pytest.mark.parametrize("timeout", [INF, NAN, 1e12])
+def test_a_handler_timeout_that_cannot_work_is_refused(timeout: float) -> None:
+    bus = memory_bus()
+    with pytest.raises(HandlerError, match="timeout"):
+
+        @bus.handler(timeout=timeout)
+        async def handle(msg: Ping, ctx: Context) -> None: ...
+
+
+@pytest.mark.parametrize("delay", [INF, NAN, 1e12])
+async def test_a_send_delay_that_cannot_be_stored_is_refused(delay: float) -> None:
+    async with memory_bus(concurrency=0) as bus:
+        with pytest.raises(InvalidMessage, match="delay"):
+            await bus.send(Ping(n=1), to="billing", delay=delay)
+
+
+async def test_retry_later_inf_in_a_handler_fails_that_attempt_with_the_real_error(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", batch_size=10, max_attempts=2, retry_delay=30)
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        if msg.n == 3:
+            raise RetryLater(INF)
+
+    async with bus:
+        for n in range(1, 6):
+            await bus.send(Ping(n=n), to="billing")
+        await drain(bus)
+    rows = await db.fetch("SELECT msg_text, subqueue, retry_count, error_info FROM nmbus.billing")
+    outcome = {r["msg_text"]: r for r in rows}
+    poison = outcome['{"n":3}']
+    assert poison["subqueue"] == "R" and poison["retry_count"] == 1
+    assert poison["error_info"].startswith("InvalidSetting: RetryLater"), poison["error_info"]
+    assert sorted(r["subqueue"] for r in rows) == ["R", "X", "X", "X", "X"]
+
+
+# -- defect 8: floats that JSON cannot carry -----------------------------------------
+
+
+class Price(Message, type_name="test.validation.Price"):
+    amount: float
+
+
+class Line(BaseModel):
+    price: float
+
+
+class Order(Message, type_name="test.validation.Order"):
+    lines: list[Line]
+    rates: dict[str, float] = Field(default_factory=dict)
+    note: str | None = None
+
+
+@pytest.mark.parametrize(
+    ("message", "where"),
+    [
+        (Price(amount=INF), "amount"),
+        (Price(amount=-INF), "amount"),
+        (Price(amount=NAN), "amount"),
+        (Order(lines=[Line(price=1.0), Line(price=INF)]), "lines"),
+        (Order(lines=[], rates={"eur": NAN}), "rates"),
+    ],
+)
+async def test_send_refuses_a_float_its_receiver_could_not_read(
+    message: Message, where: str
+) -> None:
+    async with memory_bus(concurrency=0) as bus:
+        with pytest.raises(InvalidMessage, match=where) as raised:
+            await bus.send(message, to="billing")
+        with pytest.raises(InvalidMessage):
+            await bus.publish(message)
+        assert isinstance(bus.store, MemoryStore)
+        assert bus.store.tables.get("billing", {}) == {}
+    assert "\n" not in str(raised.value)
+
+
+async def test_finite_floats_and_look_alike_text_are_sent() -> None:
+    async with memory_bus(concurrency=0) as bus:
+        await bus.send(Price(amount=1e308), to="billing")
+        await bus.send(Event(name="NaN, Infinity and null"), to="billing")
+        await bus.send(Order(lines=[Line(price=-0.0)], rates={"NaN": 1.5}), to="billing")
+
+
+async def test_a_handler_sending_an_unreadable_float_fails_with_the_real_error(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", batch_size=10, max_attempts=1)
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        if msg.n == 3:
+            await ctx.send(Price(amount=INF), to="audit")
+        elif msg.n == 4:
+            await ctx.publish(Price(amount=NAN))
+        else:
+            await ctx.send(Pong(n=msg.n), to="audit")
+
+    async with bus:
+        for n in range(1, 7):
+            await bus.send(Ping(n=n), to="billing")
+        await drain(bus)
+    rows = await db.fetch("SELECT msg_text, subqueue, error_info FROM nmbus.billing ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["X", "X", "F", "F", "X", "X"]
+    for failed in rows[2:4]:
+        assert failed["error_info"].startswith("InvalidMessage: "), failed["error_info"]
+        assert "amount" in failed["error_info"].splitlines()[0]
+    sent = await db.fetch("SELECT label, msg_text FROM nmbus.audit ORDER BY id")
+    assert [r["msg_text"] for r in sent] == ['{"n":1}', '{"n":2}', '{"n":5}', '{"n":6}']
+
+
+# -- defect 3 (part): headers and ids PostgreSQL cannot store ---------------------------
+
+BAD_SENDS: list[dict[str, Any]] = [
+    {"headers": {"x": "\ud800"}},
+    {"headers": {"\udfff": "v"}},
+    {"headers": {"x": "a\x00b"}},
+    {"headers": {"a\x00": "v"}},
+    {"unique_id": "\ud800"},
+    {"unique_id": "id\x00"},
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD_SENDS)
+async def test_send_refuses_headers_and_ids_postgresql_cannot_store(
+    kwargs: dict[str, Any],
+) -> None:
+    async with memory_bus(concurrency=0) as bus:
+        with pytest.raises(InvalidMessage) as raised:
+            await bus.send(Ping(n=1), to="billing", **kwargs)
+        with pytest.raises(InvalidMessage):
+            await bus.publish(Ping(n=1), **kwargs)
+    assert "\n" not in str(raised.value)
+
+
+async def test_send_refuses_a_correlation_id_postgresql_cannot_store() -> None:
+    async with memory_bus(concurrency=0) as bus:
+        for bad in ("\ud800", "c\x00"):
+            with pytest.raises(InvalidMessage, match="correlation_id"):
+                await bus.send(Ping(n=1), to="billing", correlation_id=bad)
+
+
+@pytest.mark.parametrize("kwargs", BAD_SENDS)
+async def test_a_handler_sending_bad_headers_fails_alone_with_the_real_error(
+    kwargs: dict[str, Any], make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", batch_size=10, max_attempts=2, retry_delay=30)
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        await ctx.send(Pong(n=msg.n), to="audit", **(kwargs if msg.n == 3 else {}))
+
+    async with bus:
+        for n in range(1, 6):
+            await bus.send(Ping(n=n), to="billing")
+        await asyncio.wait_for(drain(bus), 10)
+    rows = await db.fetch(
+        "SELECT msg_text, subqueue, retry_count, error_info FROM nmbus.billing ORDER BY id"
+    )
+    assert [r["subqueue"] for r in rows] == ["X", "X", "R", "X", "X"]
+    poison = rows[2]
+    assert poison["retry_count"] == 1
+    assert poison["error_info"].startswith("InvalidMessage: "), poison["error_info"]
+    sent = await db.fetch("SELECT msg_text FROM nmbus.audit ORDER BY id")
+    assert [r["msg_text"] for r in sent] == ['{"n":1}', '{"n":2}', '{"n":4}', '{"n":5}']
+
+
+# -- reconnect_max_delay reaches the listener ------------------------------------------
+
+
+async def test_reconnect_max_delay_reaches_the_listener(make_bus: Callable[..., Bus]) -> None:
+    bus = make_bus("billing", reconnect_max_delay=0.7)
+    given: list[float] = []
+    listen = bus.store.listen
+
+    async def spy(on_wakeup: Callable[[str], None], *args: Any, **kwargs: Any) -> None:
+        given.extend(args)
+        given.extend(kwargs.values())
+        await listen(on_wakeup, *args, **kwargs)
+
+    bus.store.listen = spy  # type: ignore[method-assign]
+    async with bus:
+        await asyncio.sleep(0.05)
+    assert given == [0.7]

@@ -1,39 +1,37 @@
-"""The Bus: one endpoint, its queue table, its handlers, subscriptions and workers."""
+"""The Bus: one endpoint, its queue table, its handlers, subscriptions and workers.
+
+The Bus is the composition root: it builds the settings, the store, the
+handler registry, the envelope builder and the Worker, wires them together,
+and runs their life cycle. Sending goes Bus -> EnvelopeBuilder -> Store;
+handling goes Worker -> Dispatcher -> handlers; nothing below calls back up.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import os
 import random
 import socket
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import structlog
 
-from nmbus.errors import (
-    MAX_SECONDS,
-    ConfigurationError,
-    InvalidMessage,
-    MessageTooLarge,
-    StoreError,
-)
+from nmbus.dispatch import Dispatcher
+from nmbus.envelopes import EnvelopeBuilder, deliver_time
+from nmbus.errors import ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.logs import log_failure
-from nmbus.messages import Envelope, Message, check_text, encode, type_name
+from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings, build_settings
 from nmbus.store import Store, validate_queue_name
-from nmbus.subscriptions import TYPE_CHAIN_HEADER, Subscriptions, chain_header, chain_of
+from nmbus.subscriptions import Subscriptions
+from nmbus.supervise import supervise
 from nmbus.worker import Worker
-
-if TYPE_CHECKING:
-    from nmbus.store import Batch
 
 log = structlog.get_logger("nmbus.bus")
 
@@ -90,7 +88,16 @@ class Bus:
         )
         self.client_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.subscriptions = Subscriptions(self.endpoint, store, settings)
-        self.worker = Worker(self)
+        self.envelopes = EnvelopeBuilder(settings.max_message_bytes)
+        self.worker = Worker(
+            queue=self.endpoint,
+            store=store,
+            dispatcher=Dispatcher(
+                self.endpoint, self.registry, self.retry, settings, self.envelopes
+            ),
+            settings=settings,
+            client_id=self.client_id,
+        )
         self._background: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = asyncio.Event()
@@ -175,9 +182,6 @@ class Bus:
         if self.settings.concurrency > 0:
             if not len(self.registry):
                 log.warning("bus_without_handlers", queue=self.endpoint)
-            reconnect = self.settings.reconnect_max_delay
-            self._spawn(lambda: self.store.listen(self._on_wakeup, reconnect), "listener")
-            self._spawn(self._lease_renewer, "leases")
             interval = self.settings.retention_interval
             if interval is not None:
                 self._spawn(lambda: self._retention(interval), "retention")
@@ -221,60 +225,9 @@ class Bus:
         await asyncio.shield(self.stop())
 
     def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
-        task = asyncio.create_task(self._supervise(run, name), name=f"nmbus-{self.endpoint}-{name}")
-        self._background.append(task)
-
-    async def _supervise(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
-        """Run a side task (listener, lease renewer, ...) and restart it whenever it dies.
-
-        A side task that vanished silently would leave a queue stuck (no
-        wake-ups) or its messages re-run (leases expiring): a failure is logged
-        and the task started again, with a growing pause.
-        """
-        loop = asyncio.get_running_loop()
-        pause = 0.1
-        while True:
-            started = loop.time()
-            try:
-                await run()
-                return  # finished on its own (nothing to do): not a failure
-            except asyncio.CancelledError as exc:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise
-                failure: BaseException = exc
-            except Exception as exc:
-                failure = exc
-            if loop.time() - started > 60:
-                pause = 0.1  # it ran fine for a while: this is a new failure
-            log_failure(
-                log,
-                "background_task_failed",
-                failure,
-                queue=self.endpoint,
-                task=name,
-                restart_in=round(pause, 3),
-            )
-            await asyncio.sleep(pause)
-            pause = min(self.settings.reconnect_max_delay, pause * 2)
-
-    def _on_wakeup(self, queue: str) -> None:
-        if queue == self.endpoint or queue == "*":
-            self.worker.wake()
-
-    async def _lease_renewer(self) -> None:
-        interval = self.settings.lease_seconds / 3
-        while True:
-            await asyncio.sleep(interval)
-            ids = list(self.worker.in_flight)
-            if not ids:
-                continue
-            try:
-                await self.store.renew_leases(
-                    self.endpoint, ids, self.client_id, self.settings.lease_seconds
-                )
-            except StoreError as exc:
-                log.warning("lease_renewal_failed", queue=self.endpoint, error=str(exc))
+        """Run a side task of the bus, supervised: logged and restarted whenever it dies."""
+        side = supervise(run, name, log, self.settings.reconnect_max_delay, queue=self.endpoint)
+        self._background.append(asyncio.create_task(side, name=f"nmbus-{self.endpoint}-{name}"))
 
     async def _retention(self, interval: float) -> None:
         """Clean this endpoint's queue every ``interval`` seconds (NMBUS_RETENTION_INTERVAL).
@@ -282,21 +235,11 @@ class Bus:
         Each worker process does it for its own queue; a per-queue advisory lock
         makes concurrent runs skip, so many workers cost nothing extra.
         """
-        from nmbus.retention import RetentionPolicy, clean_queue
-
-        pool = getattr(self.store, "pool", None)
-        if pool is None:
-            log.warning("retention_unsupported", queue=self.endpoint, store=type(self.store))
-            return
-        policy = RetentionPolicy.from_settings(self.settings)
         while True:
             # Spread the runs of many workers started together.
             await asyncio.sleep(interval * random.uniform(0.5, 1.0))
             try:
-                async with pool.acquire() as conn:
-                    await clean_queue(conn, self.settings.schema_name, self.endpoint, policy)
-            except asyncio.CancelledError:
-                raise
+                await self.store.apply_retention(self.endpoint, self.settings)
             except Exception as exc:
                 log_failure(log, "retention_failed", exc, "warning", queue=self.endpoint)
 
@@ -322,7 +265,7 @@ class Bus:
         A ``unique_id`` already stored in that queue is not stored again.
         Returns the message's unique id.
         """
-        envelope = self._outgoing(
+        envelope = self.envelopes.for_send(
             message, to, correlation_id, headers, unique_id, deliver_at, delay
         )
         await self.store.insert(to, self.endpoint, [envelope], connection)
@@ -348,8 +291,8 @@ class Bus:
         new. With ``connection`` (asyncpg, in a transaction) the copies exist
         exactly when that transaction commits. Returns the subscriber endpoints.
         """
-        envelope, chain = self._publish_envelope(
-            message, correlation_id, headers, unique_id, self._deliver_time(deliver_at, delay)
+        envelope, chain = self.envelopes.for_publish(
+            message, correlation_id, headers, unique_id, deliver_time(deliver_at, delay)
         )
         copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
         self._log_published(1, copies)
@@ -370,7 +313,8 @@ class Bus:
         """
         if not messages:
             return {}
-        pairs = [self._publish_envelope(m, correlation_id, headers, None, None) for m in messages]
+        build = self.envelopes.for_publish
+        pairs = [build(m, correlation_id, headers, None, None) for m in messages]
         envelopes = [envelope for envelope, _ in pairs]
         copies = await self.store.publish(
             self.endpoint, envelopes, [chain for _, chain in pairs], connection
@@ -378,105 +322,8 @@ class Bus:
         self._log_published(len(envelopes), copies)
         return copies
 
-    def _publish_envelope(
-        self,
-        message: Message,
-        correlation_id: str | None,
-        headers: Mapping[str, str] | None,
-        unique_id: str | None,
-        deliver_at: datetime | None,
-    ) -> tuple[Envelope, str]:
-        """The envelope of a published message and its type chain (comma-separated)."""
-        if not isinstance(message, Message):
-            raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
-        chain = chain_header(type(message))
-        if chain is not None:
-            headers = {**(headers or {}), TYPE_CHAIN_HEADER: chain}
-        envelope = self._envelope(message, correlation_id, headers, unique_id, deliver_at)
-        return envelope, chain or envelope.label
-
-    async def _publish_outbox(self, batch: Batch, envelopes: Sequence[Envelope]) -> None:
-        """Store what handlers of one batch published, in the batch's transaction."""
-        copies = await batch.publish(self.endpoint, envelopes, [chain_of(e) for e in envelopes])
-        self._log_published(len(envelopes), copies)
-
     def _log_published(self, count: int, copies: Mapping[str, int]) -> None:
         if not copies:
             log.info("published_without_subscribers", queue=self.endpoint, messages=count)
         else:
             log.debug("published", queue=self.endpoint, messages=count, copies=dict(copies))
-
-    # -- envelopes -------------------------------------------------------------------
-
-    def _outgoing(
-        self,
-        message: Message,
-        to: str,
-        correlation_id: str | None,
-        headers: Mapping[str, str] | None,
-        unique_id: str | None,
-        deliver_at: datetime | None,
-        delay: float | None,
-    ) -> Envelope:
-        """The checked envelope of a message sent to queue ``to`` (by the bus or a handler)."""
-        validate_queue_name(to)
-        return self._envelope(
-            message, correlation_id, headers, unique_id, self._deliver_time(deliver_at, delay)
-        )
-
-    def _deliver_time(self, deliver_at: datetime | None, delay: float | None) -> datetime | None:
-        if deliver_at is not None and delay is not None:
-            raise ValueError("give deliver_at or delay, not both")
-        if delay is not None:
-            if not (math.isfinite(delay) and 0 <= delay <= MAX_SECONDS):
-                raise InvalidMessage(
-                    f"delay must be >= 0 seconds and finite, at most {MAX_SECONDS} "
-                    f"(10 years), got {delay}"
-                )
-            return datetime.now(UTC) + timedelta(seconds=delay) if delay else None
-        if deliver_at is not None and deliver_at.tzinfo is None:
-            raise ValueError("deliver_at must be timezone-aware (e.g. datetime.now(UTC))")
-        return deliver_at
-
-    def _envelope(
-        self,
-        message: Message,
-        correlation_id: str | None,
-        headers: Mapping[str, str] | None,
-        unique_id: str | None,
-        deliver_at: datetime | None = None,
-    ) -> Envelope:
-        if not isinstance(message, Message):
-            raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
-        text = encode(message)
-        limit = self.settings.max_message_bytes
-        if len(text) * 4 > limit and len(text.encode()) > limit:
-            raise MessageTooLarge(
-                f"{type_name(type(message))} is {len(text.encode())} bytes serialized, over "
-                f"the limit of {limit} (NMBUS_MAX_MESSAGE_BYTES)"
-            )
-        header_text = None
-        if headers:
-            for key, value in headers.items():
-                if not isinstance(key, str) or not isinstance(value, str):
-                    raise TypeError("headers must map str to str")
-                # Refused here, not when the batch commits: a handler's bad header
-                # must fail that handler, never its batch-mates.
-                check_text(f"header {key!r}", key)
-                check_text(f"header {key!r}", value)
-            header_text = json.dumps(dict(headers), ensure_ascii=False)
-        if unique_id is not None:
-            if not isinstance(unique_id, str) or not unique_id:
-                raise ValueError("unique_id must be a non-empty string")
-            check_text("unique_id", unique_id)
-        if correlation_id is not None:
-            check_text("correlation_id", correlation_id)
-        uid = unique_id or uuid.uuid4().hex
-        return Envelope(
-            label=type_name(type(message)),
-            msg_text=text,
-            msg_headers=header_text,
-            unique_id=uid,
-            correlation_id=correlation_id or uid,
-            deliver_at=deliver_at,
-        )

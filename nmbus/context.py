@@ -1,19 +1,44 @@
-"""What a handler gets beside its message: metadata, the connection, send/publish."""
+"""What a handler gets beside its message: metadata, the connection, send/publish.
+
+What a handler does besides returning is collected in its :class:`Effects`,
+a plain public object the worker reads once the handler is done: the messages
+to send and publish when the batch commits, and the state of the handler's
+savepoint. The Context knows nothing of the Bus: envelopes come from the same
+:class:`~nmbus.envelopes.EnvelopeBuilder` the Bus uses.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from nmbus.envelopes import EnvelopeBuilder, deliver_time
 from nmbus.messages import Envelope, Message, StoredMessage
 
 if TYPE_CHECKING:
     import asyncpg
 
-    from nmbus.bus import Bus
-    from nmbus.store import Batch
+    from nmbus.store import HandlerTransaction
+
+
+@dataclass(slots=True)
+class Effects:
+    """What one handler run did besides returning, for the worker to act on.
+
+    ``sends`` are ``(queue, envelope)`` and ``publishes`` envelopes, stored when
+    the batch commits and only if the handler succeeded. ``savepoint`` says the
+    handler touched the connection (a savepoint was taken); ``tainted`` that a
+    statement failed on it or ``raw()`` handed it out, so the savepoint may be
+    aborted and must be released (or rolled back) before the next handler.
+    """
+
+    sends: list[tuple[str, Envelope]] = field(default_factory=list)
+    publishes: list[Envelope] = field(default_factory=list)
+    savepoint: bool = False
+    tainted: bool = False
 
 
 class HandlerConnection:
@@ -25,16 +50,16 @@ class HandlerConnection:
     coroutine method of ``asyncpg.Connection`` is available.
     """
 
-    __slots__ = ("_batch", "_ctx")
+    __slots__ = ("_batch", "_effects")
 
-    def __init__(self, ctx: Context, batch: Batch) -> None:
-        self._ctx = ctx
+    def __init__(self, effects: Effects, batch: HandlerTransaction) -> None:
+        self._effects = effects
         self._batch = batch
 
     async def _enter(self) -> asyncpg.Connection:
-        if not self._ctx._savepoint:
+        if not self._effects.savepoint:
             await self._batch.savepoint()
-            self._ctx._savepoint = True
+            self._effects.savepoint = True
         conn: asyncpg.Connection = self._batch.connection
         return conn
 
@@ -44,7 +69,7 @@ class HandlerConnection:
             return await getattr(conn, method)(*args, **kwargs)
         except BaseException:
             # The transaction may now be aborted: the worker must find out at once.
-            self._ctx._tainted = True
+            self._effects.tainted = True
             raise
 
     async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
@@ -72,35 +97,23 @@ class HandlerConnection:
     async def raw(self) -> asyncpg.Connection:
         """The underlying asyncpg connection, with the handler's savepoint taken."""
         # What happens on it is unknown to us: treat its savepoint as possibly aborted.
-        self._ctx._tainted = True
+        self._effects.tainted = True
         return await self._enter()
 
 
 class Context:
     """Everything a handler knows about the message it handles."""
 
-    __slots__ = (
-        "_batch",
-        "_bus",
-        "_connection",
-        "_headers",
-        "_outbox",
-        "_row",
-        "_savepoint",
-        "_tainted",
-        "queue",
-    )
+    __slots__ = ("_batch", "_builder", "_connection", "_headers", "_row", "effects", "queue")
 
-    def __init__(self, bus: Bus, queue: str, row: StoredMessage, batch: Batch) -> None:
-        self._bus = bus
+    def __init__(
+        self, queue: str, row: StoredMessage, batch: HandlerTransaction, builder: EnvelopeBuilder
+    ) -> None:
         self.queue = queue
         self._row = row
         self._batch = batch
-        self._savepoint = False
-        # A statement failed on the connection, or raw() handed it out.
-        self._tainted = False
-        # (queue, envelope) to send, or (None, envelope) to publish, at commit.
-        self._outbox: list[tuple[str | None, Envelope]] = []
+        self._builder = builder
+        self.effects = Effects()
         self._connection: HandlerConnection | None = None
         self._headers: dict[str, str] | None = None
 
@@ -145,7 +158,7 @@ class Context:
     def connection(self) -> HandlerConnection:
         """The connection of the transaction this message is handled in."""
         if self._connection is None:
-            self._connection = HandlerConnection(self, self._batch)
+            self._connection = HandlerConnection(self.effects, self._batch)
         return self._connection
 
     async def send(
@@ -159,7 +172,7 @@ class Context:
         unique_id: str | None = None,
     ) -> str:
         """Send ``message`` to queue ``to`` when this handler's transaction commits."""
-        envelope = self._bus._outgoing(
+        envelope = self._builder.for_send(
             message,
             to,
             self.correlation_id or self.unique_id,
@@ -168,7 +181,7 @@ class Context:
             deliver_at,
             delay,
         )
-        self._outbox.append((to, envelope))
+        self.effects.sends.append((to, envelope))
         return envelope.unique_id
 
     async def publish(
@@ -187,14 +200,14 @@ class Context:
         this message's correlation id. Returns the publish id: each copy's
         unique_id is ``<publish id>/<subscriber>``.
         """
-        envelope, _ = self._bus._publish_envelope(
+        envelope, _ = self._builder.for_publish(
             message,
             self.correlation_id or self.unique_id,
             headers,
             unique_id,
-            self._bus._deliver_time(deliver_at, delay),
+            deliver_time(deliver_at, delay),
         )
-        self._outbox.append((None, envelope))
+        self.effects.publishes.append(envelope)
         return envelope.unique_id
 
     async def reply(self, message: Message, *, headers: Mapping[str, str] | None = None) -> str:

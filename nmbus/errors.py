@@ -15,6 +15,7 @@ The whole tree::
     ├── StoreError                  the database said no; the driver error is __cause__
     │   ├── DatabaseUnavailable     cannot connect, or the connection was lost
     │   ├── QueueNotFound           no table for that queue
+    │   ├── LeaseLost               another worker took over messages of a batch
     │   └── SchemaVersionError      the database schema is newer than this nmbus
     └── HandlerSignal               raised by handlers to steer their message
         ├── PermanentError          do not retry: move the message to F now
@@ -79,6 +80,10 @@ class StoreError(NmbusError):
 
 class DatabaseUnavailable(StoreError):
     """The database cannot be reached, or the connection was lost."""
+
+
+class LeaseLost(StoreError):
+    """Another worker took over messages of this batch (their lease ran out)."""
 
 
 class QueueNotFound(StoreError):

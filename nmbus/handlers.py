@@ -14,16 +14,14 @@ import math
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from nmbus.context import Context
 from nmbus.errors import MAX_SECONDS, HandlerError
 from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
 
-if TYPE_CHECKING:
-    from nmbus.context import Context
-
-HandlerFunc = Callable[[Any, "Context"], Awaitable[None]]
+HandlerFunc = Callable[[Any, Context], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,9 +106,6 @@ class Registry:
             )
             self._dispatch[cls] = found
         return found
-
-    def message_types(self) -> list[type[Message]]:
-        return list(self._by_type)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_type.values())

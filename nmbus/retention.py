@@ -171,20 +171,6 @@ async def clean_queue(
     return result
 
 
-async def clean_all(
-    pool: asyncpg.Pool,
-    schema: str,
-    policy: RetentionPolicy,
-    queues: Sequence[str] | None = None,
-    on_batch: ProgressCallback | None = None,
-) -> list[RetentionResult]:
-    """Run :func:`clean_queue` over ``queues`` (default: every registered queue)."""
-    async with pool.acquire() as conn:
-        if queues is None:
-            queues = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
-        return [await clean_queue(conn, schema, q, policy, on_batch) for q in queues]
-
-
 async def _walk(
     conn: asyncpg.Connection,
     schema: str,

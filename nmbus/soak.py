@@ -310,7 +310,7 @@ async def _send_all(sender: Bus, messages: int, poison: int) -> tuple[set[str], 
     for start in range(0, messages, chunk):
         envelopes = []
         for n in range(start, min(messages, start + chunk)):
-            envelope = sender._envelope(SoakWork(n=n, poison=n in pills), None, None, None)
+            envelope = sender.envelopes.build(SoakWork(n=n, poison=n in pills), None, None, None)
             envelopes.append(envelope)
             if n in pills:
                 poisoned.add(envelope.unique_id)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
+from nmbus.settings import Settings
 
 SCHEMA_VERSION = 3
 
@@ -91,21 +92,42 @@ class Outcomes:
         return len(self.ids)
 
 
-class Batch(Protocol):
-    """One transaction over a claimed batch, on the worker's connection."""
+class HandlerTransaction(Protocol):
+    """The batch's transaction as a handler's Context sees it."""
 
     @property
     def connection(self) -> Any: ...
 
-    async def savepoint(self) -> None: ...
+    async def savepoint(self) -> None:
+        """Take the handler's savepoint (beginning the transaction if needed)."""
+        ...
+
+
+class Batch(HandlerTransaction, Protocol):
+    """One transaction over a claimed batch, on the worker's connection.
+
+    The transaction may begin lazily, with the first write: until then
+    ``begun`` is False and ``finish`` commits by itself.
+    """
+
+    @property
+    def begun(self) -> bool: ...
 
     async def release_savepoint(self) -> None: ...
 
+    def defer_release(self) -> None:
+        """Leave a succeeded handler's savepoint to the next savepoint or the commit.
+
+        Only for a savepoint whose statements all succeeded: one that may be
+        aborted must be released at once, so its handler is the one that fails.
+        """
+        ...
+
     async def rollback_savepoint(self) -> None: ...
 
-    async def insert(
-        self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]
-    ) -> int: ...
+    async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
+        """Insert into ``queue`` in this transaction, creating its table here if missing."""
+        ...
 
     async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]: ...
 
@@ -120,7 +142,18 @@ class Batch(Protocol):
         """
         ...
 
-    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int: ...
+    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
+        """Record ``outcomes`` of rows still held by ``client_id``; returns how many changed."""
+        ...
+
+    async def finish_and_claim(
+        self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
+    ) -> tuple[int, list[StoredMessage]]:
+        """``finish``, and claim up to ``limit`` more rows as ``claim`` does, at once.
+
+        A store that cannot do both in one statement may claim nothing.
+        """
+        ...
 
 
 class WorkerSession(Protocol):
@@ -201,6 +234,14 @@ class Store(Protocol):
         ...
 
     async def counts(self, queue: str) -> dict[str, int]: ...
+
+    async def has_ready(self, queue: str) -> bool:
+        """Whether any row of ``queue`` is ready now or held by a worker."""
+        ...
+
+    async def apply_retention(self, queue: str, settings: Settings) -> None:
+        """Remove (or archive) ``queue``'s rows older than the retention ages of ``settings``."""
+        ...
 
     async def renew_leases(
         self, queue: str, ids: Sequence[int], client_id: str, lease: float

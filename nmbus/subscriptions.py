@@ -27,14 +27,13 @@ class decode a subclass it has never heard of.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 
 from nmbus.errors import ConfigurationError, StoreError
-from nmbus.messages import Envelope, Message, lookup_type, type_chain, type_name
+from nmbus.messages import Message, type_name
 from nmbus.store import validate_queue_name
 
 if TYPE_CHECKING:
@@ -42,49 +41,6 @@ if TYPE_CHECKING:
     from nmbus.store import Store
 
 log = structlog.get_logger("nmbus.subscriptions")
-
-#: Header carrying a published message's type chain, most specific first,
-#: comma-separated; present when the message's class has Message ancestors.
-TYPE_CHAIN_HEADER = "nmbus-type-chain"
-
-
-def chain_header(cls: type[Message]) -> str | None:
-    """The TYPE_CHAIN_HEADER value for ``cls``, or None when it is its own whole chain."""
-    chain = type_chain(cls)
-    return ",".join(chain) if len(chain) > 1 else None
-
-
-def chain_of(envelope: Envelope) -> str:
-    """The comma-separated type chain of a published envelope (its label alone if no header)."""
-    text = envelope.msg_headers
-    if text and TYPE_CHAIN_HEADER in text:
-        value = json.loads(text).get(TYPE_CHAIN_HEADER)
-        if isinstance(value, str) and value:
-            return value
-    return envelope.label
-
-
-def decode_type(label: str | None, msg_headers: str | None) -> type[Message] | None:
-    """The class to decode a stored message as: its own type, else the nearest known ancestor.
-
-    A subscriber to a base class may receive a subclass that its code base does
-    not define; the publisher's type-chain header names the ancestors, and the
-    first one known here is used (pydantic ignores the fields it does not know).
-    """
-    cls = lookup_type(label) if label else None
-    if cls is not None or not msg_headers or TYPE_CHAIN_HEADER not in msg_headers:
-        return cls
-    try:
-        chain = json.loads(msg_headers).get(TYPE_CHAIN_HEADER)
-    except (ValueError, AttributeError):
-        return None
-    if not isinstance(chain, str):
-        return None
-    for name in chain.split(","):
-        cls = lookup_type(name)
-        if cls is not None:
-            return cls
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +67,6 @@ class Subscriptions:
 
     def __len__(self) -> int:
         return len(self._declared)
-
-    def declared(self) -> list[Subscription]:
-        return list(self._declared.values())
 
     def add(self, message_type: type[Message], publisher: str, permanent: bool) -> None:
         if not (isinstance(message_type, type) and issubclass(message_type, Message)):
@@ -194,8 +147,3 @@ class Subscriptions:
                 continue
             delay = interval
             log.debug("subscriptions_renewed", queue=self.endpoint, ttl=self.ttl)
-
-
-def copy_unique_id(publish_id: str, subscriber: str) -> str:
-    """The unique_id of the copy of publish ``publish_id`` stored in ``subscriber``'s queue."""
-    return f"{publish_id}/{subscriber}"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from nmbus.errors import ConfigurationError, QueueNotFound
 from nmbus.messages import Envelope, StoredMessage
+from nmbus.settings import Settings
 from nmbus.store import Outcomes, validate_queue_name
 
 if TYPE_CHECKING:
@@ -88,8 +89,16 @@ class MemoryBatch:
     async def rollback_savepoint(self) -> None:
         pass
 
+    @property
+    def begun(self) -> bool:
+        return True  # changes wait for the commit, like a transaction's
+
+    def defer_release(self) -> None:
+        pass
+
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
-        self._store._require(queue)
+        if queue not in self._store.tables:
+            self.tables_to_create.add(validate_queue_name(queue))
         self._inserts.append((queue, from_endpoint, list(envelopes)))
         return len(envelopes)
 
@@ -110,6 +119,12 @@ class MemoryBatch:
         held = sum(1 for i in outcomes.ids if table[i].handling_client_id == client_id)
         self._finishes.append((queue, outcomes, client_id))
         return held
+
+    async def finish_and_claim(
+        self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
+    ) -> tuple[int, list[StoredMessage]]:
+        # Nothing is claimed ahead: the next claim comes after the commit.
+        return await self.finish(queue, outcomes, client_id), []
 
     def _commit(self) -> None:
         for queue in self.tables_to_create:
@@ -366,6 +381,26 @@ class MemoryStore:
             del self.subscriptions[key]
         return len(expired)
 
+    async def has_ready(self, queue: str) -> bool:
+        now = _now()
+        return any(
+            r.subqueue in "IR" and (r.retry_time <= now or r.handling_client_id is not None)
+            for r in self._require(queue).values()
+        )
+
+    async def apply_retention(self, queue: str, settings: Settings) -> None:
+        now = _now()
+        ages = {"X": settings.retention_max_age, "F": settings.retention_failed_max_age}
+        table = self._require(queue)
+        for row_id, row in list(table.items()):
+            age = ages.get(row.subqueue)
+            if (
+                age is not None
+                and row.last_processed is not None
+                and row.last_processed < now - age
+            ):
+                del table[row_id]
+
     async def counts(self, queue: str) -> dict[str, int]:
         counts = dict.fromkeys("IRXF", 0)
         for row in self._require(queue).values():
@@ -410,21 +445,7 @@ async def drain(bus: Bus, timeout: float = 10.0, queues: Sequence[str] | None = 
     names = list(queues) if queues is not None else [bus.endpoint]
     async with asyncio.timeout(timeout):
         while True:
-            busy = bus.worker.in_flight or any([await _has_ready(bus, q) for q in names])
+            busy = bus.worker.in_flight or any([await bus.store.has_ready(q) for q in names])
             if not busy:
                 return
             await asyncio.sleep(0.02)
-
-
-async def _has_ready(bus: Bus, queue: str) -> bool:
-    store = bus.store
-    if isinstance(store, MemoryStore):
-        now = _now()
-        return any(
-            r.subqueue in "IR" and (r.retry_time <= now or r.handling_client_id is not None)
-            for r in store._require(queue).values()
-        )
-    from nmbus.sql import render
-
-    pool = getattr(store, "pool")  # noqa: B009
-    return bool(await pool.fetchval(render("has_ready", store.schema, queue)))

@@ -83,10 +83,14 @@ async def publish_on(conn: Any, schema: str, args: tuple[Any, ...]) -> dict[str,
 
 
 async def create_queue_on(conn: Any, schema: str, queue: str) -> None:
-    """Create a queue table in the transaction of ``conn`` (it commits or rolls back with it)."""
+    """Create a queue table in the transaction of ``conn`` (it commits or rolls back with it).
+
+    The one way nmbus creates a queue table: under the schema's advisory lock,
+    idempotent, and registered in ``{schema}.queues``.
+    """
     validate_queue_name(queue)
     with wrap_errors(f"create queue {queue}"):
         await conn.execute(render("advisory_lock", schema), f"nmbus.schema.{schema}")
         await conn.execute(render("create_queue", schema, queue))
         await conn.execute(render("register_queue", schema), queue)
-    log.info("queue_created", queue=queue, schema=schema, by="publish")
+    log.info("queue_created", queue=queue, schema=schema)

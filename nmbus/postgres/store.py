@@ -26,6 +26,7 @@ from nmbus.postgres.pubsub import (
     publish_args,
     publish_on,
 )
+from nmbus.settings import Settings
 from nmbus.sql import QUERIES, render
 from nmbus.store import SCHEMA_VERSION, Outcomes, validate_queue_name, validate_schema_name
 
@@ -97,6 +98,23 @@ async def install_schema(conn: Any, schema: str) -> None:
             log.info("schema_migrated", schema=schema, version=target)
 
 
+async def ensure_queue_on(conn: Any, schema: str, queue: str, known: set[str]) -> None:
+    """Make sure ``queue`` has a table, creating it in the transaction of ``conn``.
+
+    ``known`` holds queues whose table is committed; one created here is not
+    added, since the transaction that created it may still roll back.
+    """
+    if queue in known:
+        return
+    validate_queue_name(queue)
+    with wrap_errors(f"create queue {queue}"):
+        exists = await conn.fetchval(render("queue_exists", schema), schema, queue)
+    if exists:
+        known.add(queue)
+    else:
+        await create_queue_on(conn, schema, queue)
+
+
 class PostgresBatch:
     """One batch on a worker's connection; its transaction begins when first needed.
 
@@ -106,9 +124,10 @@ class PostgresBatch:
     an insert) begins the transaction, and ``finish`` then runs inside it.
     """
 
-    def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
+    def __init__(self, conn: asyncpg.Connection, schema: str, known: set[str]) -> None:
         self._conn = conn
         self._schema = schema
+        self._known = known
         self._channel = notify_channel(schema)
         # asyncpg's own Transaction, so a handler may still nest conn.transaction().
         self.transaction: Transaction | None = None
@@ -156,6 +175,7 @@ class PostgresBatch:
 
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
         await self._begin()
+        await ensure_queue_on(self._conn, self._schema, queue, self._known)
         sql = render("insert_messages", self._schema, queue)
         row = await self._conn.fetchrow(
             sql, *_insert_args(from_endpoint, queue, envelopes, self._channel)
@@ -220,9 +240,10 @@ class PostgresBatch:
 class PostgresSession:
     """A worker loop's dedicated connection."""
 
-    def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
+    def __init__(self, conn: asyncpg.Connection, schema: str, known: set[str]) -> None:
         self._conn = conn
         self._schema = schema
+        self._known = known
 
     async def claim(
         self, queue: str, limit: int, client_id: str, lease: float
@@ -261,7 +282,7 @@ class PostgresSession:
     @asynccontextmanager
     async def batch(self) -> AsyncIterator[PostgresBatch]:
         with wrap_errors("batch transaction"):
-            batch = PostgresBatch(self._conn, self._schema)
+            batch = PostgresBatch(self._conn, self._schema, self._known)
             try:
                 yield batch
             except BaseException:
@@ -330,12 +351,7 @@ class PostgresStore:
                         render("queue_exists", self.schema), self.schema, queue
                     ):
                         async with conn.transaction():
-                            await conn.execute(
-                                render("advisory_lock", self.schema), f"nmbus.schema.{self.schema}"
-                            )
-                            await conn.execute(render("create_queue", self.schema, queue))
-                            await conn.execute(render("register_queue", self.schema), queue)
-                        log.info("queue_created", queue=queue, schema=self.schema)
+                            await create_queue_on(conn, self.schema, queue)
             self._known_queues.add(queue)
 
     async def drop_queue(self, queue: str) -> None:
@@ -370,15 +386,7 @@ class PostgresStore:
         with wrap_errors(f"send to {queue}"):
             own = None if connection.is_in_transaction() else connection.transaction()
             async with own or contextlib.nullcontext():
-                if queue not in self._known_queues:
-                    validate_queue_name(queue)
-                    exists = await connection.fetchval(
-                        render("queue_exists", self.schema), self.schema, queue
-                    )
-                    if exists:
-                        self._known_queues.add(queue)
-                    else:
-                        await create_queue_on(connection, self.schema, queue)
+                await ensure_queue_on(connection, self.schema, queue, self._known_queues)
                 row = await connection.fetchrow(sql, *args)
         return int(row[0]) if row else 0
 
@@ -434,6 +442,17 @@ class PostgresStore:
             )
         return int(status.split()[-1])
 
+    async def has_ready(self, queue: str) -> bool:
+        with wrap_errors(f"look at {queue}"):
+            return bool(await self.pool.fetchval(render("has_ready", self.schema, queue)))
+
+    async def apply_retention(self, queue: str, settings: Settings) -> None:
+        from nmbus.retention import RetentionPolicy, clean_queue
+
+        policy = RetentionPolicy.from_settings(settings)
+        async with self.pool.acquire() as conn:
+            await clean_queue(conn, self.schema, queue, policy)
+
     async def counts(self, queue: str) -> dict[str, int]:
         with wrap_errors(f"count {queue}"):
             rows = await self.pool.fetch(render("subqueue_counts", self.schema, queue))
@@ -475,7 +494,7 @@ class PostgresStore:
     async def worker_session(self) -> AsyncIterator[PostgresSession]:
         conn = await self.connect()
         try:
-            yield PostgresSession(conn, self.schema)
+            yield PostgresSession(conn, self.schema, self._known_queues)
         finally:
             await _close_quietly(conn)
 

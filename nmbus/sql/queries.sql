@@ -532,14 +532,6 @@ FROM {schema}.nmbus_publish_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
 DELETE FROM {schema}.subscriptions
 WHERE expiration_date < now() - make_interval(secs => $1::float8);
 
--- subscriptions_of --
--- Every subscription row, live or expired, optionally of one subscriber $1 (NULL: all).
-SELECT publisher_endpoint, subscriber_endpoint, message_type, created_date, expiration_date,
-       expiration_date IS NULL OR expiration_date > now() AS live
-FROM {schema}.subscriptions
-WHERE $1::text IS NULL OR subscriber_endpoint = $1
-ORDER BY publisher_endpoint, message_type, subscriber_endpoint;
-
 -- ---------------------------------------------------------------------------
 -- Operations: status, failed messages, subscriptions, retention (nmbus/cli,
 -- nmbus/retention.py). Readers never take more than ROW EXCLUSIVE on a queue;

@@ -1,0 +1,326 @@
+"""Dispatch: one claimed row to its handlers, and what became of it.
+
+For each row of a batch the worker asks the :class:`Dispatcher`, which decodes
+the body (UnknownMessageType, NoHandler and UndecodableMessage go to F or are
+skipped), runs the handlers under their timeout with a :class:`Context`, and
+adds the row's outcome to the batch's :class:`Outcomes`: X, R after the retry
+policy's delay, or F, with a storable ``error_info``. It writes nothing: the
+worker records every outcome of a batch in one statement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import traceback
+from collections.abc import Coroutine, Generator
+from typing import Any, cast
+
+import structlog
+from pydantic import ValidationError
+
+from nmbus.context import Context, Effects
+from nmbus.envelopes import EnvelopeBuilder, decode_type
+from nmbus.errors import PermanentError, RetryLater
+from nmbus.handlers import HandlerFunc, Registry
+from nmbus.messages import Message, StoredMessage
+from nmbus.recovery import DIED_ALONE
+from nmbus.retry import RetryPolicy
+from nmbus.settings import Settings
+from nmbus.store import Batch, Outcomes
+
+log = structlog.get_logger("nmbus.worker")
+
+MAX_ERROR_INFO = 8000
+# The longest retry delay written (100 years): beyond it a timestamp overflows.
+MAX_DELAY = 100 * 365.25 * 86400
+
+
+def storable(text: str) -> str:
+    """``text`` as PostgreSQL text can hold it: no NUL, no lone surrogate."""
+    text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def describe(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:
+        text = f"<str() of this {type(exc).__name__} failed>"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def error_info(exc: BaseException, headline: str | None = None) -> str:
+    """``Type: message`` on the first line (the statistics job groups by it), then the trace.
+
+    Whatever the exception holds (NUL, lone surrogates, a ``__str__`` that
+    raises), the result can be stored: the real error is never lost to it.
+    """
+    lines = (headline or describe(exc)).splitlines()
+    first = lines[0] if lines else type(exc).__name__
+    try:
+        trace = "".join(traceback.format_exception(exc))
+    except Exception:
+        trace = f"(the traceback of this {type(exc).__name__} could not be formatted)"
+    text = storable(f"{first}\n{trace}")
+    return text if len(text) <= MAX_ERROR_INFO else text[: MAX_ERROR_INFO - 3] + "..."
+
+
+def _retry_delay(seconds: float) -> float:
+    if math.isnan(seconds) or seconds < 0:
+        return 0.0
+    return min(seconds, MAX_DELAY)
+
+
+def per_message_logs() -> bool:
+    """Whether to log a line per message: only when the application configured structlog.
+
+    A library must be quiet by default; unconfigured, structlog would print
+    every line, one per message handled.
+    """
+    return structlog.is_configured()
+
+
+def debug_enabled() -> bool:
+    if not per_message_logs():
+        return False
+    bound = log.bind()
+    check = getattr(bound, "is_enabled_for", None)
+    return bool(check(logging.DEBUG)) if check is not None else True
+
+
+def cancelled_from_outside() -> bool:
+    """Whether this task is being cancelled (shutdown), not just seeing a stray CancelledError."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def _call(func: HandlerFunc, message: Message, ctx: Context, timeout: float) -> None:
+    """Run one handler under ``timeout``; one that never waits costs no timer at all.
+
+    Starting the coroutine by hand tells whether it finishes without waiting; a
+    timer (``asyncio.timeout``, a heap entry made and cancelled) is armed only for
+    one that waits, around the rest of its run. Most no-op or CPU-only handlers
+    thus skip a few microseconds of timer bookkeeping per message.
+    """
+    coro = cast("Coroutine[Any, Any, None]", func(message, ctx))
+    try:
+        first = coro.send(None)
+    except StopIteration:
+        return
+    async with asyncio.timeout(timeout):
+        await _Resumed(coro, first)
+
+
+class _Resumed:
+    """Await the rest of a coroutine that has already yielded ``first``, as ``await`` would."""
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], first: Any) -> None:
+        self._coro = coro
+        self._first = first
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        coro, value = self._coro, self._first
+        while True:
+            try:
+                received = yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:
+                try:
+                    value = coro.throw(exc)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    value = coro.send(received)
+                except StopIteration:
+                    return
+
+
+class SerialBatch:
+    """The batch's connection as one of several concurrent handlers sees it.
+
+    Its first savepoint takes the batch's connection lock, held until the
+    dispatcher lets go, after the handler's savepoint is released or rolled
+    back: the savepoints of two handlers never interleave on one connection.
+    """
+
+    __slots__ = ("_batch", "_held", "_lock")
+
+    def __init__(self, batch: Batch, lock: asyncio.Lock) -> None:
+        self._batch = batch
+        self._lock = lock
+        self._held = False
+
+    @property
+    def connection(self) -> Any:
+        return self._batch.connection
+
+    async def savepoint(self) -> None:
+        if not self._held:
+            await self._lock.acquire()
+            self._held = True
+        await self._batch.savepoint()
+
+    def let_go(self) -> None:
+        if self._held:
+            self._held = False
+            self._lock.release()
+
+
+class Dispatcher:
+    """Runs the handlers of one queue's messages and turns what happened into outcomes."""
+
+    def __init__(
+        self,
+        queue: str,
+        registry: Registry,
+        retry: RetryPolicy,
+        settings: Settings,
+        builder: EnvelopeBuilder,
+    ) -> None:
+        self.queue = queue
+        self.registry = registry
+        self.retry = retry
+        self.on_unknown = settings.on_unknown
+        self.default_timeout = settings.handler_timeout
+        self.builder = builder
+
+    async def handle(
+        self,
+        tx: Batch,
+        row: StoredMessage,
+        outcomes: Outcomes,
+        done: list[Effects],
+        debug: bool,
+        lock: asyncio.Lock | None = None,
+    ) -> None:
+        """Handle ``row`` in batch ``tx``; on success its effects are appended to ``done``."""
+        cls = decode_type(row.label, row.msg_headers)
+        handlers = self.registry.handlers_for(cls) if cls is not None else ()
+        if not handlers:
+            reason = (
+                f"UnknownMessageType: no message type {row.label!r} is known to endpoint "
+                f"{self.queue!r}"
+                if cls is None
+                else f"NoHandler: endpoint {self.queue!r} has no handler for {row.label!r}"
+            )
+            if self.on_unknown == "skip":
+                outcomes.add(row.id, "X", error_info=f"skipped: {reason}")
+                if per_message_logs():
+                    log.warning(
+                        "message_skipped", queue=self.queue, message_id=row.id, reason=reason
+                    )
+            else:
+                outcomes.add(row.id, "F", error_info=reason)
+                if per_message_logs():
+                    log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
+            return
+        assert cls is not None
+        try:
+            message = cls.model_validate_json(row.msg_text or "")
+        except (ValidationError, ValueError) as exc:
+            reason = storable(f"UndecodableMessage: body is not a valid {row.label}: {exc}")
+            outcomes.add(row.id, "F", error_info=reason[:MAX_ERROR_INFO])
+            if per_message_logs():
+                log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
+            return
+
+        policy = handlers[0].retry or self.retry
+        if row.recovered == DIED_ALONE and row.retry_count > policy.max_attempts:
+            reason = (
+                f"AttemptsExhausted: {row.retry_count - 1} attempts were started and none "
+                "finished (the worker died or lost its lease); not running it again"
+            )
+            outcomes.add(row.id, "F", error_info=reason)
+            if per_message_logs():
+                log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
+            return
+
+        serial = SerialBatch(tx, lock) if lock is not None else None
+        ctx = Context(self.queue, row, serial or tx, self.builder)
+        effects = ctx.effects
+        # ``queue`` is bound once per loop (in _loop); these two change per message.
+        tokens = structlog.contextvars.bind_contextvars(message_id=row.id, message_type=row.label)
+        try:
+            started = time.perf_counter() if debug else 0.0
+            try:
+                for handler in handlers:
+                    await _call(handler.func, message, ctx, handler.timeout or self.default_timeout)
+                if effects.savepoint:
+                    # A clean savepoint can be released with the next one (a round
+                    # trip saved); one that may be aborted is released now, so that
+                    # its own handler is the one that fails.
+                    if effects.tainted:
+                        await tx.release_savepoint()
+                    else:
+                        tx.defer_release()
+            except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError) and cancelled_from_outside():
+                    raise  # the worker is stopping: not the handler's failure
+                if isinstance(exc, KeyboardInterrupt | SystemExit):
+                    raise
+                if effects.savepoint:
+                    await tx.rollback_savepoint()
+                self.failed(row, exc, policy, outcomes)
+                return
+            outcomes.add(row.id, "X")
+            done.append(effects)
+            if debug:
+                log.debug("message_handled", ms=round((time.perf_counter() - started) * 1000, 3))
+        finally:
+            if serial is not None:
+                serial.let_go()
+            structlog.contextvars.reset_contextvars(**tokens)
+
+    def policy(self, row: StoredMessage) -> RetryPolicy:
+        """The retry policy of the first handler of ``row``'s type, else the endpoint's."""
+        cls = decode_type(row.label, row.msg_headers)
+        handlers = self.registry.handlers_for(cls) if cls is not None else ()
+        return (handlers[0].retry if handlers else None) or self.retry
+
+    def failed(
+        self,
+        row: StoredMessage,
+        exc: BaseException,
+        policy: RetryPolicy,
+        outcomes: Outcomes,
+        headline: str | None = None,
+    ) -> None:
+        """Add the outcome of a failed attempt: R after the policy's delay, or F."""
+        chatty = per_message_logs()
+        if isinstance(exc, RetryLater) and headline is None:
+            seconds = _retry_delay(exc.seconds)
+            outcomes.add(row.id, "R", delay=seconds, error_info=error_info(exc), correction=-1)
+            if chatty:
+                log.info("message_retry_later", seconds=seconds, reason=exc.reason)
+            return
+        if headline is None and isinstance(exc, TimeoutError) and not str(exc):
+            headline = "HandlerTimeout: the handler did not finish within its timeout"
+        elif headline is None and isinstance(exc, asyncio.CancelledError):
+            headline = "HandlerCancelled: cancelled by something other than the worker"
+        info = error_info(exc, headline)
+        if isinstance(exc, PermanentError) or policy.gives_up_after(row.retry_count):
+            outcomes.add(row.id, "F", error_info=info)
+            if chatty:
+                log.error("message_failed", attempts=row.retry_count, error=info.splitlines()[0])
+            return
+        seconds = _retry_delay(policy.delay(row.retry_count))
+        outcomes.add(row.id, "R", delay=seconds, error_info=info)
+        if chatty:
+            log.warning(
+                "message_retry_scheduled",
+                attempts=row.retry_count,
+                retry_in=round(seconds, 3),
+                error=info.splitlines()[0],
+            )

@@ -1,0 +1,165 @@
+"""Envelopes: a message made ready for its queue table. Pure: no I/O.
+
+Everything that sending checks happens here, before anything is written: the
+body is encoded and measured, headers and ids must be storable text, the
+delivery time is worked out, and a published message carries its type chain.
+The Bus and a handler's Context build envelopes through the same
+:class:`EnvelopeBuilder`, so a send from a handler and one from application
+code are checked alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+
+from nmbus.errors import MAX_SECONDS, InvalidMessage, MessageTooLarge
+from nmbus.messages import Envelope, Message, check_text, encode, lookup_type, type_chain
+from nmbus.store import validate_queue_name
+
+#: Header carrying a published message's type chain, most specific first,
+#: comma-separated; present when the message's class has Message ancestors.
+TYPE_CHAIN_HEADER = "nmbus-type-chain"
+
+
+def chain_header(cls: type[Message]) -> str | None:
+    """The TYPE_CHAIN_HEADER value for ``cls``, or None when it is its own whole chain."""
+    chain = type_chain(cls)
+    return ",".join(chain) if len(chain) > 1 else None
+
+
+def chain_of(envelope: Envelope) -> str:
+    """The comma-separated type chain of a published envelope (its label alone if no header)."""
+    text = envelope.msg_headers
+    if text and TYPE_CHAIN_HEADER in text:
+        value = json.loads(text).get(TYPE_CHAIN_HEADER)
+        if isinstance(value, str) and value:
+            return value
+    return envelope.label
+
+
+def decode_type(label: str | None, msg_headers: str | None) -> type[Message] | None:
+    """The class to decode a stored message as: its own type, else the nearest known ancestor.
+
+    A subscriber to a base class may receive a subclass that its code base does
+    not define; the publisher's type-chain header names the ancestors, and the
+    first one known here is used (pydantic ignores the fields it does not know).
+    """
+    cls = lookup_type(label) if label else None
+    if cls is not None or not msg_headers or TYPE_CHAIN_HEADER not in msg_headers:
+        return cls
+    try:
+        chain = json.loads(msg_headers).get(TYPE_CHAIN_HEADER)
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(chain, str):
+        return None
+    for name in chain.split(","):
+        found = lookup_type(name)
+        if found is not None:
+            return found
+    return None
+
+
+def deliver_time(deliver_at: datetime | None, delay: float | None) -> datetime | None:
+    """When a message becomes ready: ``deliver_at``, now + ``delay`` seconds, or None (now)."""
+    if deliver_at is not None and delay is not None:
+        raise ValueError("give deliver_at or delay, not both")
+    if delay is not None:
+        if not (math.isfinite(delay) and 0 <= delay <= MAX_SECONDS):
+            raise InvalidMessage(
+                f"delay must be >= 0 seconds and finite, at most {MAX_SECONDS} "
+                f"(10 years), got {delay}"
+            )
+        return datetime.now(UTC) + timedelta(seconds=delay) if delay else None
+    if deliver_at is not None and deliver_at.tzinfo is None:
+        raise ValueError("deliver_at must be timezone-aware (e.g. datetime.now(UTC))")
+    return deliver_at
+
+
+class EnvelopeBuilder:
+    """Builds checked envelopes for one endpoint's sends and publishes."""
+
+    __slots__ = ("max_message_bytes",)
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+
+    def for_send(
+        self,
+        message: Message,
+        to: str,
+        correlation_id: str | None,
+        headers: Mapping[str, str] | None,
+        unique_id: str | None,
+        deliver_at: datetime | None,
+        delay: float | None,
+    ) -> Envelope:
+        """The envelope of a message sent to queue ``to`` (by the bus or a handler)."""
+        validate_queue_name(to)
+        return self.build(
+            message, correlation_id, headers, unique_id, deliver_time(deliver_at, delay)
+        )
+
+    def for_publish(
+        self,
+        message: Message,
+        correlation_id: str | None,
+        headers: Mapping[str, str] | None,
+        unique_id: str | None,
+        deliver_at: datetime | None,
+    ) -> tuple[Envelope, str]:
+        """The envelope of a published message and its type chain (comma-separated)."""
+        if not isinstance(message, Message):
+            raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
+        chain = chain_header(type(message))
+        if chain is not None:
+            headers = {**(headers or {}), TYPE_CHAIN_HEADER: chain}
+        envelope = self.build(message, correlation_id, headers, unique_id, deliver_at)
+        return envelope, chain or envelope.label
+
+    def build(
+        self,
+        message: Message,
+        correlation_id: str | None,
+        headers: Mapping[str, str] | None,
+        unique_id: str | None,
+        deliver_at: datetime | None = None,
+    ) -> Envelope:
+        if not isinstance(message, Message):
+            raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
+        text = encode(message)
+        limit = self.max_message_bytes
+        if len(text) * 4 > limit and len(text.encode()) > limit:
+            raise MessageTooLarge(
+                f"{message.__type_name__} is {len(text.encode())} bytes serialized, over "
+                f"the limit of {limit} (NMBUS_MAX_MESSAGE_BYTES)"
+            )
+        header_text = None
+        if headers:
+            for key, value in headers.items():
+                if not isinstance(key, str) or not isinstance(value, str):
+                    raise TypeError("headers must map str to str")
+                # Refused here, not when the batch commits: a handler's bad header
+                # must fail that handler, never its batch-mates.
+                check_text(f"header {key!r}", key)
+                check_text(f"header {key!r}", value)
+            header_text = json.dumps(dict(headers), ensure_ascii=False)
+        if unique_id is not None:
+            if not isinstance(unique_id, str) or not unique_id:
+                raise ValueError("unique_id must be a non-empty string")
+            check_text("unique_id", unique_id)
+        if correlation_id is not None:
+            check_text("correlation_id", correlation_id)
+        uid = unique_id or uuid.uuid4().hex
+        return Envelope(
+            label=message.__type_name__,
+            msg_text=text,
+            msg_headers=header_text,
+            unique_id=uid,
+            correlation_id=correlation_id or uid,
+            deliver_at=deliver_at,
+        )

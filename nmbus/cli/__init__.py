@@ -2,11 +2,17 @@
 
 Each command group lives in its own module and is registered here. Settings
 are built once, from options and ``NMBUS_*`` variables, in the command itself.
+Errors become one line on stderr in one place, :mod:`nmbus.cli._group`.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from nmbus.cli._common import options
+from nmbus.cli._group import NmbusGroup
 
 app = typer.Typer(
     name="nmbus",
@@ -14,12 +20,19 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=NmbusGroup,
 )
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", "-v", help="on an error, print its traceback too"),
+    ] = False,
+) -> None:
     """nmbus: a message bus on PostgreSQL queue tables."""
+    options.debug = debug
 
 
 def _register() -> None:

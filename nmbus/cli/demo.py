@@ -11,7 +11,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TextIO
+from typing import Annotated, Any, TextIO
 
 import structlog
 import typer
@@ -23,6 +23,7 @@ from rich.table import Table
 
 from nmbus import demo as demo_lib
 from nmbus.cli import app
+from nmbus.cli._common import fail
 from nmbus.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
 from nmbus.errors import NmbusError
 
@@ -183,7 +184,7 @@ def demo(
         try:
             _clean(dsn, data_dir, schema, out)
         except (NmbusError, OSError) as exc:
-            _fail(str(exc))
+            fail(str(exc))
         return
     options = demo_lib.DemoOptions(
         orders=orders, schema=schema, concurrency=concurrency, flaky_rate=flaky_rate, seed=seed
@@ -191,7 +192,7 @@ def demo(
     try:
         options.check()
     except NmbusError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     quiet = as_json
     say = errors if quiet else console
 
@@ -218,7 +219,7 @@ def demo(
         except NmbusError as exc:
             structlog.reset_defaults()
             log_file.close()
-            _fail(str(exc))
+            fail(str(exc))
         say.print(f"embedded PostgreSQL: [bold]{dsn}[/bold]", highlight=False)
     outcome: dict[str, Any] = {"dsn": dsn, "schema": schema, "log": str(log_path)}
     try:
@@ -254,7 +255,7 @@ def demo(
         elif report_problem is not None:
             outcome["report"] = {"skipped": report_problem}
     except (NmbusError, OSError, TimeoutError) as exc:
-        _fail(f"{type(exc).__name__}: {exc}")
+        fail(f"{type(exc).__name__}: {exc}")
     finally:
         try:
             if server is not None and not keep_running and not was_running:
@@ -336,8 +337,3 @@ def _print_bus(result: demo_lib.BusResult) -> None:
         for queue, error, n in result.top_errors[:6]:
             table.add_row(queue, escape(error), f"{n:,}")
         console.print(table)
-
-
-def _fail(message: str) -> NoReturn:
-    errors.print(f"[red]error:[/red] {escape(message)}", highlight=False)
-    raise typer.Exit(1)

@@ -1,4 +1,4 @@
-"""The command line fails on one line: no tracebacks (unless --debug).
+"""The command line fails on one line: no tracebacks (unless --debug), no writes from reads.
 
 Every case runs the real CLI: in this process through the same entry point as
 the `nmbus` script, or as a process of its own where the environment must
@@ -7,12 +7,15 @@ differ (a missing pyspark, a worker).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
 import pytest
 import structlog
 from typer.testing import CliRunner, Result
@@ -140,3 +143,61 @@ def test_debug_in_a_real_process() -> None:
     assert "Traceback (most recent call last)" in proc.stderr
     assert "ConnectionRefusedError" in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("error: ")
+
+
+# -- a command that reads never writes ----------------------------------------------------------
+
+READ_COMMANDS = [
+    ["status"],
+    ["queues", "list"],
+    ["failed", "list"],
+    ["failed", "list", "billing"],
+    ["failed", "show", "billing", "1"],
+    ["subscriptions", "list"],
+    ["cleanup", "--dry-run"],
+]
+# These write, but only to a schema that is there: none of them may create one.
+WRITE_COMMANDS = [
+    ["cleanup", "--yes"],
+    ["failed", "requeue", "billing", "--all", "--yes"],
+    ["failed", "purge", "billing", "--all", "--yes"],
+    ["queues", "drop", "billing", "--yes"],
+]
+
+
+async def schemas(db: asyncpg.Connection) -> list[str]:
+    rows = await db.fetch("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'nmbus%'")
+    return sorted(r[0] for r in rows)
+
+
+@pytest.mark.parametrize("argv", READ_COMMANDS + WRITE_COMMANDS, ids=" ".join)
+async def test_a_missing_schema_is_reported_and_not_created(
+    dsn: str, db: asyncpg.Connection, argv: list[str]
+) -> None:
+    assert await schemas(db) == ["nmbus"]
+    for json_flag in ([], ["--json"]) if argv in READ_COMMANDS else ([],):
+        result = await asyncio.to_thread(
+            invoke, *argv, *json_flag, "--schema", "nmbus_dmeo", "--dsn", dsn
+        )
+        one_line_error(
+            result.stderr, result.exit_code, 1, "no nmbus schema 'nmbus_dmeo' in this database"
+        )
+        assert result.stdout == ""
+    assert await schemas(db) == ["nmbus"]  # nor its tables, nor its publish function
+
+
+async def test_a_database_without_nmbus_says_there_are_no_queues(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await db.execute("DROP SCHEMA nmbus CASCADE")
+    result = await asyncio.to_thread(invoke, "status", "--dsn", dsn)
+    one_line_error(
+        result.stderr, result.exit_code, 1, "no nmbus schema 'nmbus' in this database: no queues"
+    )
+    assert await schemas(db) == []
+    # The one command that creates, still does.
+    created = await asyncio.to_thread(invoke, "queues", "create", "billing", "--dsn", dsn)
+    assert created.exit_code == 0, created.stderr
+    assert await schemas(db) == ["nmbus"]
+    listed = await asyncio.to_thread(invoke, "queues", "list", "--json", "--dsn", dsn)
+    assert json.loads(listed.stdout) == ["billing"]

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from nmbus.errors import NmbusError
 from nmbus.settings import Settings
+from nmbus.sql import render
 from nmbus.store import validate_queue_name
 
 T = TypeVar("T")
@@ -138,8 +139,20 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 @asynccontextmanager
 async def connect(cfg: Settings) -> AsyncIterator[asyncpg.Connection]:
+    """A connection for one command, to a database that holds the nmbus schema.
+
+    Commands use it to read (and to change rows), never to create: a missing
+    schema is an error here, not a reason to install one. Only `queues create`
+    and a starting Bus create schema objects.
+    """
     conn = await _connect(cfg.dsn or "")
     try:
+        schema = cfg.schema_name
+        if not await conn.fetchval(render("schema_exists", schema), schema):
+            fail(
+                f"no nmbus schema {schema!r} in this database: no queues "
+                "(check --dsn and --schema; a starting Bus or `nmbus queues create` makes it)"
+            )
         yield conn
     finally:
         await conn.close()

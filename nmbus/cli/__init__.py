@@ -37,17 +37,15 @@ def _root(
 
 def _register() -> None:
     # Command modules, one group each. Imported here so `nmbus --help` lists them.
-    from nmbus.cli import bench as _bench  # noqa: F401
     from nmbus.cli import cleanup as _cleanup  # noqa: F401
-    from nmbus.cli import demo as _demo  # noqa: F401
     from nmbus.cli import failed as _failed  # noqa: F401
     from nmbus.cli import queues as _queues  # noqa: F401
     from nmbus.cli import report as _report  # noqa: F401
-    from nmbus.cli import soak as _soak  # noqa: F401
     from nmbus.cli import status as _status  # noqa: F401
     from nmbus.cli import subscriptions as _subscriptions  # noqa: F401
     from nmbus.cli import version as _version  # noqa: F401
     from nmbus.cli import worker as _worker  # noqa: F401
+    # bench, demo and soak are loaded when they run: see NmbusGroup.lazy.
 
 
 _register()

@@ -1,4 +1,4 @@
-"""The root command: where every failure becomes one line.
+"""The root command: where every failure becomes one line, and heavy commands load late.
 
 Whatever a command raises ends here, in ``NmbusGroup.main``: the same method
 runs for the ``nmbus`` script and for ``typer.testing.CliRunner``. An operator
@@ -9,13 +9,15 @@ failed or refused, 2 wrong usage (a bad option, argument or NMBUS_* setting).
 
 from __future__ import annotations
 
+import importlib
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import asyncpg
 import typer
+import typer.main
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
@@ -24,7 +26,27 @@ from nmbus.errors import NmbusError
 
 
 class NmbusGroup(TyperGroup):
-    """``nmbus``: the one place that turns exceptions into one line."""
+    """``nmbus``: lazy commands, and one place that turns exceptions into one line."""
+
+    # Command name -> module defining ``command`` (a typer.Typer with that one command).
+    # Imported only when the command runs or help lists it: a worker process that
+    # imports nmbus.cli must not import the demo (and register its message types),
+    # the embedded server or the benchmarks.
+    lazy: ClassVar[dict[str, str]] = {
+        "bench": "nmbus.cli.bench",
+        "demo": "nmbus.cli.demo",
+        "soak": "nmbus.cli.soak",
+    }
+
+    # Contexts and commands are click's (vendored by recent typer versions): Any here.
+    def list_commands(self, ctx: Any) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in self.commands and cmd_name in self.lazy:
+            module = importlib.import_module(self.lazy[cmd_name])
+            self.commands[cmd_name] = typer.main.get_command(module.command)
+        return super().get_command(ctx, cmd_name)
 
     def main(
         self,

@@ -1,4 +1,7 @@
-"""``nmbus bench``: throughput and latency figures against your own database."""
+"""``nmbus bench``: throughput and latency figures against your own database.
+
+Loaded only when it runs (see NmbusGroup.lazy).
+"""
 
 from __future__ import annotations
 
@@ -12,12 +15,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from nmbus.cli import app
+command = typer.Typer(add_completion=False)
 
 MODES_HELP = "ceiling, drain, transactional, latency, fanout, xrows, or all (every one but xrows)"
 
 
-@app.command()
+@command.command()
 def bench(
     modes: Annotated[list[str] | None, typer.Argument(help=MODES_HELP, show_default=False)] = None,
     dsn: Annotated[

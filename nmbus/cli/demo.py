@@ -1,7 +1,9 @@
 """``nmbus demo``: services exchange orders live, some fail and retry, then the report.
 
 With ``--dsn`` / ``NMBUS_DSN`` it uses that server (schema ``nmbus_demo`` only);
-without, the embedded PostgreSQL in ``--data-dir`` (``.nmbus``).
+without, the embedded PostgreSQL in ``--data-dir`` (``.nmbus``). This module
+imports the demo's services and message types, so it is loaded only when the
+command runs (see NmbusGroup.lazy).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from nmbus import demo as demo_lib
-from nmbus.cli import app
 from nmbus.cli._common import fail
 from nmbus.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
 from nmbus.errors import NmbusError
+
+command = typer.Typer(add_completion=False)
 
 console = Console()
 errors = Console(stderr=True)
@@ -143,7 +146,7 @@ def _clean(dsn: str | None, data_dir: Path, schema: str, out: Path) -> None:
         console.print(f"report folder {out} removed")
 
 
-@app.command()
+@command.command()
 def demo(
     orders: Annotated[int, typer.Option(help="orders the shop publishes")] = 3000,
     dsn: Annotated[

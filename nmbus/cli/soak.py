@@ -1,3 +1,5 @@
+"""``nmbus soak``: the kill soak (nmbus.soak). Loaded only when it runs (see NmbusGroup.lazy)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
-from nmbus.cli import app
+command = typer.Typer(add_completion=False)
 
 
-@app.command()
+@command.command()
 def soak(
     messages: Annotated[int, typer.Option(help="messages to send")] = 20_000,
     workers: Annotated[int, typer.Option(help="worker processes")] = 2,

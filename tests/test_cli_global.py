@@ -1,7 +1,9 @@
-"""What `nmbus` does before any command: what it imports."""
+"""What `nmbus` does before any command: global logging options, and what it imports."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -65,3 +67,35 @@ def test_the_lazy_commands_are_listed_and_run() -> None:
         helped = invoke(name, "--help")
         assert helped.exit_code == 0, helped.output
         assert f"nmbus {name}" in helped.stdout
+
+
+# -- --log-level and --log-format ------------------------------------------------------------------
+
+
+async def test_log_format_json_gives_json_lines(dsn: str) -> None:
+    result = await asyncio.to_thread(
+        invoke, "--log-level", "info", "--log-format", "json", "queues", "create", "alpha",
+        "--dsn", dsn,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stderr.splitlines()]  # each line is JSON
+    assert ("queue_created", "info", "alpha") in [
+        (e["event"], e["level"], e.get("queue")) for e in events
+    ], events
+
+
+async def test_the_default_level_hides_info_and_debug(dsn: str) -> None:
+    result = await asyncio.to_thread(invoke, "queues", "create", "alpha", "--dsn", dsn)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    assert result.stdout == "ready: alpha\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [(["--log-level", "loud"], "--log-level"), (["--log-format", "xml"], "--log-format")],
+)
+def test_a_bad_log_option_is_a_usage_error(argv: list[str], needle: str) -> None:
+    result = invoke(*argv, "version")
+    assert result.exit_code == 2
+    assert len(result.stderr.splitlines()) == 1 and needle in result.stderr, result.stderr

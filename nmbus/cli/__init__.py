@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from nmbus.cli._common import options
+from nmbus.cli._common import LogFormat, LogLevel, configure_logging, options
 from nmbus.cli._group import NmbusGroup
 
 app = typer.Typer(
@@ -30,9 +30,27 @@ def _root(
         bool,
         typer.Option("--debug", "-v", help="on an error, print its traceback too"),
     ] = False,
+    log_level: Annotated[
+        LogLevel | None,
+        typer.Option(
+            "--log-level",
+            case_sensitive=False,
+            help="log lines at this level and above (default: warning; worker: info)",
+            show_default=False,
+        ),
+    ] = None,
+    log_format: Annotated[
+        LogFormat,
+        typer.Option("--log-format", case_sensitive=False, help="log lines as text or JSON"),
+    ] = LogFormat.console,
 ) -> None:
     """nmbus: a message bus on PostgreSQL queue tables."""
     options.debug = debug
+    options.log_level = log_level
+    options.log_format = log_format
+    # Log lines go to stderr, so stdout stays clean for --json. Configured once,
+    # here; `nmbus worker` raises the default level to info.
+    configure_logging(log_level or LogLevel.warning, log_format)
 
 
 def _register() -> None:

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from decimal import Decimal
+from enum import StrEnum
 from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -44,14 +45,28 @@ console = Console()
 errors = Console(stderr=True)
 
 
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+class LogFormat(StrEnum):
+    console = "console"
+    json = "json"
+
+
 @dataclass
 class GlobalOptions:
     """What the root callback was given; reset before each invocation."""
 
     debug: bool = False
+    log_level: LogLevel | None = None  # None: the command's default (warning; worker: info)
+    log_format: LogFormat = LogFormat.console
 
     def reset(self) -> None:
-        self.debug = False
+        self.debug, self.log_level, self.log_format = False, None, LogFormat.console
 
 
 options = GlobalOptions()
@@ -100,7 +115,6 @@ def configure_logging(level: str = "warning", fmt: str = "console") -> None:
 
 def settings(dsn: str | None, schema: str | None, **extra: Any) -> Settings:
     """Build the settings once, from options first and NMBUS_* variables second."""
-    configure_logging()
     given = {"dsn": dsn, "schema_name": schema, **extra}
     built = Settings(**{k: v for k, v in given.items() if v is not None})
     if not built.dsn:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from typing import Annotated
 
 import typer
@@ -38,17 +37,8 @@ def soak(
     Drops and recreates the schema --schema (default nmbus_soak) in the database.
     Exits with status 1 when any guarantee was broken.
     """
-    import logging
-
-    import structlog
-
     from nmbus.settings import Settings
     from nmbus.soak import run_soak
-
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
 
     settings = Settings(dsn=dsn) if dsn else Settings()
     if not settings.dsn:

@@ -95,12 +95,17 @@ def test_bench_json_gives_positive_figures_for_each_repeat(dsn: str) -> None:
 
 
 def test_bench_rejects_an_unknown_mode_and_a_missing_dsn(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Usage errors (exit 2, one line) before anything connects: the DSN below is never used.
     monkeypatch.delenv("NMBUS_DSN", raising=False)
     result = CliRunner().invoke(app, ["bench", "drain"])
-    assert result.exit_code != 0
-    result = CliRunner().invoke(app, ["bench", "nonsense", "--dsn", "postgresql://x@127.0.0.1/x"])
-    assert result.exit_code != 0
-    assert "unknown mode" in result.output
+    assert (result.exit_code, result.stdout) == (2, ""), result.output
+    assert result.stderr.splitlines() == [
+        "error: Invalid value for --dsn: give --dsn or set NMBUS_DSN (see 'nmbus bench --help')"
+    ]
+    result = CliRunner().invoke(app, ["bench", "nonsense", "--dsn", "postgresql://x@127.0.0.1:1/x"])
+    assert (result.exit_code, result.stdout) == (2, ""), result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: Invalid value: unknown mode 'nonsense'; choose from ceiling,")
 
 
 async def test_xrows_compares_an_empty_and_a_loaded_table_and_explains_the_claim(

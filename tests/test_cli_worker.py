@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -18,10 +19,11 @@ from tests.messages import Ping
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start(dsn: str, target: str) -> subprocess.Popen[str]:
+def start(dsn: str, target: str, *options: str) -> subprocess.Popen[str]:
+    """``nmbus [global options] worker target``."""
     env = {**os.environ, "NMBUS_DSN": dsn}
     return subprocess.Popen(
-        [sys.executable, "-m", "nmbus", "worker", target],
+        [sys.executable, "-m", "nmbus", *options, "worker", target],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -82,3 +84,28 @@ async def test_bad_target_exits_1(dsn: str) -> None:
         _, err = await asyncio.to_thread(proc.communicate, None, 60)
         assert proc.returncode in (1, 2), (target, err)
         assert "error" in err.lower(), err
+
+
+@pytest.mark.parametrize(
+    ("options", "debug_shown"),
+    [(("--log-format", "json"), False), (("--log-format", "json", "--log-level", "debug"), True)],
+)
+async def test_global_log_options_reach_the_worker(
+    dsn: str, options: tuple[str, ...], debug_shown: bool
+) -> None:
+    async with Bus("sender", dsn=dsn, concurrency=0) as sender:
+        await sender.send(Ping(n=0), to="clitest")
+    with start(dsn, "tests.cli_app:bus", *options) as proc:  # closes its pipes at the end
+        try:
+            await read_until(proc, "finished 0")
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.to_thread(proc.communicate, None, 60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    events = [json.loads(line) for line in err.splitlines()]  # every line is JSON
+    names = [e["event"] for e in events]
+    assert {"worker_ready", "shutdown_requested", "bus_stopped"} <= set(names), names
+    # A worker logs at info by default: per-message lines are debug, and hidden.
+    assert ("message_handled" in names) is debug_shown, names

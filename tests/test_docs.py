@@ -153,9 +153,12 @@ def test_settings_table_matches_the_code() -> None:
 
 
 def _commands() -> set[str]:
-    root = typer.main.get_command(app)
+    root: Any = typer.main.get_command(app)
     names: set[str] = set()
-    for name, command in getattr(root, "commands", {}).items():
+    # list_commands/get_command, not root.commands: some commands are loaded lazily.
+    ctx = root.make_context("nmbus", ["version"])
+    for name in root.list_commands(ctx):
+        command = root.get_command(ctx, name)
         subcommands = getattr(command, "commands", None)
         if subcommands:
             names.update(f"{name} {sub}" for sub in subcommands)

@@ -352,16 +352,27 @@ async def test_renewal_rewrites_a_deleted_row_and_purges_long_expired_ones(
         "INSERT INTO nmbus.subscriptions (publisher_endpoint, subscriber_endpoint, message_type,"
         " expiration_date) VALUES ('orders', 'gone', 'test.Event', now() - interval '1 hour')"
     )
+    query = (
+        "SELECT subscriber_endpoint, message_type, "
+        "extract(epoch FROM expiration_date - now()) AS left FROM nmbus.subscriptions "
+        "ORDER BY subscriber_endpoint"
+    )
     bus = make_bus("billing", concurrency=0, subscription_ttl=0.6)
     bus.subscribe(Event, publisher="orders")
     async with bus:
         await db.execute("DELETE FROM nmbus.subscriptions WHERE subscriber_endpoint = 'billing'")
+        assert [r[0] for r in await db.fetch(query)] in (["gone"], [])  # [] if already purged
 
-        async def renewed() -> bool:
-            subs = await db.fetch("SELECT subscriber_endpoint FROM nmbus.subscriptions")
-            return [r[0] for r in subs] == ["billing"]
+        async def renewed_and_purged() -> bool:
+            return [r[0] for r in await db.fetch(query)] == ["billing"]
 
-        await wait_until(renewed, timeout=10)
+        await wait_until(renewed_and_purged, timeout=10)
+        rows = [tuple(r) for r in await db.fetch(query)]
+    # The deleted row is back as declared, expiring within a lifetime (not permanent);
+    # the row that expired an hour ago (its subscriber long gone) is removed.
+    [(subscriber, message_type, left)] = rows
+    assert (subscriber, message_type) == ("billing", "test.Event")
+    assert left is not None and left <= 0.6
 
 
 async def test_publishing_without_subscribers_succeeds_and_says_so(

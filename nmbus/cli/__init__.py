@@ -2,11 +2,17 @@
 
 Each command group lives in its own module and is registered here. Settings
 are built once, from options and ``NMBUS_*`` variables, in the command itself.
+Errors become one line on stderr in one place, :mod:`nmbus.cli._group`.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from nmbus.cli._common import LogFormat, LogLevel, configure_logging, options
+from nmbus.cli._group import NmbusGroup
 
 app = typer.Typer(
     name="nmbus",
@@ -14,27 +20,50 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=NmbusGroup,
 )
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", "-v", help="on an error, print its traceback too"),
+    ] = False,
+    log_level: Annotated[
+        LogLevel | None,
+        typer.Option(
+            "--log-level",
+            case_sensitive=False,
+            help="log lines at this level and above (default: warning; worker: info)",
+            show_default=False,
+        ),
+    ] = None,
+    log_format: Annotated[
+        LogFormat,
+        typer.Option("--log-format", case_sensitive=False, help="log lines as text or JSON"),
+    ] = LogFormat.console,
+) -> None:
     """nmbus: a message bus on PostgreSQL queue tables."""
+    options.debug = debug
+    options.log_level = log_level
+    options.log_format = log_format
+    # Log lines go to stderr, so stdout stays clean for --json. Configured once,
+    # here; `nmbus worker` raises the default level to info.
+    configure_logging(log_level or LogLevel.warning, log_format)
 
 
 def _register() -> None:
     # Command modules, one group each. Imported here so `nmbus --help` lists them.
-    from nmbus.cli import bench as _bench  # noqa: F401
     from nmbus.cli import cleanup as _cleanup  # noqa: F401
-    from nmbus.cli import demo as _demo  # noqa: F401
     from nmbus.cli import failed as _failed  # noqa: F401
     from nmbus.cli import queues as _queues  # noqa: F401
     from nmbus.cli import report as _report  # noqa: F401
-    from nmbus.cli import soak as _soak  # noqa: F401
     from nmbus.cli import status as _status  # noqa: F401
     from nmbus.cli import subscriptions as _subscriptions  # noqa: F401
     from nmbus.cli import version as _version  # noqa: F401
     from nmbus.cli import worker as _worker  # noqa: F401
+    # bench, demo and soak are loaded when they run: see NmbusGroup.lazy.
 
 
 _register()

@@ -1,4 +1,4 @@
-"""What every command shares: options, settings, a connection, tables and JSON."""
+"""What every command shares: options, settings, a connection, errors, tables and JSON."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import re
 import sys
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from decimal import Decimal
+from enum import StrEnum
 from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
+from urllib.parse import urlsplit
 
 import asyncpg
 import structlog
@@ -22,6 +25,7 @@ from rich.table import Table
 
 from nmbus.errors import NmbusError
 from nmbus.settings import Settings
+from nmbus.sql import render
 from nmbus.store import validate_queue_name
 
 T = TypeVar("T")
@@ -39,6 +43,41 @@ YesOption = Annotated[bool, typer.Option("--yes", "-y", help="do not ask for con
 
 console = Console()
 errors = Console(stderr=True)
+
+
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+class LogFormat(StrEnum):
+    console = "console"
+    json = "json"
+
+
+@dataclass
+class GlobalOptions:
+    """What the root callback was given; reset before each invocation."""
+
+    debug: bool = False
+    log_level: LogLevel | None = None  # None: the command's default (warning; worker: info)
+    log_format: LogFormat = LogFormat.console
+
+    def reset(self) -> None:
+        self.debug, self.log_level, self.log_format = False, None, LogFormat.console
+
+
+options = GlobalOptions()
+
+
+class CommandError(Exception):
+    """A command cannot go on: printed as one ``error:`` line, exit with ``code``."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Stderr:
@@ -76,7 +115,6 @@ def configure_logging(level: str = "warning", fmt: str = "console") -> None:
 
 def settings(dsn: str | None, schema: str | None, **extra: Any) -> Settings:
     """Build the settings once, from options first and NMBUS_* variables second."""
-    configure_logging()
     given = {"dsn": dsn, "schema_name": schema, **extra}
     built = Settings(**{k: v for k, v in given.items() if v is not None})
     if not built.dsn:
@@ -84,27 +122,77 @@ def settings(dsn: str | None, schema: str | None, **extra: Any) -> Settings:
     return built
 
 
+_DSN_PASSWORD = re.compile(r"(://[^:@/\s]*):[^@\s]*@")
+_PARAM_PASSWORD = re.compile(r"(?i)\b(password=)[^&\s]*")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of any DSN in it replaced by ``***``."""
+    return _PARAM_PASSWORD.sub(r"\1***", _DSN_PASSWORD.sub(r"\1:***@", text))
+
+
+def one_line(text: str) -> str:
+    """What an error says, on one line, without passwords."""
+    return redact(" ".join(part.strip() for part in text.splitlines() if part.strip()))
+
+
+def print_error(message: str) -> None:
+    # soft_wrap: a long message stays one line whatever the terminal width.
+    errors.print(f"[red]error:[/red] {escape(one_line(message))}", highlight=False, soft_wrap=True)
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
-    """Print ``message`` on stderr and exit with ``code``."""
-    errors.print(f"[red]error:[/red] {escape(message)}", highlight=False)
-    raise typer.Exit(code)
+    """Stop the command: ``message`` goes to stderr as one line, the exit code is ``code``."""
+    raise CommandError(message, code)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a command's coroutine, turning database and usage errors into exit code 1."""
-    try:
-        return asyncio.run(coro)
-    except (NmbusError, asyncpg.PostgresError, OSError) as exc:
-        fail(str(exc))
+    """Run a command's coroutine; what it raises becomes one line in nmbus.cli._group."""
+    return asyncio.run(coro)
 
 
 @asynccontextmanager
 async def connect(cfg: Settings) -> AsyncIterator[asyncpg.Connection]:
-    conn: asyncpg.Connection = await asyncpg.connect(cfg.dsn, timeout=10)
+    """A connection for one command, to a database that holds the nmbus schema.
+
+    Commands use it to read (and to change rows), never to create: a missing
+    schema is an error here, not a reason to install one. Only `queues create`
+    and a starting Bus create schema objects.
+    """
+    conn = await _connect(cfg.dsn or "")
     try:
+        schema = cfg.schema_name
+        if not await conn.fetchval(render("schema_exists", schema), schema):
+            fail(
+                f"no nmbus schema {schema!r} in this database: no queues "
+                "(check --dsn and --schema; a starting Bus or `nmbus queues create` makes it)"
+            )
         yield conn
     finally:
         await conn.close()
+
+
+async def _connect(dsn: str) -> asyncpg.Connection:
+    shown = redact(dsn)
+    try:
+        conn: asyncpg.Connection = await asyncpg.connect(dsn, timeout=10)
+    except (asyncpg.exceptions.ClientConfigurationError, ValueError, OverflowError) as exc:
+        reason = str(exc).removeprefix("invalid DSN: ")
+        raise CommandError(f"invalid DSN {shown}: {_port_problem(dsn) or reason}") from exc
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        if problem := _port_problem(dsn):
+            raise CommandError(f"invalid DSN {shown}: {problem}") from exc
+        raise CommandError(f"cannot connect to {shown}: {exc}") from exc
+    return conn
+
+
+def _port_problem(dsn: str) -> str | None:
+    """Why the port of a URL-style DSN cannot be one (asked only after a failure)."""
+    try:
+        _ = urlsplit(dsn).port  # a property that checks the port
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def queue_name(name: str) -> str:
@@ -166,14 +254,24 @@ def seconds_text(value: float | None) -> str:
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# Beyond this, now() minus the age is before any timestamp PostgreSQL can hold.
+_LONGEST_AGE = timedelta(days=36_500)
 
 
-def parse_age(text: str) -> timedelta:
-    """``90s``, ``30m``, ``12h``, ``7d``, ``2w`` or plain seconds."""
+def parse_age(text: str, option: str | None = None) -> timedelta:
+    """``90s``, ``30m``, ``12h``, ``7d``, ``2w`` or plain seconds; at most 100 years."""
     match = _AGE.match(text)
     if not match:
-        raise typer.BadParameter(f"{text!r} is not an age like 90s, 30m, 12h, 7d or 2w")
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+        raise typer.BadParameter(
+            f"{text!r} is not an age like 90s, 30m, 12h, 7d or 2w", param_hint=option
+        )
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > _LONGEST_AGE.total_seconds():
+        raise typer.BadParameter(
+            f"{text!r} is longer than {_LONGEST_AGE.days}d, the longest age accepted",
+            param_hint=option,
+        )
+    return timedelta(seconds=seconds)
 
 
 def confirm(question: str, yes: bool) -> None:

@@ -1,23 +1,24 @@
-"""``nmbus bench``: throughput and latency figures against your own database."""
+"""``nmbus bench``: throughput and latency figures against your own database.
+
+Loaded only when it runs (see NmbusGroup.lazy).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import Annotated
 
-import structlog
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from nmbus.cli import app
+command = typer.Typer(add_completion=False)
 
 MODES_HELP = "ceiling, drain, transactional, latency, fanout, xrows, or all (every one but xrows)"
 
 
-@app.command()
+@command.command()
 def bench(
     modes: Annotated[list[str] | None, typer.Argument(help=MODES_HELP, show_default=False)] = None,
     dsn: Annotated[
@@ -56,8 +57,8 @@ def bench(
                 raise typer.BadParameter(f"unknown mode {m!r}; choose from {MODES_HELP}")
             if m not in chosen:
                 chosen.append(m)
-    # Only warnings and errors: the figures are about a worker whose debug logging is off.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    # Logging is the root's (warnings and errors unless --log-level says otherwise):
+    # the figures are about a worker whose debug logging is off.
     options = BenchOptions(
         dsn=dsn,
         messages=messages,

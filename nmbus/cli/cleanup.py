@@ -94,7 +94,9 @@ def cleanup(
     ] = None,
     older_than: AgeOption = None,
     failed_older_than: AgeOption = None,
-    batch_size: Annotated[int | None, typer.Option(help="rows per short transaction")] = None,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, max=100_000, help="rows per short transaction")
+    ] = None,
     archive_dir: Annotated[
         Path | None, typer.Option(help="archive removed rows to Parquet here first")
     ] = None,
@@ -113,12 +115,14 @@ def cleanup(
     cfg = settings(dsn, schema)
     base = RetentionPolicy.from_settings(cfg)
     failed_age: timedelta | None = (
-        parse_age(failed_older_than) if failed_older_than else base.failed_max_age
+        parse_age(failed_older_than, "--failed-older-than")
+        if failed_older_than
+        else base.failed_max_age
     )
     policy = RetentionPolicy(
-        max_age=parse_age(older_than) if older_than else base.max_age,
+        max_age=parse_age(older_than, "--older-than") if older_than else base.max_age,
         failed_max_age=failed_age,
-        batch_size=batch_size or base.batch_size,
+        batch_size=base.batch_size if batch_size is None else batch_size,
         archive_dir=archive_dir or base.archive_dir,
     )
     names = [queue_name(q) for q in queues or []]

@@ -1,7 +1,9 @@
 """``nmbus demo``: services exchange orders live, some fail and retry, then the report.
 
 With ``--dsn`` / ``NMBUS_DSN`` it uses that server (schema ``nmbus_demo`` only);
-without, the embedded PostgreSQL in ``--data-dir`` (``.nmbus``).
+without, the embedded PostgreSQL in ``--data-dir`` (``.nmbus``). This module
+imports the demo's services and message types, so it is loaded only when the
+command runs (see NmbusGroup.lazy).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TextIO
+from typing import Annotated, Any, TextIO
 
 import structlog
 import typer
@@ -22,9 +24,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from nmbus import demo as demo_lib
-from nmbus.cli import app
+from nmbus.cli._common import fail
 from nmbus.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
 from nmbus.errors import NmbusError
+
+command = typer.Typer(add_completion=False)
 
 console = Console()
 errors = Console(stderr=True)
@@ -142,7 +146,7 @@ def _clean(dsn: str | None, data_dir: Path, schema: str, out: Path) -> None:
         console.print(f"report folder {out} removed")
 
 
-@app.command()
+@command.command()
 def demo(
     orders: Annotated[int, typer.Option(help="orders the shop publishes")] = 3000,
     dsn: Annotated[
@@ -183,7 +187,7 @@ def demo(
         try:
             _clean(dsn, data_dir, schema, out)
         except (NmbusError, OSError) as exc:
-            _fail(str(exc))
+            fail(str(exc))
         return
     options = demo_lib.DemoOptions(
         orders=orders, schema=schema, concurrency=concurrency, flaky_rate=flaky_rate, seed=seed
@@ -191,7 +195,7 @@ def demo(
     try:
         options.check()
     except NmbusError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     quiet = as_json
     say = errors if quiet else console
 
@@ -218,7 +222,7 @@ def demo(
         except NmbusError as exc:
             structlog.reset_defaults()
             log_file.close()
-            _fail(str(exc))
+            fail(str(exc))
         say.print(f"embedded PostgreSQL: [bold]{dsn}[/bold]", highlight=False)
     outcome: dict[str, Any] = {"dsn": dsn, "schema": schema, "log": str(log_path)}
     try:
@@ -254,7 +258,7 @@ def demo(
         elif report_problem is not None:
             outcome["report"] = {"skipped": report_problem}
     except (NmbusError, OSError, TimeoutError) as exc:
-        _fail(f"{type(exc).__name__}: {exc}")
+        fail(f"{type(exc).__name__}: {exc}")
     finally:
         try:
             if server is not None and not keep_running and not was_running:
@@ -336,8 +340,3 @@ def _print_bus(result: demo_lib.BusResult) -> None:
         for queue, error, n in result.top_errors[:6]:
             table.add_row(queue, escape(error), f"{n:,}")
         console.print(table)
-
-
-def _fail(message: str) -> NoReturn:
-    errors.print(f"[red]error:[/red] {escape(message)}", highlight=False)
-    raise typer.Exit(1)

@@ -13,6 +13,7 @@ from nmbus.cli._common import (
     SchemaOption,
     YesOption,
     confirm,
+    connect,
     emit_json,
     fail,
     queue_name,
@@ -78,13 +79,14 @@ async def _create(cfg: Settings, names: list[str]) -> None:
 
 
 async def _drop(cfg: Settings, names: list[str]) -> list[str]:
+    # Look before opening the store: opening it installs a missing schema.
+    existing = set(await _list(cfg))
+    missing = [n for n in names if n not in existing]
+    if missing:
+        fail(f"no such queue(s): {', '.join(missing)}; nothing dropped")
     store = PostgresStore(cfg.dsn, cfg.schema_name, 1)
     await store.open()
     try:
-        existing = set(await store.list_queues())
-        missing = [n for n in names if n not in existing]
-        if missing:
-            fail(f"no such queue(s): {', '.join(missing)}; nothing dropped")
         for name in names:
             await store.drop_queue(name)
         return names
@@ -93,12 +95,11 @@ async def _drop(cfg: Settings, names: list[str]) -> list[str]:
 
 
 async def _list(cfg: Settings) -> list[str]:
-    store = PostgresStore(cfg.dsn, cfg.schema_name, 1)
-    await store.open()
-    try:
-        return await store.list_queues()
-    finally:
-        await store.close()
+    # Not through PostgresStore: opening it would install a missing schema, and a
+    # listing must never create anything (a typo in --schema would make a schema).
+    schema = cfg.schema_name
+    async with connect(cfg) as conn:
+        return [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
 
 
 @queues.command("create")

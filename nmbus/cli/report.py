@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from nmbus.cli import app
+from nmbus.cli._common import CommandError
 
 
 class Window(StrEnum):
@@ -21,13 +22,15 @@ class Window(StrEnum):
 
 
 def _job() -> Any:
+    # The job imports pyspark only inside its functions: ask for it here, before
+    # anything starts, so a missing pyspark is one line and not a traceback.
     try:
+        importlib.import_module("pyspark")
         return importlib.import_module("nmbus.stats.job")
-    except ImportError as exc:  # pyspark missing
-        typer.echo(
-            f"error: the statistics job needs pyspark ({exc}); install nmbus[spark]", err=True
-        )
-        raise typer.Exit(2) from exc
+    except ImportError as exc:
+        raise CommandError(
+            f"the statistics job needs pyspark ({exc}): pip install 'nmbus[spark]'", code=2
+        ) from exc
 
 
 @app.command()
@@ -62,8 +65,7 @@ def report(
     """Latency and failure report of every queue: Parquet, summary.json and report.html."""
     job = _job()
     if not dsn:
-        typer.echo("error: no database: pass --dsn or set NMBUS_DSN", err=True)
-        raise typer.Exit(2)
+        raise CommandError("no database: pass --dsn or set NMBUS_DSN", code=2)
     spark = borrowed = None
     try:
         opts = job.Options(
@@ -89,8 +91,7 @@ def report(
         spark = borrowed or job.build_session(master, jdbc_jar, driver_memory)
         result = job.run(spark, opts)
     except job.StatsError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        raise CommandError(str(exc), code=2) from exc
     finally:
         if spark is not None and borrowed is None:
             spark.stop()

@@ -1,8 +1,9 @@
+"""``nmbus soak``: the kill soak (nmbus.soak). Loaded only when it runs (see NmbusGroup.lazy)."""
+
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from typing import Annotated
 
 import typer
@@ -10,10 +11,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
-from nmbus.cli import app
+command = typer.Typer(add_completion=False)
 
 
-@app.command()
+@command.command()
 def soak(
     messages: Annotated[int, typer.Option(help="messages to send")] = 20_000,
     workers: Annotated[int, typer.Option(help="worker processes")] = 2,
@@ -39,17 +40,8 @@ def soak(
     Drops and recreates the schema --schema (default nmbus_soak) in the database.
     Exits with status 1 when any guarantee was broken.
     """
-    import logging
-
-    import structlog
-
     from nmbus.settings import Settings
     from nmbus.soak import run_soak
-
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
 
     settings = Settings(dsn=dsn) if dsn else Settings()
     if not settings.dsn:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import logging
 import os
 import signal
 import sys
@@ -16,7 +15,7 @@ import typer
 
 from nmbus.bus import Bus
 from nmbus.cli import app
-from nmbus.cli._common import configure_logging, fail
+from nmbus.cli._common import LogFormat, LogLevel, configure_logging, fail, options
 
 log = structlog.get_logger("nmbus.cli.worker")
 
@@ -90,15 +89,21 @@ def worker(
     target: Annotated[
         str, typer.Argument(metavar="MODULE:BUS", help="import path of a Bus or a Bus factory")
     ],
-    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
-    log_format: Annotated[str, typer.Option(help="console or json")] = "console",
+    log_level: Annotated[
+        LogLevel | None,
+        typer.Option(case_sensitive=False, help="as the global --log-level (default here: info)"),
+    ] = None,
+    log_format: Annotated[
+        LogFormat | None,
+        typer.Option(case_sensitive=False, help="as the global --log-format"),
+    ] = None,
 ) -> None:
     """Run a Bus's workers. SIGTERM or SIGINT: finish in-flight handlers, exit 0."""
-    if log_level.upper() not in logging.getLevelNamesMapping():
-        raise typer.BadParameter(f"unknown log level {log_level!r}")
-    if log_format not in ("console", "json"):
-        raise typer.BadParameter("--log-format is console or json")
-    configure_logging(log_level, log_format)
+    # A worker says when it is ready and when it stops: info, unless told otherwise
+    # here or before the command (nmbus --log-level ... worker).
+    configure_logging(
+        log_level or options.log_level or LogLevel.info, log_format or options.log_format
+    )
     obj = load_bus(target)
     code = asyncio.run(serve(obj))
     raise typer.Exit(code)

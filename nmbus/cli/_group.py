@@ -1,0 +1,123 @@
+"""The root command: where every failure becomes one line, and heavy commands load late.
+
+Whatever a command raises ends here, in ``NmbusGroup.main``: the same method
+runs for the ``nmbus`` script and for ``typer.testing.CliRunner``. An operator
+sees ``error: <what is wrong>`` on stderr and a non-zero exit code; with
+``--debug`` (``-v``) the traceback comes first. Exit codes: 1 the command
+failed or refused, 2 wrong usage (a bad option, argument or NMBUS_* setting).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import asyncpg
+import typer
+import typer.main
+from pydantic import ValidationError
+from typer.core import TyperGroup
+
+from nmbus.cli._common import CommandError, options, print_error
+from nmbus.errors import NmbusError
+
+
+class NmbusGroup(TyperGroup):
+    """``nmbus``: lazy commands, and one place that turns exceptions into one line."""
+
+    # Command name -> module defining ``command`` (a typer.Typer with that one command).
+    # Imported only when the command runs or help lists it: a worker process that
+    # imports nmbus.cli must not import the demo (and register its message types),
+    # the embedded server or the benchmarks.
+    lazy: ClassVar[dict[str, str]] = {
+        "bench": "nmbus.cli.bench",
+        "demo": "nmbus.cli.demo",
+        "soak": "nmbus.cli.soak",
+    }
+
+    # Contexts and commands are click's (vendored by recent typer versions): Any here.
+    def list_commands(self, ctx: Any) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in self.commands and cmd_name in self.lazy:
+            module = importlib.import_module(self.lazy[cmd_name])
+            self.commands[cmd_name] = typer.main.get_command(module.command)
+        return super().get_command(ctx, cmd_name)
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:  # embedded in another program: it handles errors itself
+            return super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
+        options.reset()  # a fresh start for each invocation (tests invoke many in one process)
+        try:
+            result = super().main(
+                args, prog_name, complete_var, False, windows_expand_args, **extra
+            )
+        except typer.Abort:
+            print_error("aborted")
+            sys.exit(1)
+        except Exception as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `nmbus`, `nmbus queues`: help
+                if exc.format_message():  # type: ignore[attr-defined]  # else rich printed it
+                    exc.show()  # type: ignore[attr-defined]
+                sys.exit(exc.exit_code)  # type: ignore[attr-defined]
+            if _is_usage_error(exc):  # click's UsageError, BadParameter, ...: no traceback
+                ctx = getattr(exc, "ctx", None)
+                hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+                print_error(exc.format_message() + hint)  # type: ignore[attr-defined]
+                sys.exit(exc.exit_code)  # type: ignore[attr-defined]
+            if options.debug:
+                traceback.print_exception(exc)
+            print_error(describe(exc))
+            sys.exit(exc.code if isinstance(exc, CommandError) else _code(exc))
+        # Without standalone mode, typer returns the code of a typer.Exit, or what
+        # the command returned (None).
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+def _is_usage_error(exc: Exception) -> bool:
+    # click.ClickException, whether click is its own package or vendored by typer.
+    return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__)
+
+
+def _code(exc: BaseException) -> int:
+    return 2 if isinstance(exc, ValidationError) and exc.title == "Settings" else 1
+
+
+def describe(exc: BaseException) -> str:
+    """One line that says what went wrong, for an operator (not a developer)."""
+    if isinstance(exc, CommandError):
+        return str(exc)
+    if isinstance(exc, ValidationError):
+        return _invalid_settings(exc)
+    if isinstance(exc, asyncpg.exceptions.ClientConfigurationError):
+        return f"invalid DSN: {str(exc).removeprefix('invalid DSN: ')}"
+    if isinstance(exc, NmbusError):
+        return str(exc) or type(exc).__name__
+    if isinstance(exc, asyncpg.PostgresError):
+        return f"the database said: {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _invalid_settings(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"])
+        where = f"{field} (NMBUS_{field.upper()})" if exc.title == "Settings" else field
+        value = error["input"]
+        # Never echo a DSN back (it may hold a password), nor a whole dict of inputs.
+        plain = isinstance(value, str | int | float | bool) and "dsn" not in field
+        given = f", got {value!r}" if plain else ""
+        problems.append(f"{where}: {error['msg']}{given}")
+    return f"invalid setting {'; '.join(problems)}"

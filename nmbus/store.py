@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Checked with fullmatch: `$` would also match before a final "\n".
 _QUEUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")

@@ -33,7 +33,10 @@ log = structlog.get_logger("nmbus.postgres")
 # Schema changes after version 1, by the version they bring the schema to: names
 # of queries.sql blocks, run once per schema, or once per queue table when the
 # block names {queue}.
-MIGRATIONS: dict[int, list[str]] = {2: ["migrate_2_fillfactor"]}
+MIGRATIONS: dict[int, list[str]] = {
+    2: ["migrate_2_fillfactor"],
+    3: ["migrate_3_names", "migrate_3_queue"],
+}
 
 
 def notify_channel(schema: str) -> str:

@@ -42,7 +42,7 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     label text,
     msg_text text,
     msg_headers jsonb,
-    unique_id text NOT NULL,
+    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
     handling_client_id text,
     lease_expires timestamptz
 ) WITH (

@@ -117,6 +117,23 @@ async def test_an_older_schema_is_migrated_queue_by_queue(dsn: str, db: asyncpg.
     ]
 
 
+async def test_a_plain_insert_needs_no_unique_id_and_duplicates_stay_refused(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    async with Bus("sender", dsn=dsn, concurrency=0) as bus:
+        await bus.send(Ping(n=1), to="billing", unique_id="given")
+    plain = "INSERT INTO nmbus.billing (from_endpoint, to_endpoint, label, msg_text) "
+    for n in (2, 3):
+        await db.execute(plain + "VALUES ('psql', 'billing', 'test.Ping', $1)", f'{{"n":{n}}}')
+    ids = [r[0] for r in await db.fetch("SELECT unique_id FROM nmbus.billing ORDER BY id")]
+    assert ids[0] == "given" and len(set(ids)) == 3 and all(len(i) == 36 for i in ids[1:])
+    with pytest.raises(asyncpg.UniqueViolationError):
+        await db.execute(
+            "INSERT INTO nmbus.billing (from_endpoint, to_endpoint, unique_id) "
+            "VALUES ('psql', 'billing', 'given')"
+        )
+
+
 # -- nmbus's own names never collide with a queue name (issue 11, defect 4) ---------------
 
 COLLIDING = [
@@ -293,6 +310,11 @@ async def test_a_version_2_schema_is_migrated_to_names_no_queue_can_take(
             await bus.send(Ping(n=1), to=queue, unique_id="i1")
             await bus.send(Ping(n=2), to=queue, unique_id="i1")
     assert await db.fetchval("SELECT count(*) FROM nmbus.billing") == 50100
+    # unique_id has a default now, so an operator's plain INSERT works in every old table.
+    for queue in V2_QUEUES:
+        await db.execute(
+            f'INSERT INTO nmbus."{queue}" (from_endpoint, to_endpoint) VALUES ($1, $1)', queue
+        )
     for queue in V2_QUEUES[1:]:
-        rows = await db.fetch(f'SELECT id, msg_text FROM nmbus."{queue}"')
-        assert [(r["id"], json.loads(r["msg_text"])["n"]) for r in rows] == [(1, 1)]
+        rows = await db.fetch(f'SELECT msg_text FROM nmbus."{queue}" ORDER BY id')
+        assert [r[0] and json.loads(r[0]) for r in rows] == [{"n": 1}, None]

@@ -66,7 +66,7 @@ CREATE TABLE IF NOT EXISTS {queue} (
     label text,
     msg_text text,
     msg_headers jsonb,
-    unique_id text NOT NULL,
+    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
     handling_client_id text,
     lease_expires timestamptz
 ) WITH (
@@ -134,9 +134,11 @@ END
 $migrate$;
 
 -- migrate_3_queue --
--- Schema version 3, per queue table, after migrate_3_names: create the indexes a
--- name collision kept from being created under version 2 (a queue "ship_ready"
--- created first left "ship" without its ready index).
+-- Schema version 3, per queue table, after migrate_3_names: unique_id gets a
+-- default, so an operator can add a message with a plain INSERT (catalog-only);
+-- and the indexes a name collision kept from being created under version 2 are
+-- built (a queue "ship_ready" created first left "ship" without its ready index).
+ALTER TABLE {queue} ALTER COLUMN unique_id SET DEFAULT gen_random_uuid()::text;
 CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (retry_time, id)
     WHERE subqueue IN ('I', 'R');
 CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);

@@ -42,7 +42,7 @@ class Message(BaseModel):
     def __init_subclass__(cls, type_name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         name = type_name if type_name is not None else cls.__qualname__
-        if not _TYPE_NAME.match(name):
+        if not _TYPE_NAME.fullmatch(name):
             raise ConfigurationError(
                 f"invalid message type name {name!r}: use letters, digits, '_', '.', ':' "
                 "or '-', starting with a letter, at most 200 characters"

@@ -21,9 +21,11 @@ from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.settings import Settings
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
-_QUEUE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+# Checked with fullmatch: `$` would also match before a final "\n".
+_QUEUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+_SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_QUEUE_NAME = 48
 RESERVED_NAMES = frozenset({"schema_version", "queues", "subscriptions"})
 
@@ -37,7 +39,7 @@ def validate_queue_name(name: object) -> str:
     """
     if not isinstance(name, str):
         raise InvalidQueueName(f"queue name must be a string, got {type(name).__name__}")
-    if not name or len(name) > MAX_QUEUE_NAME or not _QUEUE_NAME.match(name):
+    if not name or len(name) > MAX_QUEUE_NAME or not _QUEUE_NAME.fullmatch(name):
         raise InvalidQueueName(
             f"invalid queue name {name!r}: use 1-{MAX_QUEUE_NAME} characters, letters, "
             "digits, '_', '.' or '-', starting with a letter or '_'"
@@ -48,7 +50,7 @@ def validate_queue_name(name: object) -> str:
 
 
 def validate_schema_name(name: str) -> str:
-    if not name or len(name) > 40 or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+    if not name or len(name) > 40 or not _SCHEMA_NAME.fullmatch(name):
         raise InvalidQueueName(
             f"invalid schema name {name!r}: 1-40 characters, letters, digits and '_'"
         )

@@ -8,11 +8,11 @@ BEGIN;
 
 CREATE SCHEMA IF NOT EXISTS "nmbus";
 CREATE TABLE IF NOT EXISTS "nmbus".schema_version (
-    version integer PRIMARY KEY,
+    version integer CONSTRAINT "schema_version$pkey" PRIMARY KEY,
     applied_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE TABLE IF NOT EXISTS "nmbus".queues (
-    name text PRIMARY KEY,
+    name text CONSTRAINT "queues$pkey" PRIMARY KEY,
     created_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE TABLE IF NOT EXISTS "nmbus".subscriptions (
@@ -21,13 +21,15 @@ CREATE TABLE IF NOT EXISTS "nmbus".subscriptions (
     message_type text NOT NULL,
     created_date timestamptz NOT NULL DEFAULT now(),
     expiration_date timestamptz,
-    PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
+    CONSTRAINT "subscriptions$pkey"
+        PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
 );
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('3') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('4') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")
+        CONSTRAINT "billing$pkey" PRIMARY KEY,
     from_endpoint text NOT NULL,
     to_endpoint text NOT NULL,
     subqueue char(1) NOT NULL DEFAULT 'I' CHECK (subqueue IN ('I', 'R', 'X', 'F')),
@@ -40,7 +42,7 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     label text,
     msg_text text,
     msg_headers jsonb,
-    unique_id text NOT NULL,
+    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
     handling_client_id text,
     lease_expires timestamptz,
     isolated boolean NOT NULL DEFAULT false
@@ -52,9 +54,9 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     autovacuum_analyze_scale_factor = 0.02,
     autovacuum_vacuum_cost_delay = 1
 );
-CREATE INDEX IF NOT EXISTS "billing_ready" ON "nmbus"."billing" (retry_time, id)
+CREATE INDEX IF NOT EXISTS "billing$ready" ON "nmbus"."billing" (retry_time, id)
     WHERE subqueue IN ('I', 'R');
-CREATE UNIQUE INDEX IF NOT EXISTS "billing_uid" ON "nmbus"."billing" (unique_id);
+CREATE UNIQUE INDEX IF NOT EXISTS "billing$uid" ON "nmbus"."billing" (unique_id);
 
 INSERT INTO "nmbus".queues (name) VALUES ('billing') ON CONFLICT DO NOTHING;
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from nmbus import Bus
+from nmbus import Bus, Context
 from nmbus.cli.queues import schema_ddl
 from nmbus.postgres import install_schema
 from nmbus.store import SCHEMA_VERSION
@@ -32,6 +32,7 @@ TESTED = {
     "oldest_ready.sql",
     "held_too_long.sql",
     "subscriptions.sql",
+    "inject_message.sql",
 }
 
 
@@ -154,6 +155,48 @@ async def test_requeued_message_is_handled_again(
         assert await asyncio.wait_for(seen.get(), 20) == 7
     row = await db.fetchrow("SELECT subqueue, retry_count FROM nmbus.billing")
     assert tuple(row) == ("X", 1)
+
+
+async def test_injected_message_is_handled(dsn: str, db: asyncpg.Connection) -> None:
+    """The queue is just a table: a message INSERTed with psql is handled like a sent one."""
+    bus = Bus("billing", dsn=dsn, poll_interval=60.0, lease_seconds=10.0)
+    seen: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+
+    @bus.handler
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        seen.put_nowait((msg.n, ctx.unique_id))
+
+    async with bus:
+        # The fallback poll is a minute away: only the file's NOTIFY can wake the worker.
+        got = await psql(dsn, "inject_message.sql", queue="billing", type="test.Ping",
+                         body='{"n": 7}')  # fmt: skip
+        assert len(got) == 1 and got[0]["notified"] == "t"
+        n, unique_id = await asyncio.wait_for(seen.get(), 20)
+        assert (n, unique_id) == (7, got[0]["unique_id"]) and len(unique_id) == 36
+        async with asyncio.timeout(20):  # the handler ran; wait for its batch to commit
+            while await db.fetchval("SELECT subqueue FROM nmbus.billing") != "X":
+                await asyncio.sleep(0.05)
+        # A second injection gets a unique_id of its own (the dedup index stays).
+        again = await psql(dsn, "inject_message.sql", queue="billing", type="test.Ping",
+                           body='{"n": 8}', **{"from": "ops"})  # fmt: skip
+        assert again[0]["unique_id"] != unique_id
+        assert (await asyncio.wait_for(seen.get(), 20))[0] == 8
+    rows = await db.fetch("SELECT id, from_endpoint, subqueue, retry_count FROM nmbus.billing")
+    assert sorted(tuple(r) for r in rows) == [
+        (int(got[0]["id"]), "psql", "X", 1),
+        (int(again[0]["id"]), "ops", "X", 1),
+    ]
+
+
+async def test_inject_needs_queue_type_and_body(dsn: str) -> None:
+    for given in ({}, {"queue": "billing"}, {"queue": "billing", "type": "test.Ping"}):
+        args = [a for k, v in given.items() for a in ("-v", f"{k}={v}")]
+        proc = await asyncio.create_subprocess_exec(
+            "psql", dsn, "-X", "-q", *args, "-f", str(COOKBOOK / "inject_message.sql"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await proc.communicate()
+        assert b"set the " in err and out == b""
 
 
 async def test_requeue_all_by_type_then_all(dsn: str, facts: Facts, db: asyncpg.Connection) -> None:

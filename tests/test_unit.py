@@ -10,6 +10,8 @@ import pytest
 import nmbus
 from nmbus import Bus, Context, Message, PermanentError, RetryPolicy
 from nmbus.errors import ConfigurationError, HandlerError, InvalidQueueName, MessageTooLarge
+from nmbus.postgres import PostgresStore
+from nmbus.store import validate_queue_name, validate_schema_name
 from nmbus.testing import MemoryStore, drain
 from tests.messages import Event, OrderPlaced, Ping, Pong
 
@@ -33,6 +35,41 @@ def test_all_matches_the_public_names() -> None:
 def test_hostile_queue_names_are_refused(name: object) -> None:
     with pytest.raises(InvalidQueueName):
         memory_bus(name)  # type: ignore[arg-type]
+
+
+WHITESPACE_SUFFIXES = ["\n", "\r\n", "\r", " ", "\t", "\x0b", "\x0c", "\n\n", "\u2028"]
+
+
+@pytest.mark.parametrize("suffix", WHITESPACE_SUFFIXES)
+def test_queue_names_with_trailing_whitespace_are_refused(suffix: str) -> None:
+    # A regex ending in `$` also matches before a final newline: "billing\n" would
+    # pass and make a second table beside "billing".
+    with pytest.raises(InvalidQueueName):
+        memory_bus("billing" + suffix)
+    with pytest.raises(InvalidQueueName):
+        validate_queue_name("billing" + suffix)
+
+
+@pytest.mark.parametrize("suffix", WHITESPACE_SUFFIXES)
+def test_schema_names_with_trailing_whitespace_are_refused(suffix: str) -> None:
+    with pytest.raises(InvalidQueueName, match="schema name"):
+        validate_schema_name("nmbus" + suffix)
+    with pytest.raises(InvalidQueueName, match="schema name"):
+        PostgresStore("postgresql://unused", schema="nmbus" + suffix)
+
+
+@pytest.mark.parametrize("suffix", WHITESPACE_SUFFIXES)
+def test_type_names_with_trailing_whitespace_are_refused(suffix: str) -> None:
+    with pytest.raises(ConfigurationError, match="invalid message type name"):
+
+        class Trailing(Message, type_name="test.Trailing" + suffix):
+            x: int
+
+
+async def test_send_to_a_queue_name_with_a_newline_is_refused() -> None:
+    async with memory_bus() as bus:
+        with pytest.raises(InvalidQueueName):
+            await bus.send(Ping(n=1), to="billing\n")
 
 
 def test_handler_registration_checks_at_once() -> None:

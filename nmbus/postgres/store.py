@@ -37,7 +37,8 @@ log = structlog.get_logger("nmbus.postgres")
 # block names {queue}.
 MIGRATIONS: dict[int, list[str]] = {
     2: ["migrate_2_fillfactor"],
-    3: ["migrate_3_isolated"],
+    3: ["migrate_3_names", "migrate_3_queue"],
+    4: ["migrate_4_isolated"],
 }
 
 

@@ -2,6 +2,12 @@
 
 Queue tables are the one dynamic part of any statement: :func:`render` fills in
 schema, table and index names, always through :func:`quote_ident`.
+
+nmbus's own objects of a table (its indexes, primary key and identity
+sequence) are named ``<table>$<role>`` (:func:`own_name`). Queue names cannot
+contain ``$``, so these names can never be taken by a queue table, whatever
+queues are created and in what order (``orders_uid`` is a fine queue name;
+the unique index of ``orders`` is ``orders$uid``).
 """
 
 from __future__ import annotations
@@ -33,12 +39,26 @@ def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+# PostgreSQL silently truncates longer identifiers, which would make names collide again.
+MAX_IDENTIFIER_BYTES = 63
+
+
+def own_name(table: str, role: str) -> str:
+    """The name of nmbus's object ``role`` (ready, uid, pkey, id_seq) of ``table``."""
+    name = f"{table}${role}"
+    if len(name.encode()) > MAX_IDENTIFIER_BYTES:
+        raise ValueError(f"{name!r} is longer than PostgreSQL's {MAX_IDENTIFIER_BYTES} bytes")
+    return name
+
+
 @functools.lru_cache(maxsize=1024)
 def render(name: str, schema: str, queue: str | None = None) -> str:
     """The query ``name`` with identifiers for ``schema`` and ``queue`` filled in."""
     values = {"schema": quote_ident(schema)}
     if queue is not None:
         values["queue"] = f"{quote_ident(schema)}.{quote_ident(queue)}"
-        values["ready_index"] = quote_ident(f"{queue}_ready")
-        values["unique_index"] = quote_ident(f"{queue}_uid")
+        values["ready_index"] = quote_ident(own_name(queue, "ready"))
+        values["unique_index"] = quote_ident(own_name(queue, "uid"))
+        values["pkey"] = quote_ident(own_name(queue, "pkey"))
+        values["id_seq"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'id_seq'))}"
     return QUERIES[name].format_map(values)

@@ -2,9 +2,12 @@
 --
 -- A block starts with a line `-- name --`, then one comment line saying what
 -- it does and what $1..$n are. Identifiers are the only dynamic part: {schema}
--- is the quoted schema, {queue} the quoted schema-qualified queue table, and
--- {ready_index} / {unique_index} quoted index names. They are filled in by
--- nmbus.sql.render(), which quotes every one; no other text is ever pasted in.
+-- is the quoted schema, {queue} the quoted schema-qualified queue table,
+-- {ready_index} / {unique_index} / {pkey} its quoted index and constraint names
+-- and {id_seq} its quoted schema-qualified identity sequence. They are filled in
+-- by nmbus.sql.render(), which quotes every one; no other text is ever pasted in.
+-- nmbus's own objects are named "<table>$<role>": no queue name contains '$', so
+-- no queue table can ever take one of these names (see nmbus.sql.own_name).
 
 -- advisory_lock --
 -- Serialise schema changes of one schema across processes. $1: lock key text.
@@ -14,11 +17,11 @@ SELECT pg_advisory_xact_lock(hashtext($1));
 -- Create the schema and its shared tables (idempotent).
 CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {schema}.schema_version (
-    version integer PRIMARY KEY,
+    version integer CONSTRAINT "schema_version$pkey" PRIMARY KEY,
     applied_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE TABLE IF NOT EXISTS {schema}.queues (
-    name text PRIMARY KEY,
+    name text CONSTRAINT "queues$pkey" PRIMARY KEY,
     created_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE TABLE IF NOT EXISTS {schema}.subscriptions (
@@ -27,7 +30,8 @@ CREATE TABLE IF NOT EXISTS {schema}.subscriptions (
     message_type text NOT NULL,
     created_date timestamptz NOT NULL DEFAULT now(),
     expiration_date timestamptz,
-    PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
+    CONSTRAINT "subscriptions$pkey"
+        PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
 );
 
 -- schema_version --
@@ -48,7 +52,8 @@ SELECT to_regclass(format('%I.schema_version', $1::text)) IS NOT NULL;
 -- changes no indexed column; see docs/storage.md); the autovacuum settings keep
 -- dead tuples from piling up under a busy queue.
 CREATE TABLE IF NOT EXISTS {queue} (
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {id_seq})
+        CONSTRAINT {pkey} PRIMARY KEY,
     from_endpoint text NOT NULL,
     to_endpoint text NOT NULL,
     subqueue char(1) NOT NULL DEFAULT 'I' CHECK (subqueue IN ('I', 'R', 'X', 'F')),
@@ -61,7 +66,7 @@ CREATE TABLE IF NOT EXISTS {queue} (
     label text,
     msg_text text,
     msg_headers jsonb,
-    unique_id text NOT NULL,
+    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
     handling_client_id text,
     lease_expires timestamptz,
     isolated boolean NOT NULL DEFAULT false
@@ -82,8 +87,65 @@ CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
 -- so claims stay HOT updates. Applies to pages written from now on.
 ALTER TABLE {queue} SET (fillfactor = 50);
 
--- migrate_3_isolated --
--- Schema version 3: `isolated` marks a lease taken for one row alone, after a
+-- migrate_3_names --
+-- Schema version 3: nmbus's own objects are renamed from "<table>_<role>", which a
+-- queue could take ("orders_uid" left "orders" without its unique index), to
+-- "<table>$<role>": the primary keys of the shared tables and, for every queue
+-- table, its primary key, identity sequence and ready/uid indexes. Objects are
+-- found through the catalog by the table they belong to, so a queue table named
+-- like another queue's old index is never touched. Renames are catalog-only.
+DO $migrate$
+DECLARE
+    v_nsp oid := (SELECT typnamespace FROM pg_type WHERE oid = pg_typeof(NULL::{schema}.queues));
+    v_schema name := (SELECT nspname FROM pg_namespace WHERE oid = v_nsp);
+    t record;
+    o record;
+BEGIN
+    FOR t IN
+        SELECT c.oid, c.relname FROM pg_class AS c
+        WHERE c.relnamespace = v_nsp AND c.relkind IN ('r', 'p')
+          AND (c.relname IN ('schema_version', 'queues', 'subscriptions')
+               OR c.relname IN (SELECT name FROM {schema}.queues))
+    LOOP
+        FOR o IN
+            SELECT conname AS old, 'pkey' AS role, 'CONSTRAINT' AS kind
+            FROM pg_constraint WHERE conrelid = t.oid AND contype = 'p'
+            UNION ALL
+            SELECT s.relname, 'id_seq', 'SEQUENCE'
+            FROM pg_depend AS d JOIN pg_class AS s ON s.oid = d.objid
+            WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
+              AND d.refobjid = t.oid AND d.deptype = 'i' AND s.relkind = 'S'
+            UNION ALL
+            SELECT i.relname, substr(i.relname, length(t.relname) + 2), 'INDEX'
+            FROM pg_index AS x JOIN pg_class AS i ON i.oid = x.indexrelid
+            WHERE x.indrelid = t.oid AND NOT x.indisprimary
+              AND i.relname IN (t.relname || '_ready', t.relname || '_uid')
+        LOOP
+            CONTINUE WHEN o.old = t.relname || '$' || o.role;
+            IF o.kind = 'CONSTRAINT' THEN
+                EXECUTE format('ALTER TABLE %I.%I RENAME CONSTRAINT %I TO %I',
+                               v_schema, t.relname, o.old, t.relname || '$' || o.role);
+            ELSE
+                EXECUTE format('ALTER %s %I.%I RENAME TO %I',
+                               o.kind, v_schema, o.old, t.relname || '$' || o.role);
+            END IF;
+        END LOOP;
+    END LOOP;
+END
+$migrate$;
+
+-- migrate_3_queue --
+-- Schema version 3, per queue table, after migrate_3_names: unique_id gets a
+-- default, so an operator can add a message with a plain INSERT (catalog-only);
+-- and the indexes a name collision kept from being created under version 2 are
+-- built (a queue "ship_ready" created first left "ship" without its ready index).
+ALTER TABLE {queue} ALTER COLUMN unique_id SET DEFAULT gen_random_uuid()::text;
+CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (retry_time, id)
+    WHERE subqueue IN ('I', 'R');
+CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
+
+-- migrate_4_isolated --
+-- Schema version 4: `isolated` marks a lease taken for one row alone, after a
 -- crash, so that the next crash is blamed on that row only (no table rewrite).
 ALTER TABLE {queue} ADD COLUMN IF NOT EXISTS isolated boolean NOT NULL DEFAULT false;
 

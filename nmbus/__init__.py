@@ -5,33 +5,70 @@ I (ready), R (scheduled), X (processed) and F (failed).
 """
 
 from nmbus.bus import Bus
-from nmbus.context import Context
+from nmbus.context import Context, Effects
 from nmbus.errors import (
+    AttemptFailed,
+    AttemptsExhausted,
     ConfigurationError,
     DatabaseUnavailable,
+    HandlerCancelled,
+    HandlerError,
+    HandlerSignal,
+    HandlerTimeout,
+    InvalidMessage,
     InvalidQueueName,
+    InvalidSetting,
+    LeaseLost,
+    MessageError,
     MessageTooLarge,
     NmbusError,
+    NoHandler,
+    OutcomeNotRecorded,
     PermanentError,
+    QueueNotFound,
+    RetentionError,
     RetryLater,
+    SchemaVersionError,
     StoreError,
+    ToolError,
+    UndecodableMessage,
+    UnknownMessageType,
 )
 from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
 
 __all__ = [
+    "AttemptFailed",
+    "AttemptsExhausted",
     "Bus",
     "ConfigurationError",
     "Context",
     "DatabaseUnavailable",
+    "Effects",
+    "HandlerCancelled",
+    "HandlerError",
+    "HandlerSignal",
+    "HandlerTimeout",
+    "InvalidMessage",
     "InvalidQueueName",
+    "InvalidSetting",
+    "LeaseLost",
     "Message",
+    "MessageError",
     "MessageTooLarge",
     "NmbusError",
+    "NoHandler",
+    "OutcomeNotRecorded",
     "PermanentError",
+    "QueueNotFound",
+    "RetentionError",
     "RetryLater",
     "RetryPolicy",
+    "SchemaVersionError",
     "Settings",
     "StoreError",
+    "ToolError",
+    "UndecodableMessage",
+    "UnknownMessageType",
 ]

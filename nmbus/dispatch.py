@@ -23,7 +23,18 @@ from pydantic import ValidationError
 
 from nmbus.context import Context, Effects
 from nmbus.envelopes import EnvelopeBuilder, decode_type
-from nmbus.errors import PermanentError, RetryLater
+from nmbus.errors import (
+    AttemptFailed,
+    AttemptsExhausted,
+    HandlerCancelled,
+    HandlerTimeout,
+    MessageError,
+    NoHandler,
+    PermanentError,
+    RetryLater,
+    UndecodableMessage,
+    UnknownMessageType,
+)
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.messages import Message, StoredMessage
 from nmbus.recovery import DIED_ALONE
@@ -56,20 +67,31 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def error_info(exc: BaseException, headline: str | None = None) -> str:
+def error_info(exc: BaseException) -> str:
     """``Type: message`` on the first line (the statistics job groups by it), then the trace.
 
-    Whatever the exception holds (NUL, lone surrogates, a ``__str__`` that
-    raises), the result can be stored: the real error is never lost to it.
+    An exception that was never raised and has no cause (a reason the worker
+    records, like ``NoHandler``) is its first line alone. Whatever the
+    exception holds (NUL, lone surrogates, a ``__str__`` that raises), the
+    result can be stored: the real error is never lost to it.
     """
-    lines = (headline or describe(exc)).splitlines()
+    lines = describe(exc).splitlines()
     first = lines[0] if lines else type(exc).__name__
-    try:
-        trace = "".join(traceback.format_exception(exc))
-    except Exception:
-        trace = f"(the traceback of this {type(exc).__name__} could not be formatted)"
-    text = storable(f"{first}\n{trace}")
+    if exc.__traceback__ is None and exc.__cause__ is None:
+        text = storable(first)
+    else:
+        try:
+            trace = "".join(traceback.format_exception(exc))
+        except Exception:
+            trace = f"(the traceback of this {type(exc).__name__} could not be formatted)"
+        text = storable(f"{first}\n{trace}")
     return text if len(text) <= MAX_ERROR_INFO else text[: MAX_ERROR_INFO - 3] + "..."
+
+
+def because(failure: AttemptFailed | MessageError, cause: BaseException) -> BaseException:
+    """``failure`` with ``cause`` as its ``__cause__``, as ``raise failure from cause`` would."""
+    failure.__cause__ = cause
+    return failure
 
 
 def _retry_delay(seconds: float) -> float:
@@ -209,12 +231,14 @@ class Dispatcher:
         cls = decode_type(row.label, row.msg_headers)
         handlers = self.registry.handlers_for(cls) if cls is not None else ()
         if not handlers:
-            reason = (
-                f"UnknownMessageType: no message type {row.label!r} is known to endpoint "
-                f"{self.queue!r}"
+            unhandled: MessageError = (
+                UnknownMessageType(
+                    f"no message type {row.label!r} is known to endpoint {self.queue!r}"
+                )
                 if cls is None
-                else f"NoHandler: endpoint {self.queue!r} has no handler for {row.label!r}"
+                else NoHandler(f"endpoint {self.queue!r} has no handler for {row.label!r}")
             )
+            reason = error_info(unhandled)
             if self.on_unknown == "skip":
                 outcomes.add(row.id, "X", error_info=f"skipped: {reason}")
                 if per_message_logs():
@@ -230,17 +254,22 @@ class Dispatcher:
         try:
             message = cls.model_validate_json(row.msg_text or "")
         except (ValidationError, ValueError) as exc:
-            reason = storable(f"UndecodableMessage: body is not a valid {row.label}: {exc}")
-            outcomes.add(row.id, "F", error_info=reason[:MAX_ERROR_INFO])
+            undecodable = because(
+                UndecodableMessage(f"body is not a valid {row.label}: {exc}"), exc
+            )
+            reason = error_info(undecodable)
+            outcomes.add(row.id, "F", error_info=reason)
             if per_message_logs():
                 log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
             return
 
         policy = handlers[0].retry or self.retry
         if row.recovered == DIED_ALONE and row.retry_count > policy.max_attempts:
-            reason = (
-                f"AttemptsExhausted: {row.retry_count - 1} attempts were started and none "
-                "finished (the worker died or lost its lease); not running it again"
+            reason = error_info(
+                AttemptsExhausted(
+                    f"{row.retry_count - 1} attempts were started and none finished "
+                    "(the worker died or lost its lease); not running it again"
+                )
             )
             outcomes.add(row.id, "F", error_info=reason)
             if per_message_logs():
@@ -295,21 +324,20 @@ class Dispatcher:
         exc: BaseException,
         policy: RetryPolicy,
         outcomes: Outcomes,
-        headline: str | None = None,
     ) -> None:
         """Add the outcome of a failed attempt: R after the policy's delay, or F."""
         chatty = per_message_logs()
-        if isinstance(exc, RetryLater) and headline is None:
+        if isinstance(exc, RetryLater):
             seconds = _retry_delay(exc.seconds)
             outcomes.add(row.id, "R", delay=seconds, error_info=error_info(exc), correction=-1)
             if chatty:
                 log.info("message_retry_later", seconds=seconds, reason=exc.reason)
             return
-        if headline is None and isinstance(exc, TimeoutError) and not str(exc):
-            headline = "HandlerTimeout: the handler did not finish within its timeout"
-        elif headline is None and isinstance(exc, asyncio.CancelledError):
-            headline = "HandlerCancelled: cancelled by something other than the worker"
-        info = error_info(exc, headline)
+        if isinstance(exc, TimeoutError) and not str(exc):
+            exc = because(HandlerTimeout("the handler did not finish within its timeout"), exc)
+        elif isinstance(exc, asyncio.CancelledError):
+            exc = because(HandlerCancelled("cancelled by something other than the worker"), exc)
+        info = error_info(exc)
         if isinstance(exc, PermanentError) or policy.gives_up_after(row.retry_count):
             outcomes.add(row.id, "F", error_info=info)
             if chatty:

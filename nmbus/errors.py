@@ -10,16 +10,29 @@ The whole tree::
     ├── MessageError                a message that cannot be sent or received
     │   ├── MessageTooLarge         body over the configured size limit (at send)
     │   ├── InvalidMessage          a body, header or id its receiver could not read (at send)
-    │   ├── UnknownMessageType      a label no registered Message class carries
-    │   └── UndecodableMessage      a body that does not parse or validate
+    │   ├── UnknownMessageType      a label no registered Message class carries   (F)
+    │   ├── NoHandler               a known type this endpoint has no handler for (F)
+    │   └── UndecodableMessage      a body that does not parse or validate        (F)
+    ├── AttemptFailed               why an attempt failed, beside a handler's own error
+    │   ├── AttemptsExhausted       its attempts died with their workers          (F)
+    │   ├── HandlerTimeout          the handler ran past its timeout              (R/F)
+    │   ├── HandlerCancelled        cancelled by something other than the worker  (R/F)
+    │   └── OutcomeNotRecorded      the batch's outcome could not be committed    (R/F)
     ├── StoreError                  the database said no; the driver error is __cause__
     │   ├── DatabaseUnavailable     cannot connect, or the connection was lost
     │   ├── QueueNotFound           no table for that queue
     │   ├── LeaseLost               another worker took over messages of a batch
     │   └── SchemaVersionError      the database schema is newer than this nmbus
+    ├── RetentionError              retention could not archive or remove rows as planned
+    ├── ToolError                   a tool (demo, bench, soak, report) could not do its work
     └── HandlerSignal               raised by handlers to steer their message
         ├── PermanentError          do not retry: move the message to F now
         └── RetryLater              retry after ``seconds``; not counted as a failure
+
+Those marked (F) or (R/F) are what a worker records rather than raises: the
+first line of a row's ``error_info`` is ``<ClassName>: <message>``, so the
+statistics job and an operator group failures by these names (a handler's own
+exception appears under its own name).
 
 Driver exceptions (asyncpg, OSError) are translated into StoreError in one
 place, :mod:`nmbus.postgres.errors`.
@@ -70,8 +83,32 @@ class UnknownMessageType(MessageError):
     """No registered Message class has this type name."""
 
 
+class NoHandler(MessageError):
+    """The message's type is known, but this endpoint has no handler for it."""
+
+
 class UndecodableMessage(MessageError):
     """The stored body is not valid JSON for its message type."""
+
+
+class AttemptFailed(NmbusError):
+    """Why an attempt failed when the reason is not a handler's own exception."""
+
+
+class AttemptsExhausted(AttemptFailed):
+    """Its attempts all died with their workers: failed without running again."""
+
+
+class HandlerTimeout(AttemptFailed):
+    """The handler did not finish within its timeout and was cancelled."""
+
+
+class HandlerCancelled(AttemptFailed):
+    """The handler was cancelled by something other than the worker's shutdown."""
+
+
+class OutcomeNotRecorded(AttemptFailed):
+    """The batch's outcome could not be committed (what the handler wrote was rolled back)."""
 
 
 class StoreError(NmbusError):
@@ -92,6 +129,14 @@ class QueueNotFound(StoreError):
 
 class SchemaVersionError(StoreError):
     """The database holds a schema this version of nmbus does not know."""
+
+
+class RetentionError(NmbusError):
+    """Retention could not remove a batch exactly as archived; nothing was deleted."""
+
+
+class ToolError(NmbusError):
+    """A tool (demo, bench, soak, report) could not do its work."""
 
 
 class HandlerSignal(NmbusError):

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from nmbus.errors import NmbusError
+from nmbus.errors import RetentionError
 from nmbus.sql import render
 
 if TYPE_CHECKING:
@@ -76,10 +76,6 @@ ARCHIVE_COLUMNS: tuple[str, ...] = (
 )
 _TIMESTAMPS = frozenset({"insert_time", "last_processed", "retry_time", "lease_expires"})
 _PENDING = ".pending-"
-
-
-class RetentionError(NmbusError):
-    """Retention could not remove a batch exactly as archived; nothing was deleted."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,14 +33,14 @@ import structlog
 from nmbus.context import Effects
 from nmbus.dispatch import (
     Dispatcher,
+    because,
     cancelled_from_outside,
     debug_enabled,
     describe,
     per_message_logs,
-    storable,
 )
 from nmbus.envelopes import chain_of
-from nmbus.errors import DatabaseUnavailable, LeaseLost, StoreError
+from nmbus.errors import DatabaseUnavailable, LeaseLost, OutcomeNotRecorded, StoreError
 from nmbus.logs import log_failure
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.recovery import Gate, isolate, process_gate
@@ -293,11 +293,10 @@ class Worker:
         deferred constraint, a send the store refused...): the attempt failed.
         """
         outcomes = Outcomes()
-        text = (
-            describe(exc) if not isinstance(exc, StoreError) else describe(exc).split(": ", 1)[-1]
-        )
-        headline = storable(f"OutcomeNotRecorded: {text}".splitlines()[0])
-        self.dispatcher.failed(row, exc, self.dispatcher.policy(row), outcomes, headline)
+        # A StoreError's text already names the driver error: "doing: Type: message".
+        text = str(exc) if isinstance(exc, StoreError) else describe(exc)
+        failure = because(OutcomeNotRecorded(text), exc)
+        self.dispatcher.failed(row, failure, self.dispatcher.policy(row), outcomes)
         try:
             async with session.batch() as tx:
                 await tx.finish(self.queue, outcomes, self.client_id)

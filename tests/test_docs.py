@@ -183,3 +183,13 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def test_the_errors_page_draws_the_tree_of_errors_py() -> None:
+    import nmbus.errors
+
+    doc = nmbus.errors.__doc__ or ""
+    tree = doc.split("The whole tree::\n\n", 1)[1].split("\n\n", 1)[0]
+    drawn = "\n".join(line[4:] for line in tree.splitlines())
+    page = (ROOT / "docs" / "errors.md").read_text()
+    assert f"```\n{drawn}\n```" in page

@@ -26,7 +26,7 @@ client id) and owns its side tasks: the loops, lease renewal and wake-ups.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import structlog
 
@@ -77,6 +77,8 @@ class Worker:
         self._abandoned: set[int] = set()
         self._unstarted: set[int] = set()
         self.handled = 0
+        # Outcomes committed so far, by subqueue (X, R, F; "released" when given back).
+        self.outcomes: Counter[str] = Counter()
         self._gate: Gate | None = None
 
     # -- life cycle -------------------------------------------------------------
@@ -97,6 +99,31 @@ class Worker:
 
     def wake(self) -> None:
         self._wakeup.set()
+
+    async def run_burst(self) -> dict[str, int]:
+        """Handle what is ready now, until nothing is, and return what became of it.
+
+        Counts of committed outcomes by subqueue (``X``, ``R``, ``F``). No loop,
+        listener or lease renewer is started: a burst is one connection working
+        through the queue and returning, for scripts, cron jobs and tests (a
+        handler that runs longer than ``lease_seconds`` may lose its message to
+        another worker, as nothing renews its lease).
+        """
+        before = Counter(self.outcomes)
+        async with self.store.worker_session() as session:
+            ahead: list[StoredMessage] = []
+            while True:
+                batch = ahead or await session.claim(
+                    self.queue,
+                    self.settings.batch_size,
+                    self.client_id,
+                    self.settings.lease_seconds,
+                )
+                if not batch:
+                    break
+                ahead = await self._run_gated(session, batch)
+        done = self.outcomes - before
+        return {subqueue: done[subqueue] for subqueue in ("X", "R", "F")}
 
     def _on_wakeup(self, queue: str) -> None:
         if queue == self.queue or queue == "*":
@@ -356,6 +383,7 @@ class Worker:
                     "another worker after their lease expired; rolling back this batch"
                 )
         self.handled += len(batch)
+        self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
         # Committed: ours, and in flight from now on (the lease renewer must see them).
         self.in_flight.update(m.id for m in ahead)
         return ahead

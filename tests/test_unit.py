@@ -188,3 +188,57 @@ async def test_the_worker_runs_on_the_memory_store() -> None:
     assert states == [("X", 1), ("F", 1), ("X", 2)]
     assert len(store.rows("audit")) == 2  # the failed attempts sent nothing
     assert seen.count(("OrderPlaced", 1)) == 3
+
+
+async def test_a_worker_is_built_alone_and_a_burst_drains_and_counts() -> None:
+    # No Bus: the worker takes its collaborators, and a burst is its testing primitive.
+    from nmbus.dispatch import Dispatcher
+    from nmbus.envelopes import EnvelopeBuilder
+    from nmbus.handlers import Registry
+    from nmbus.settings import Settings
+    from nmbus.worker import Worker
+
+    store = MemoryStore()
+    await store.ensure_queue("billing")
+    builder = EnvelopeBuilder(max_message_bytes=1024)
+    await store.insert(
+        "billing", "test", [builder.build(Ping(n=n), None, None, None) for n in range(7)]
+    )
+    registry = Registry()
+    seen: list[int] = []
+
+    async def handle(msg: Ping, ctx: Context) -> None:
+        seen.append(msg.n)
+        if msg.n == 3:
+            raise PermanentError("three is refused")
+        if msg.n == 5:
+            raise ValueError("five fails once")
+        await ctx.send(Pong(n=msg.n), to="audit")
+
+    registry.add(handle)
+    settings = Settings(batch_size=2)
+    worker = Worker(
+        queue="billing",
+        store=store,
+        dispatcher=Dispatcher("billing", registry, RetryPolicy(max_attempts=3), settings, builder),
+        settings=settings,
+        client_id="burst",
+    )
+    assert await worker.run_burst() == {"X": 5, "R": 1, "F": 1}
+    assert sorted(seen) == list(range(7))
+    assert [r.subqueue for r in store.rows("billing")] == ["X", "X", "X", "F", "X", "R", "X"]
+    assert len(store.rows("audit")) == 5  # the sends of the handlers that succeeded
+    assert await worker.run_burst() == {"X": 0, "R": 0, "F": 0}  # R waits for its time
+
+
+async def test_the_burst_example_of_the_handlers_page_runs() -> None:
+    bus = Bus("billing", store=MemoryStore(), concurrency=0)
+
+    @bus.handler
+    async def charge(msg: OrderPlaced, ctx: Context) -> None:
+        pass
+
+    await bus.store.open()
+    await bus.store.ensure_queue("billing")
+    await bus.send(OrderPlaced(order_id=1, name="x"), to="billing")
+    assert await bus.worker.run_burst() == {"X": 1, "R": 0, "F": 0}

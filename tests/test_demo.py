@@ -162,8 +162,9 @@ def test_demo_command_with_a_dsn_runs_the_report(dsn: str, tmp_path: Path) -> No
     report = outcome["report"]
     html = Path(report["html"])
     assert all(f"{q}" in html.read_text() for q in demo.QUEUES)
-    if shutil.which("chromium"):
-        assert _charts_drawn(html, tmp_path) > 0
+    # Drawn in a real headless Chromium; without one the test skips at its end
+    # (a skip, which CI turns into a failure, never a silent pass).
+    charts = _charts_drawn(html, tmp_path) if shutil.which("chromium") else None
     summary = json.loads(Path(report["json"]).read_text())
     by_queue = {q["queue"]: q for q in summary["queues"]}
     for queue in demo.QUEUES:
@@ -183,6 +184,11 @@ def test_demo_command_with_a_dsn_runs_the_report(dsn: str, tmp_path: Path) -> No
     assert "schema nmbus_demo dropped" in cleaned.stdout
     assert not asyncio.run(_schema_exists(dsn))
     assert not out.exists()
+    if charts is None:
+        pytest.skip(
+            "the report's charts were not checked: needs chromium (apt-get install chromium)"
+        )
+    assert charts > 0
 
 
 @pytest.mark.timeout(240)

@@ -607,18 +607,52 @@ def test_unreachable_database_cli(out_dir: Path) -> None:
     assert "cannot reach PostgreSQL at 127.0.0.1:1" in res.output
 
 
-def test_job_file_runs_standalone_and_fails_clearly(out_dir: Path) -> None:
-    """As spark-submit runs it: a plain file, nmbus not importable; exit 2 with a reason."""
+STATS = ROOT / "nmbus" / "stats"
+ZIP_COMMAND = "python -m zipfile -c nmbus-stats.zip nmbus/stats/*.py"
+
+
+def _run_job_file(
+    job_py: Path, sys_path: list[Path], cwd: Path
+) -> subprocess.CompletedProcess[str]:
+    """Run job.py as spark-submit does: a plain file, nmbus not importable, ``sys_path`` first."""
     code = (
         "import runpy, sys; sys.modules['nmbus'] = None; "
-        f"sys.path.insert(0, {str(ROOT / 'nmbus' / 'stats')!r}); "
+        f"sys.path[:0] = {[str(p) for p in sys_path]!r}; "
         "sys.argv = ['job.py', '--dsn', 'postgresql://postgres@127.0.0.1:1/x', "
-        f"'--out', {str(out_dir)!r}]; "
-        f"runpy.run_path({str(ROOT / 'nmbus' / 'stats' / 'job.py')!r}, run_name='__main__')"
+        f"'--out', {str(cwd)!r}]; "
+        f"runpy.run_path({str(job_py)!r}, run_name='__main__')"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=out_dir
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=cwd
     )
+
+
+def test_job_file_runs_standalone_and_fails_clearly(out_dir: Path) -> None:
+    """As spark-submit runs it: a plain file, nmbus not importable; exit 2 with a reason."""
+    proc = _run_job_file(STATS / "job.py", [STATS], out_dir)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot reach PostgreSQL at 127.0.0.1:1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_job_file_runs_with_its_siblings_only_in_the_documented_zip(out_dir: Path) -> None:
+    """Cluster mode: job.py alone in its folder, every sibling from the --py-files zip."""
+    for doc in (ROOT / "docs" / "statistics.md", STATS / "job.py"):
+        text = doc.read_text()
+        assert ZIP_COMMAND in text and "--py-files nmbus-stats.zip" in text, doc
+    zipped = out_dir / "nmbus-stats.zip"
+    files = [str(f.relative_to(ROOT)) for f in sorted(STATS.glob("*.py"))]
+    subprocess.run(
+        [sys.executable, "-m", "zipfile", "-c", str(zipped), *files], check=True, cwd=ROOT
+    )
+    app = out_dir / "app"
+    app.mkdir()
+    shutil.copy(STATS / "job.py", app)
+
+    # Without the zip the job cannot start: nmbus really is out of reach.
+    proc = _run_job_file(app / "job.py", [], out_dir)
+    assert proc.returncode == 1 and "No module named" in proc.stderr, proc.stderr
+    proc = _run_job_file(app / "job.py", [zipped], out_dir)
     assert proc.returncode == 2, proc.stderr
     assert "cannot reach PostgreSQL at 127.0.0.1:1" in proc.stderr
     assert "Traceback" not in proc.stderr

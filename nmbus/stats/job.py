@@ -9,10 +9,10 @@ counting each (queue, id) once. It writes:
 * ``summary.json``: the same figures for scripts;
 * ``report.html``: one self-contained page with charts.
 
-Run it on any master::
+Run it on any master, with its sibling files zipped for ``--py-files``::
 
-    spark-submit --jars /usr/share/java/postgresql.jar \\
-        --py-files nmbus/stats/report_html.py \\
+    python -m zipfile -c nmbus-stats.zip nmbus/stats/*.py
+    spark-submit --jars /usr/share/java/postgresql.jar --py-files nmbus-stats.zip \\
         nmbus/stats/job.py --dsn postgresql://user@db:5432/app --out hdfs:///reports/nmbus
 
 This file imports only pyspark, the standard library and ``report_html``

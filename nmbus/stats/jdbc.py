@@ -144,7 +144,7 @@ def jdbc_error(exc: Exception, jdbc: Jdbc, doing: str) -> StatsError:
 def query(spark: Any, jdbc: Jdbc, sql: str, doing: str) -> list[Any]:
     """Run a small query on the driver and collect its rows."""
     try:
-        return (
+        rows: list[Any] = (
             spark.read.format("jdbc")
             .option("url", jdbc.url)
             .option("query", sql)
@@ -154,3 +154,4 @@ def query(spark: Any, jdbc: Jdbc, sql: str, doing: str) -> list[Any]:
         )
     except Exception as exc:
         raise jdbc_error(exc, jdbc, doing) from exc
+    return rows

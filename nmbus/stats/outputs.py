@@ -133,26 +133,26 @@ def _metrics(rec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def summary(tables: dict[str, Any], opts: Options, queues: list[str], jdbc: Jdbc) -> dict:
+def summary(tables: dict[str, Any], opts: Options, queues: list[str], jdbc: Jdbc) -> dict[str, Any]:
     # The per-type-and-window table can be large; it stays in Parquet (and the database).
     get = {name: _records(df) for name, df in tables.items() if name != "windows"}
     overall = get.get("overall") or [dict(ZERO)]
     by_queue = {r["queue"]: r for r in get.get("queues", [])}
-    labels: dict[str, list] = {}
+    labels: dict[str, list[dict[str, Any]]] = {}
     for r in get.get("labels", []):
         labels.setdefault(r["queue"], []).append({"label": r["label"], **_metrics(r)})
-    retry_rows: dict[str, list] = {}
+    retry_rows: dict[str, list[dict[str, Any]]] = {}
     for r in get.get("retries", []):
         retry_rows.setdefault(r["queue"], []).append(
             {k: r[k] for k in ("label", "outcome", "retry_count", "messages")}
         )
     errs = get.get("errors", [])
-    err_rows: dict[str, list] = {}
+    err_rows: dict[str, list[dict[str, Any]]] = {}
     for r in errs:
         err_rows.setdefault(r["queue"], []).append(
             {k: r[k] for k in ("label", "error", "failed", "recovered", "example_id")}
         )
-    windows: dict[str, list] = {}
+    windows: dict[str, list[dict[str, Any]]] = {}
     for r in get.get("queue_windows", []):
         windows.setdefault(r["queue"], []).append(
             {

@@ -53,7 +53,9 @@ def list_queues(spark: Any, jdbc: Jdbc, opts: Options) -> list[str]:
     return names
 
 
-def id_bounds(spark: Any, jdbc: Jdbc, opts: Options, queues: list[str]) -> dict[str, tuple]:
+def id_bounds(
+    spark: Any, jdbc: Jdbc, opts: Options, queues: list[str]
+) -> dict[str, tuple[Any, Any]]:
     """(min id, max id) of each queue table, from the primary key index: no scan."""
     if not queues:
         return {}

@@ -42,7 +42,9 @@ if not shutil.which("java") or not os.path.isfile(JAR):
         allow_module_level=True,
     )
 
-from nmbus.stats import job  # noqa: E402
+from nmbus.stats import aggregate, jdbc, job  # noqa: E402
+from nmbus.stats.options import DEFAULT_ACCURACY, parse_time  # noqa: E402
+from nmbus.stats.session import build_session  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = datetime(2024, 3, 1, 9, 40, tzinfo=UTC)
@@ -159,11 +161,11 @@ async def _fetch(dsn: str, sql: str, *args: Any) -> list[asyncpg.Record]:
 
 def rows_sql(queues: list[str], extra: str = "") -> str:
     union = " UNION ALL ".join(
-        f"SELECT {job.quote_literal(q)} AS src, id, subqueue, label, retry_count, insert_time, "
-        f"last_processed, retry_time, error_info FROM nmbus.{job.quote_ident(q)}"
+        f"SELECT {jdbc.quote_literal(q)} AS src, id, subqueue, label, retry_count, insert_time, "
+        f"last_processed, retry_time, error_info FROM nmbus.{jdbc.quote_ident(q)}"
         for q in queues
     )
-    names = ", ".join(f"({job.quote_literal(q)})" for q in queues)
+    names = ", ".join(f"({jdbc.quote_literal(q)})" for q in queues)
     return ROWS.format(union=union, names=names, extra=extra)
 
 
@@ -264,7 +266,7 @@ def check_level(
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
-    session = job.build_session("local[2]", driver_memory="1g", shuffle_partitions=4)
+    session = build_session("local[2]", driver_memory="1g", shuffle_partitions=4)
     yield session
     session.stop()
 
@@ -282,12 +284,12 @@ def parquet(spark: Any, out: Path, table: str) -> list[dict]:
 QUEUES = {"orders": 3000, "billing": 1200, "empty": 0}
 
 
-@pytest.mark.parametrize("accuracy", [job.DEFAULT_ACCURACY, 100])
+@pytest.mark.parametrize("accuracy", [DEFAULT_ACCURACY, 100])
 def test_figures_match_exact_sql(spark: Any, dsn: str, out_dir: Path, accuracy: int) -> None:
     _run(_seed(dsn, QUEUES))
     _run(_seed_doomed(dsn))
     opts = job.Options(dsn=dsn, out=str(out_dir), accuracy=accuracy, partitions=3)
-    opts.write_table = accuracy == job.DEFAULT_ACCURACY
+    opts.write_table = accuracy == DEFAULT_ACCURACY
     result = job.run(spark, opts)
 
     names = [*QUEUES, "doomed"]
@@ -360,7 +362,7 @@ def test_figures_match_exact_sql(spark: Any, dsn: str, out_dir: Path, accuracy: 
     }
     assert got == {tuple(r) for r in errors}
     assert any(e[2] == "TimeoutError: slow" for e in got)
-    assert any(e[2] == job.NO_ERROR and e[0] == "doomed" for e in got)
+    assert any(e[2] == aggregate.NO_ERROR and e[0] == "doomed" for e in got)
     top = summary["top_errors"][0]
     assert top["failed"] == max(r[3] for r in errors)
 
@@ -402,7 +404,7 @@ def _archive_rows(dsn: str, queue: str, where: str) -> list[dict]:
             f"SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, "
             f"retry_count, retry_time, error_info, correlation_id, label, msg_text, "
             f"msg_headers::text AS msg_headers, unique_id, handling_client_id, lease_expires "
-            f"FROM nmbus.{job.quote_ident(queue)} WHERE {where} ORDER BY id",
+            f"FROM nmbus.{jdbc.quote_ident(queue)} WHERE {where} ORDER BY id",
         )
     )
     return [dict(r) for r in rows]
@@ -469,7 +471,7 @@ def test_archived_and_live_rows_are_counted_once(spark: Any, dsn: str, out_dir: 
     for level in ("windows", "labels", "queues"):
         seconds = 3600 if level == "windows" else None
         check_level(
-            parquet(spark, out_dir / "r", level), exact[level], level, job.DEFAULT_ACCURACY, seconds
+            parquet(spark, out_dir / "r", level), exact[level], level, DEFAULT_ACCURACY, seconds
         )
     assert [q["queue"] for q in result.summary["queues"]] == ["gone", "orders"]
 
@@ -607,34 +609,68 @@ def test_unreachable_database_cli(out_dir: Path) -> None:
     assert "cannot reach PostgreSQL at 127.0.0.1:1" in res.output
 
 
-def test_job_file_runs_standalone_and_fails_clearly(out_dir: Path) -> None:
-    """As spark-submit runs it: a plain file, nmbus not importable; exit 2 with a reason."""
+STATS = ROOT / "nmbus" / "stats"
+ZIP_COMMAND = "python -m zipfile -c nmbus-stats.zip nmbus/stats/*.py"
+
+
+def _run_job_file(
+    job_py: Path, sys_path: list[Path], cwd: Path
+) -> subprocess.CompletedProcess[str]:
+    """Run job.py as spark-submit does: a plain file, nmbus not importable, ``sys_path`` first."""
     code = (
         "import runpy, sys; sys.modules['nmbus'] = None; "
-        f"sys.path.insert(0, {str(ROOT / 'nmbus' / 'stats')!r}); "
+        f"sys.path[:0] = {[str(p) for p in sys_path]!r}; "
         "sys.argv = ['job.py', '--dsn', 'postgresql://postgres@127.0.0.1:1/x', "
-        f"'--out', {str(out_dir)!r}]; "
-        f"runpy.run_path({str(ROOT / 'nmbus' / 'stats' / 'job.py')!r}, run_name='__main__')"
+        f"'--out', {str(cwd)!r}]; "
+        f"runpy.run_path({str(job_py)!r}, run_name='__main__')"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=out_dir
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=cwd
     )
+
+
+def test_job_file_runs_standalone_and_fails_clearly(out_dir: Path) -> None:
+    """As spark-submit runs it: a plain file, nmbus not importable; exit 2 with a reason."""
+    proc = _run_job_file(STATS / "job.py", [STATS], out_dir)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot reach PostgreSQL at 127.0.0.1:1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_job_file_runs_with_its_siblings_only_in_the_documented_zip(out_dir: Path) -> None:
+    """Cluster mode: job.py alone in its folder, every sibling from the --py-files zip."""
+    for doc in (ROOT / "docs" / "statistics.md", STATS / "job.py"):
+        text = doc.read_text()
+        assert ZIP_COMMAND in text and "--py-files nmbus-stats.zip" in text, doc
+    zipped = out_dir / "nmbus-stats.zip"
+    files = [str(f.relative_to(ROOT)) for f in sorted(STATS.glob("*.py"))]
+    subprocess.run(
+        [sys.executable, "-m", "zipfile", "-c", str(zipped), *files], check=True, cwd=ROOT
+    )
+    app = out_dir / "app"
+    app.mkdir()
+    shutil.copy(STATS / "job.py", app)
+
+    # Without the zip the job cannot start: nmbus really is out of reach.
+    proc = _run_job_file(app / "job.py", [], out_dir)
+    assert proc.returncode == 1 and "No module named" in proc.stderr, proc.stderr
+    proc = _run_job_file(app / "job.py", [zipped], out_dir)
     assert proc.returncode == 2, proc.stderr
     assert "cannot reach PostgreSQL at 127.0.0.1:1" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_missing_jdbc_jar_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(job, "JDBC_JAR_CANDIDATES", ("/nonexistent/postgresql.jar",))
+    monkeypatch.setattr(jdbc, "JDBC_JAR_CANDIDATES", ("/nonexistent/postgresql.jar",))
     monkeypatch.delenv("NMBUS_JDBC_JAR", raising=False)
     with pytest.raises(job.StatsError, match="apt-get install libpostgresql-jdbc-java"):
-        job.find_jdbc_jar()
+        jdbc.find_jdbc_jar()
 
 
 def test_dsn_to_jdbc() -> None:
-    j = job.jdbc_from_dsn("postgresql://u:p%40ss@db.example:6543/app?sslmode=require")
+    j = jdbc.jdbc_from_dsn("postgresql://u:p%40ss@db.example:6543/app?sslmode=require")
     assert j.url == "jdbc:postgresql://db.example:6543/app?sslmode=require"
     assert (j.user, j.password) == ("u", "p@ss")
     with pytest.raises(job.StatsError):
-        job.jdbc_from_dsn("mysql://x")
-    assert job.parse_time("2024-03-01T10:00") == datetime(2024, 3, 1, 10, tzinfo=UTC)
+        jdbc.jdbc_from_dsn("mysql://x")
+    assert parse_time("2024-03-01T10:00") == datetime(2024, 3, 1, 10, tzinfo=UTC)

@@ -1,9 +1,11 @@
 """The statistics job: latency and failure figures of every queue, on Spark.
 
-``job.py`` is the PySpark job (run it with ``spark-submit`` or ``nmbus report``),
-``report_html.py`` renders its summary as one self-contained HTML page, and
-``seed.py`` / ``bench.py`` fill a database with synthetic traffic and time the
-job against a single SQL query. ``job.py`` and ``report_html.py`` import only
-pyspark, the standard library and each other, so they also run as plain files
-on a cluster where nmbus is not installed.
+``job.py`` is the PySpark job's entry point (run it with ``spark-submit`` or
+``nmbus report``); its siblings do the work, one concern each: ``options.py``,
+``jdbc.py``, ``session.py``, ``source.py`` (reading), ``aggregate.py`` (the
+figures), ``outputs.py`` (writing) and ``report_html.py`` (the summary as one
+self-contained HTML page). They import only pyspark, the standard library and
+each other, so they also run as plain files on a cluster where nmbus is not
+installed. ``seed.py`` / ``bench.py`` fill a database with synthetic traffic
+and time the job against a single SQL query.
 """

@@ -1,0 +1,65 @@
+"""What the statistics job is asked to do: ``Options``, their checks, and ``StatsError``.
+
+Every other module of the job reads an ``Options``; this one imports only the
+standard library, so it sits at the bottom of the job's imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+# "second" suits short runs such as the demo's, which fit in one minute.
+WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+DEFAULT_ACCURACY = 10_000
+
+
+class StatsError(Exception):
+    """A problem the operator can fix; the message says how."""
+
+
+@dataclass
+class Options:
+    """Everything the job needs; the command line and ``nmbus report`` build one."""
+
+    dsn: str = field(repr=False)  # it may hold a password
+    out: str = "nmbus-report"
+    schema: str = "nmbus"
+    window: str = "hour"
+    since: datetime | None = None
+    until: datetime | None = None
+    partitions: int = 8
+    archive_dir: str | None = None
+    queues: list[str] = field(default_factory=list)
+    accuracy: int = DEFAULT_ACCURACY
+    top_errors: int = 10
+    write_table: bool = False
+    fetch_size: int = 10_000
+    title: str = "nmbus report"
+
+    def validate(self) -> None:
+        if self.window not in WINDOWS:
+            raise StatsError(f"--window must be one of {', '.join(WINDOWS)}, not {self.window!r}")
+        if self.partitions < 1:
+            raise StatsError("--partitions must be at least 1")
+        if not 100 <= self.accuracy <= 10_000_000:
+            raise StatsError("--accuracy must be between 100 and 10000000")
+        if self.since and self.until and self.since >= self.until:
+            raise StatsError("--since must be before --until")
+        if not self.schema.replace("_", "a").isalnum():
+            raise StatsError(f"invalid schema name {self.schema!r}")
+
+
+def parse_time(text: str) -> datetime:
+    """An ISO 8601 time (naive means UTC), or a span back from now such as 2h, 30m, 7d."""
+    text = text.strip()
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    if text and text[-1] in units and text[:-1].replace(".", "", 1).isdigit():
+        return datetime.now(UTC) - timedelta(seconds=float(text[:-1]) * units[text[-1]])
+    try:
+        value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise StatsError(
+            f"cannot read time {text!r}: use ISO 8601 (2024-05-01T12:00) or a span (2h, 7d)"
+        ) from exc
+    return value if value.tzinfo else value.replace(tzinfo=UTC)

@@ -1,0 +1,199 @@
+"""Reading the rows: every queue's X and F rows over JDBC, and retention's Parquet archive.
+
+A queue table is read in ranges of ``id`` so every executor reads its own
+slice; archived rows come from ``<archive>/queue=<q>/day=<d>/*.parquet``.
+``read_rows`` puts both together, counting each (queue, id) once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+try:  # a module of the nmbus package
+    from nmbus.stats.jdbc import Jdbc, query, quote_ident, quote_literal, sql_time
+    from nmbus.stats.options import Options, StatsError
+except ImportError:  # a plain file under spark-submit: the siblings are on sys.path
+    from jdbc import Jdbc, query, quote_ident, quote_literal, sql_time  # type: ignore[no-redef]
+    from options import Options, StatsError  # type: ignore[no-redef]
+
+# Below this many ids per slice, one more JDBC partition costs more than it saves.
+MIN_IDS_PER_PARTITION = 50_000
+
+
+def list_queues(spark: Any, jdbc: Jdbc, opts: Options) -> list[str]:
+    schema = quote_ident(opts.schema)
+    present = query(
+        spark,
+        jdbc,
+        f"SELECT to_regclass({quote_literal(quote_ident(opts.schema) + '.queues')}) IS NOT NULL"
+        " AS present",
+        "reading the queue list",
+    )
+    if not present[0]["present"]:
+        raise StatsError(
+            f"schema {opts.schema!r} has no nmbus queue registry ({opts.schema}.queues) "
+            f"in database {jdbc.where}; is it the right database and --schema?"
+        )
+    rows = query(
+        spark,
+        jdbc,
+        f"SELECT name FROM {schema}.queues "
+        f"WHERE to_regclass(format('%I.%I', {quote_literal(opts.schema)}::text, name)) "
+        "IS NOT NULL ORDER BY name",
+        "reading the queue list",
+    )
+    names = [r["name"] for r in rows]
+    if opts.queues:
+        missing = sorted(set(opts.queues) - set(names))
+        if missing:
+            raise StatsError(f"no such queue(s) in {opts.schema}: {', '.join(missing)}")
+        names = [n for n in names if n in opts.queues]
+    return names
+
+
+def id_bounds(
+    spark: Any, jdbc: Jdbc, opts: Options, queues: list[str]
+) -> dict[str, tuple[Any, Any]]:
+    """(min id, max id) of each queue table, from the primary key index: no scan."""
+    if not queues:
+        return {}
+    parts = [
+        f"SELECT {quote_literal(q)}::text AS queue, min(id) AS lo, max(id) AS hi "
+        f"FROM {quote_ident(opts.schema)}.{quote_ident(q)}"
+        for q in queues
+    ]
+    rows = query(spark, jdbc, " UNION ALL ".join(parts), "reading queue id ranges")
+    return {r["queue"]: (r["lo"], r["hi"]) for r in rows}
+
+
+def _time_predicate(opts: Options, column: str) -> list[str]:
+    preds = []
+    if opts.since:
+        preds.append(f"{column} >= {sql_time(opts.since)}")
+    if opts.until:
+        preds.append(f"{column} < {sql_time(opts.until)}")
+    return preds
+
+
+def read_queue(spark: Any, jdbc: Jdbc, opts: Options, queue: str, lo: int, hi: int) -> Any:
+    """X and F rows of one queue, read in id ranges; the first error line is cut in SQL."""
+    from pyspark.sql import functions as F
+
+    where = ["subqueue IN ('X', 'F')"]
+    where += _time_predicate(opts, "coalesce(last_processed, retry_time, insert_time)")
+    table = (
+        "(SELECT id, subqueue::text AS subqueue, label, insert_time, last_processed, "
+        "retry_count, retry_time, "
+        "regexp_replace(split_part(error_info, E'\\n', 1), '\\s+$', '') AS error "
+        f"FROM {quote_ident(opts.schema)}.{quote_ident(queue)} "
+        f"WHERE {' AND '.join(where)}) AS nmbus_stats_src"
+    )
+    span = hi - lo + 1
+    partitions = max(1, min(opts.partitions, math.ceil(span / MIN_IDS_PER_PARTITION)))
+    reader = (
+        spark.read.format("jdbc")
+        .option("url", jdbc.url)
+        .option("dbtable", table)
+        .options(**jdbc.properties(opts.fetch_size))
+    )
+    if partitions > 1:
+        reader = (
+            reader.option("partitionColumn", "id")
+            .option("lowerBound", str(lo))
+            .option("upperBound", str(hi + 1))
+            .option("numPartitions", str(partitions))
+        )
+    return reader.load().withColumn("queue", F.lit(queue))
+
+
+ARCHIVE_COLUMNS = (
+    "id",
+    "subqueue",
+    "label",
+    "insert_time",
+    "last_processed",
+    "retry_count",
+    "retry_time",
+    "error_info",
+)
+
+
+def read_archive(spark: Any, opts: Options, queues: list[str]) -> Any | None:
+    """Archived rows from Parquet, or None when the archive holds no files."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    path = opts.archive_dir.rstrip("/")  # type: ignore[union-attr]
+    schema = T.StructType(
+        [
+            T.StructField("id", T.LongType()),
+            T.StructField("subqueue", T.StringType()),
+            T.StructField("label", T.StringType()),
+            T.StructField("insert_time", T.TimestampType()),
+            T.StructField("last_processed", T.TimestampType()),
+            T.StructField("retry_count", T.IntegerType()),
+            T.StructField("retry_time", T.TimestampType()),
+            T.StructField("error_info", T.StringType()),
+            T.StructField("queue", T.StringType()),
+            T.StructField("day", T.StringType()),
+        ]
+    )
+    try:
+        df = spark.read.schema(schema).option("basePath", path).parquet(f"{path}/queue=*/day=*")
+    except Exception as exc:
+        if "PATH_NOT_FOUND" in str(exc) or "Path does not exist" in str(exc):
+            if not _path_exists(spark, path):
+                raise StatsError(f"archive directory {path} does not exist") from exc
+            return None  # an archive with nothing in it yet
+        raise
+    error = F.regexp_replace(F.substring_index("error_info", "\n", 1), r"\s+$", "")
+    df = df.select(
+        "queue",
+        "id",
+        F.trim("subqueue").alias("subqueue"),
+        "label",
+        "insert_time",
+        "last_processed",
+        "retry_count",
+        "retry_time",
+        error.alias("error"),
+    ).where(F.col("subqueue").isin("X", "F"))
+    if opts.queues:
+        df = df.where(F.col("queue").isin(*queues))
+    event = F.coalesce("last_processed", "retry_time", "insert_time")
+    if opts.since:
+        df = df.where(event >= F.lit(opts.since))
+    if opts.until:
+        df = df.where(event < F.lit(opts.until))
+    return df
+
+
+def _path_exists(spark: Any, path: str) -> bool:
+    if "://" not in path or path.startswith("file:"):
+        return os.path.isdir(path.removeprefix("file://"))
+    jvm = spark._jvm
+    hpath = jvm.org.apache.hadoop.fs.Path(path)
+    fs = hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    return bool(fs.exists(hpath))
+
+
+def read_rows(spark: Any, jdbc: Jdbc, opts: Options, queues: list[str]) -> Any | None:
+    """Live and archived rows of ``queues`` as one DataFrame, or None when there are none."""
+    bounds = id_bounds(spark, jdbc, opts, queues)
+    parts = [
+        read_queue(spark, jdbc, opts, q, *bounds[q])
+        for q in queues
+        if bounds.get(q) and bounds[q][0] is not None
+    ]
+    archived = read_archive(spark, opts, queues) if opts.archive_dir else None
+    rows = None
+    for part in parts:
+        part = part.select("queue", *(c for c in ARCHIVE_COLUMNS if c != "error_info"), "error")
+        rows = part if rows is None else rows.unionByName(part)
+    if archived is not None:
+        rows = archived if rows is None else rows.unionByName(archived)
+        # A row archived and still live (or archived twice) is one message.
+        rows = rows.dropDuplicates(["queue", "id"])
+    return rows

@@ -1,7 +1,8 @@
 """What the statistics job is asked to do: ``Options``, their checks, and ``StatsError``.
 
 Every other module of the job reads an ``Options``; this one imports only the
-standard library, so it sits at the bottom of the job's imports.
+standard library (and nmbus's error tree when nmbus is installed), so it sits
+at the bottom of the job's imports.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 DEFAULT_ACCURACY = 10_000
 
 
-class StatsError(Exception):
+try:  # within nmbus, a StatsError is one of its errors (a ToolError)
+    from nmbus.errors import ToolError as _ErrorBase
+except ImportError:  # a plain file under spark-submit, where nmbus is not installed
+    _ErrorBase = Exception  # type: ignore[misc,assignment]
+
+
+class StatsError(_ErrorBase):
     """A problem the operator can fix; the message says how."""
 
 

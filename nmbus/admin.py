@@ -344,7 +344,7 @@ class Admin:
     ) -> list[str]:
         """Every queue, or those ``wanted`` if all of them exist."""
         known = [r[0] for r in await conn.fetch(render("list_queues", self.schema), self.schema)]
-        if not wanted:
+        if wanted is None:
             return known
         if absent := [q for q in wanted if q not in known]:
             raise QueueNotFound(f"no such queue(s): {', '.join(absent)}{missing}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import asyncpg
 
 from nmbus import Bus, Context
-from nmbus.cli.queues import schema_ddl
+from nmbus.admin import schema_ddl
 from nmbus.postgres import install_schema
 from nmbus.store import SCHEMA_VERSION
 from tests.messages import Ping

@@ -1,12 +1,10 @@
 """The operations layer: every query and action an operator runs, in one place.
 
-``nmbus status``, ``nmbus failed ...``, ``nmbus subscriptions``, ``nmbus
-cleanup`` and ``nmbus queues ...`` are argument parsing and rendering over
-:class:`Admin`; a web page that shows queues or requeues a message uses the
-same methods (procrastinate's JobManager plays this part for its shell and
-CLI). The SQL stays in ``nmbus/sql/queries.sql`` (the ``ops_*`` and
-``retention_*`` blocks); results are typed, never driver records; driver
-errors become nmbus errors (:mod:`nmbus.postgres.errors`).
+The ``nmbus`` commands are argument parsing and rendering over :class:`Admin`,
+and a web page that shows queues or requeues a message uses the same methods
+(as procrastinate's shell and CLI use its JobManager). The SQL stays in
+``nmbus/sql/queries.sql`` (the ``ops_*`` and ``retention_*`` blocks); results
+are typed, never driver records; driver errors become nmbus errors.
 
 Methods that read run in a read-only transaction, so PostgreSQL itself
 refuses any write in them, and none of them creates a missing schema: they
@@ -22,7 +20,7 @@ raise QueueNotFound instead. Methods that write say so in their name
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
@@ -168,7 +166,7 @@ class Admin:
             found = []
             for name in await self._queues(conn):
                 row = await conn.fetchrow(render("ops_queue_status", self.schema, name), window)
-                found.append(QueueStatus(name, **dict(_one(row))))
+                found.append(QueueStatus(name, **dict(row)))
             return found
 
     async def failed_messages(
@@ -198,7 +196,7 @@ class Admin:
         async with self._session(f"count failed messages of {queue}", read_only=True) as conn:
             await self._queue(conn, queue)
             sql = render("ops_failed_count", self.schema, queue)
-            return int(await conn.fetchval(sql, _ids(ids), message_type))
+            return int(await conn.fetchval(sql, ids, message_type))
 
     async def subscriptions(
         self, publisher: str | None = None, *, live_only: bool = False
@@ -217,7 +215,7 @@ class Admin:
             found = []
             for name in await self._queues(conn, queues):
                 sql = render("retention_count", self.schema, name)
-                row = _one(await conn.fetchrow(sql, policy.max_age, policy.failed_max_age))
+                row = await conn.fetchrow(sql, policy.max_age, policy.failed_max_age)
                 found.append(RetentionDue(name, processed=int(row[0]), failed=int(row[1])))
             return found
 
@@ -246,7 +244,7 @@ class Admin:
             message_type,
             every,
             on_batch,
-            lambda selected: (*selected, channel, FAILED_BATCH, queue),
+            (channel, FAILED_BATCH, queue),
         )
 
     async def purge_failed(
@@ -266,7 +264,7 @@ class Admin:
             message_type,
             every,
             on_batch,
-            lambda selected: (*selected, FAILED_BATCH),
+            (FAILED_BATCH,),
         )
 
     async def run_retention(
@@ -358,19 +356,18 @@ class Admin:
         message_type: str | None,
         every: bool,
         on_batch: ProgressCallback | None,
-        args: Callable[[tuple[list[int] | None, str | None]], tuple[Any, ...]],
+        extra: tuple[Any, ...],  # the query's parameters after $1 ids and $2 type
     ) -> int:
         if every == bool(ids or message_type):
             raise ConfigurationError(
                 f"{verb}: say which failed messages, ids and/or message_type, or every=True"
             )
-        selected = (_ids(ids), message_type)
         async with self._session(f"{verb} failed messages of {queue}", read_only=False) as conn:
             await self._queue(conn, queue)
             sql = render(f"ops_{verb}_failed", self.schema, queue)
             done = 0
             while True:
-                changed = int(await conn.fetchval(sql, *args(selected)))
+                changed = int(await conn.fetchval(sql, ids, message_type, *extra))
                 done += changed
                 if on_batch is not None:
                     on_batch(queue, changed)
@@ -385,15 +382,6 @@ class Admin:
             yield store
         finally:
             await store.close()
-
-
-def _ids(ids: Sequence[int] | None) -> list[int] | None:
-    return None if ids is None else list(ids)
-
-
-def _one(row: Any) -> Any:
-    assert row is not None  # an aggregate always returns a row
-    return row
 
 
 def schema_ddl(schema: str, queue: str) -> str:

@@ -8,6 +8,7 @@ import asyncpg
 import pytest
 
 from nmbus import Bus
+from tests.ops_data import Facts, populate
 from tests.pg import Databases, server_dsn
 
 
@@ -37,6 +38,12 @@ async def db(dsn: str) -> AsyncIterator[asyncpg.Connection]:
         yield conn
     finally:
         await conn.close()
+
+
+@pytest.fixture
+async def facts(db: asyncpg.Connection) -> Facts:
+    """The test database populated by tests.ops_data: queues whose every figure is known."""
+    return await populate(db)
 
 
 @pytest.fixture

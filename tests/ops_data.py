@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -53,6 +56,22 @@ def row(
         held_by,
         lease_expires,
     )
+
+
+async def count(db: asyncpg.Connection, where: str, queue: str = "billing") -> int:
+    return int(await db.fetchval(f'SELECT count(*) FROM nmbus."{queue}" WHERE {where}'))
+
+
+@asynccontextmanager
+async def notifications(dsn: str) -> AsyncIterator[asyncio.Queue[str]]:
+    """The payloads of the wake-ups sent to the workers of schema nmbus while the block runs."""
+    listener = await asyncpg.connect(dsn)
+    notes: asyncio.Queue[str] = asyncio.Queue()
+    await listener.add_listener("nmbus_nmbus", lambda *a: notes.put_nowait(a[3]))
+    try:
+        yield notes
+    finally:
+        await listener.close()
 
 
 async def insert(db: asyncpg.Connection, queue: str, rows: list[tuple[Any, ...]]) -> None:

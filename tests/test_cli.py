@@ -15,7 +15,7 @@ import structlog
 from typer.testing import CliRunner, Result
 
 from nmbus.cli import app
-from tests.ops_data import CHARGE_ERROR, Facts, populate
+from tests.ops_data import CHARGE_ERROR, Facts, count, notifications
 
 runner = CliRunner()
 
@@ -46,15 +46,6 @@ class Cli:
 @pytest.fixture
 def cli(dsn: str) -> Cli:
     return Cli(dsn)
-
-
-@pytest.fixture
-async def facts(db: asyncpg.Connection) -> Facts:
-    return await populate(db)
-
-
-async def count(db: asyncpg.Connection, where: str, queue: str = "billing") -> int:
-    return int(await db.fetchval(f'SELECT count(*) FROM nmbus."{queue}" WHERE {where}'))
 
 
 async def test_status(cli: Cli, facts: Facts) -> None:
@@ -108,15 +99,10 @@ async def test_failed_list_and_show(cli: Cli, facts: Facts) -> None:
 
 async def test_failed_requeue(cli: Cli, facts: Facts, db: asyncpg.Connection, dsn: str) -> None:
     first, *rest = facts.failed_ids
-    listener = await asyncpg.connect(dsn)
-    notes: asyncio.Queue[str] = asyncio.Queue()
-    await listener.add_listener("nmbus_nmbus", lambda *a: notes.put_nowait(a[3]))
-    try:
+    async with notifications(dsn) as notes:
         got = await cli.json("failed", "requeue", "billing", "--id", str(first))
         assert got == {"queue": "billing", "requeued": 1}
         assert await asyncio.wait_for(notes.get(), 10) == "billing"
-    finally:
-        await listener.close()
     row = await db.fetchrow(
         "SELECT subqueue, retry_count, handling_client_id, lease_expires, now() - retry_time "
         "FROM nmbus.billing WHERE id = $1",

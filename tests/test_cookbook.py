@@ -10,14 +10,13 @@ from datetime import UTC, timedelta
 from pathlib import Path
 
 import asyncpg
-import pytest
 
 from nmbus import Bus, Context
-from nmbus.cli.queues import schema_ddl
+from nmbus.admin import schema_ddl
 from nmbus.postgres import install_schema
 from nmbus.store import SCHEMA_VERSION
 from tests.messages import Ping
-from tests.ops_data import CHARGE_ERROR, REFUND_ERROR, Facts, populate
+from tests.ops_data import CHARGE_ERROR, REFUND_ERROR, Facts
 
 ROOT = Path(__file__).resolve().parent.parent
 COOKBOOK = ROOT / "sql" / "cookbook"
@@ -49,11 +48,6 @@ async def psql(dsn: str, file: str | Path, **variables: object) -> list[dict[str
     assert proc.returncode == 0, err.decode()
     assert not err.strip(), err.decode()
     return list(csv.DictReader(io.StringIO(out.decode())))
-
-
-@pytest.fixture
-async def facts(db: asyncpg.Connection) -> Facts:
-    return await populate(db)
 
 
 def test_every_cookbook_file_is_tested() -> None:

@@ -1,4 +1,4 @@
-"""What every command shares: options, settings, a connection, errors, tables and JSON."""
+"""What every command shares: options, settings, the operations layer, errors, tables and JSON."""
 
 from __future__ import annotations
 
@@ -7,25 +7,22 @@ import json
 import logging
 import re
 import sys
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
-from urllib.parse import urlsplit
 
-import asyncpg
 import structlog
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from nmbus.admin import Admin
 from nmbus.errors import NmbusError
 from nmbus.settings import Settings
-from nmbus.sql import render
 from nmbus.store import validate_queue_name
 
 T = TypeVar("T")
@@ -151,48 +148,24 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-@asynccontextmanager
-async def connect(cfg: Settings) -> AsyncIterator[asyncpg.Connection]:
-    """A connection for one command, to a database that holds the nmbus schema.
+def operate(cfg: Settings, call: Callable[[Admin], Awaitable[T]]) -> T:
+    """Run ``call`` on the operations layer, on a database that holds the nmbus schema.
 
-    Commands use it to read (and to change rows), never to create: a missing
+    Commands read (and change rows) through it, never create: a missing
     schema is an error here, not a reason to install one. Only `queues create`
     and a starting Bus create schema objects.
     """
-    conn = await _connect(cfg.dsn or "")
-    try:
-        schema = cfg.schema_name
-        if not await conn.fetchval(render("schema_exists", schema), schema):
-            fail(
-                f"no nmbus schema {schema!r} in this database: no queues "
-                "(check --dsn and --schema; a starting Bus or `nmbus queues create` makes it)"
-            )
-        yield conn
-    finally:
-        await conn.close()
 
+    async def calling() -> T:
+        async with Admin.from_settings(cfg) as admin:
+            if not await admin.schema_exists():
+                fail(
+                    f"no nmbus schema {cfg.schema_name!r} in this database: no queues "
+                    "(check --dsn and --schema; a starting Bus or `nmbus queues create` makes it)"
+                )
+            return await call(admin)
 
-async def _connect(dsn: str) -> asyncpg.Connection:
-    shown = redact(dsn)
-    try:
-        conn: asyncpg.Connection = await asyncpg.connect(dsn, timeout=10)
-    except (asyncpg.exceptions.ClientConfigurationError, ValueError, OverflowError) as exc:
-        reason = str(exc).removeprefix("invalid DSN: ")
-        raise CommandError(f"invalid DSN {shown}: {_port_problem(dsn) or reason}") from exc
-    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        if problem := _port_problem(dsn):
-            raise CommandError(f"invalid DSN {shown}: {problem}") from exc
-        raise CommandError(f"cannot connect to {shown}: {exc}") from exc
-    return conn
-
-
-def _port_problem(dsn: str) -> str | None:
-    """Why the port of a URL-style DSN cannot be one (asked only after a failure)."""
-    try:
-        _ = urlsplit(dsn).port  # a property that checks the port
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return run(calling())
 
 
 def queue_name(name: str) -> str:
@@ -217,8 +190,9 @@ def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, default=_plain, ensure_ascii=False, indent=2) + "\n")
 
 
-def rows_to_dicts(rows: Sequence[Any]) -> list[dict[str, Any]]:
-    return [{k: _plain(v) for k, v in dict(r).items()} for r in rows]
+def plain(result: Any) -> dict[str, Any]:
+    """A result of the operations layer (a dataclass) as a dict of JSON-ready values."""
+    return {k: _plain(v) for k, v in asdict(result).items()}
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

@@ -16,45 +16,29 @@ from nmbus.cli._common import (
     SchemaOption,
     YesOption,
     confirm,
-    connect,
     emit_json,
     errors,
-    fail,
+    operate,
     parse_age,
     queue_name,
-    run,
     settings,
     table,
 )
-from nmbus.retention import RetentionPolicy, clean_queue
+from nmbus.retention import RetentionPolicy
 from nmbus.settings import Settings
-from nmbus.sql import render
 
 AgeOption = Annotated[str | None, typer.Option(metavar="AGE", help="e.g. 90s, 30m, 12h, 7d, 2w")]
 
 
-async def _counts(cfg: Settings, queues: list[str], policy: RetentionPolicy) -> dict[str, Any]:
-    schema = cfg.schema_name
-    async with connect(cfg) as conn:
-        known = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
-        missing = [q for q in queues if q not in known]
-        if missing:
-            fail(f"no such queue(s): {', '.join(missing)}")
-        out: dict[str, Any] = {}
-        for name in queues or known:
-            row = await conn.fetchrow(
-                render("retention_count", schema, name), policy.max_age, policy.failed_max_age
-            )
-            assert row is not None
-            out[name] = {"X": row[0], "F": row[1]}
-        return out
+def _counts(cfg: Settings, queues: list[str], policy: RetentionPolicy) -> dict[str, Any]:
+    due = operate(cfg, lambda admin: admin.retention_due(policy, queues or None))
+    return {d.queue: {"X": d.processed, "F": d.failed} for d in due}
 
 
-async def _clean(
+def _clean(
     cfg: Settings, counts: dict[str, Any], policy: RetentionPolicy, quiet: bool
 ) -> list[dict[str, Any]]:
     total = sum(c["X"] + c["F"] for c in counts.values())
-    results = []
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -69,22 +53,20 @@ async def _clean(
         def advance(queue: str, rows: int) -> None:
             progress.update(task, advance=rows, description=f"cleanup {queue}")
 
-        async with connect(cfg) as conn:
-            for name in counts:
-                result = await clean_queue(conn, cfg.schema_name, name, policy, advance)
-                results.append(
-                    {
-                        "queue": name,
-                        "deleted_processed": result.deleted["X"],
-                        "deleted_failed": result.deleted["F"],
-                        "batches": result.batches,
-                        "longest_batch_seconds": round(result.longest_batch_seconds, 4),
-                        "files": [str(p) for p in result.files],
-                        "recovered_files": result.recovered_files,
-                        "skipped": result.skipped,
-                    }
-                )
-    return results
+        results = operate(cfg, lambda admin: admin.run_retention(policy, list(counts), advance))
+    return [
+        {
+            "queue": result.queue,
+            "deleted_processed": result.deleted["X"],
+            "deleted_failed": result.deleted["F"],
+            "batches": result.batches,
+            "longest_batch_seconds": round(result.longest_batch_seconds, 4),
+            "files": [str(p) for p in result.files],
+            "recovered_files": result.recovered_files,
+            "skipped": result.skipped,
+        }
+        for result in results
+    ]
 
 
 @app.command()
@@ -126,7 +108,7 @@ def cleanup(
         archive_dir=archive_dir or base.archive_dir,
     )
     names = [queue_name(q) for q in queues or []]
-    counts = run(_counts(cfg, names, policy))
+    counts = _counts(cfg, names, policy)
     due = sum(c["X"] + c["F"] for c in counts.values())
     if dry_run:
         if as_json:
@@ -142,7 +124,7 @@ def cleanup(
     if due:
         where = f", archiving to {policy.archive_dir}" if policy.archive_dir else ""
         confirm(f"Delete {due} old row(s) from {len(counts)} queue(s){where}?", yes)
-    results = run(_clean(cfg, counts, policy, quiet=as_json or due == 0))
+    results = _clean(cfg, counts, policy, quiet=as_json or due == 0)
     if as_json:
         emit_json({"dry_run": False, "queues": results})
         return

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from nmbus.admin import FAILED_BATCH, Admin
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -14,25 +16,20 @@ from nmbus.cli._common import (
     SchemaOption,
     YesOption,
     confirm,
-    connect,
     console,
     emit_json,
     errors,
     fail,
+    operate,
+    plain,
     queue_name,
-    rows_to_dicts,
-    run,
     settings,
     table,
 )
-from nmbus.postgres.store import notify_channel
 from nmbus.settings import Settings
-from nmbus.sql import render
 
 failed = typer.Typer(help="Failed (F) messages: list, show, requeue, purge.", no_args_is_help=True)
 app.add_typer(failed, name="failed")
-
-BATCH = 1000
 
 IdOption = Annotated[
     list[int] | None, typer.Option("--id", help="a message id (repeat for several)")
@@ -52,41 +49,22 @@ def list_failed(
 ) -> None:
     """Failed messages, oldest first, with the first line of their error."""
     cfg = settings(dsn, schema)
-    found = run(_list(cfg, queue_name(queue) if queue else None, message_type, limit))
+    name = queue_name(queue) if queue else None
+    found = operate(
+        cfg, lambda admin: admin.failed_messages(name, message_type=message_type, limit=limit)
+    )
+    rows = [plain(m) for m in found]
     if as_json:
-        emit_json(found)
+        emit_json(rows)
         return
     table(
         "failed messages",
         ["queue", "id", "type", "attempts", "failed at", "error"],
         [
             [r["queue"], r["id"], r["label"], r["retry_count"], r["last_processed"], r["error"]]
-            for r in found
+            for r in rows
         ],
     )
-
-
-async def _list(
-    cfg: Settings, queue: str | None, message_type: str | None, limit: int
-) -> list[dict[str, Any]]:
-    schema = cfg.schema_name
-    async with connect(cfg) as conn:
-        if queue is None:
-            queues = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
-        else:
-            await _check_queue(conn, cfg, queue)
-            queues = [queue]
-        found: list[dict[str, Any]] = []
-        for name in queues:
-            rows = await conn.fetch(render("ops_failed_list", schema, name), message_type, limit)
-            found.extend({"queue": name, **d} for d in rows_to_dicts(rows))
-        return found
-
-
-async def _check_queue(conn: Any, cfg: Settings, queue: str) -> None:
-    schema = cfg.schema_name
-    if not await conn.fetchval(render("queue_exists", schema), schema, queue):
-        fail(f"no queue {queue!r} in schema {schema!r}")
 
 
 @failed.command("show")
@@ -99,9 +77,11 @@ def show(
 ) -> None:
     """Every column of one message: its error with traceback, headers and body."""
     cfg = settings(dsn, schema)
-    row = run(_show(cfg, queue_name(queue), message_id))
-    if row is None:
+    name = queue_name(queue)
+    found = operate(cfg, lambda admin: admin.message(name, message_id))
+    if found is None:
         fail(f"no message {message_id} in queue {queue!r}")
+    row = plain(found)
     if as_json:
         emit_json(row)
         return
@@ -112,13 +92,6 @@ def show(
     )
     console.print("[bold]error_info[/bold]")
     console.print(row["error_info"] or "-", markup=False, highlight=False)
-
-
-async def _show(cfg: Settings, queue: str, message_id: int) -> dict[str, Any] | None:
-    async with connect(cfg) as conn:
-        await _check_queue(conn, cfg, queue)
-        row = await conn.fetchrow(render("ops_message", cfg.schema_name, queue), message_id)
-        return rows_to_dicts([row])[0] if row is not None else None
 
 
 def _selection(ids: list[int] | None, message_type: str | None, every: bool) -> str:
@@ -136,40 +109,39 @@ def _selection(ids: list[int] | None, message_type: str | None, every: bool) -> 
     return "failed messages with " + " and ".join(parts)
 
 
-async def _in_batches(
+def _in_batches(
     cfg: Settings,
+    change: Callable[..., Awaitable[int]],
+    verb: str,
     queue: str,
-    query: str,
     ids: list[int] | None,
     message_type: str | None,
-    verb: str,
-    extra: tuple[Any, ...],
+    every: bool,
 ) -> int:
-    schema = cfg.schema_name
-    async with connect(cfg) as conn:
-        await _check_queue(conn, cfg, queue)
-        count_sql = render("ops_failed_count", schema, queue)
-        total: int = await conn.fetchval(count_sql, ids, message_type)
-        done: int = 0
+    """``change`` (Admin.requeue_failed or purge_failed), with a progress bar if many move."""
+
+    async def changing(admin: Admin) -> int:
+        total = await admin.count_failed(queue, ids=ids, message_type=message_type)
         with Progress(
             TextColumn(f"{verb} {queue}"),
             BarColumn(),
             MofNCompleteColumn(),
             console=errors,
             transient=True,
-            disable=total <= BATCH,
+            disable=total <= FAILED_BATCH,
         ) as progress:
             task = progress.add_task(verb, total=total)
-            while True:
-                sql = render(query, schema, queue)
-                if query == "ops_requeue_failed":
-                    moved: int = await conn.fetchval(sql, ids, message_type, *extra, BATCH, queue)
-                else:
-                    moved = await conn.fetchval(sql, ids, message_type, BATCH)
-                done += moved
-                progress.advance(task, moved)
-                if moved < BATCH:
-                    return done
+            done: int = await change(
+                admin,
+                queue,
+                ids=ids,
+                message_type=message_type,
+                every=every,
+                on_batch=lambda _queue, rows: progress.advance(task, rows),
+            )
+            return done
+
+    return operate(cfg, changing)
 
 
 @failed.command("requeue")
@@ -193,17 +165,7 @@ def requeue(
     name = queue_name(queue)
     if every or message_type:
         confirm(f"Requeue {what} in {name!r}?", yes)
-    moved = run(
-        _in_batches(
-            cfg,
-            name,
-            "ops_requeue_failed",
-            ids,
-            message_type,
-            "requeue",
-            (notify_channel(cfg.schema_name),),
-        )
-    )
+    moved = _in_batches(cfg, Admin.requeue_failed, "requeue", name, ids, message_type, every)
     if as_json:
         emit_json({"queue": name, "requeued": moved})
     else:
@@ -228,7 +190,7 @@ def purge(
     cfg = settings(dsn, schema)
     name = queue_name(queue)
     confirm(f"Delete {what} in {name!r} for good?", yes)
-    gone = run(_in_batches(cfg, name, "ops_purge_failed", ids, message_type, "purge", ()))
+    gone = _in_batches(cfg, Admin.purge_failed, "purge", name, ids, message_type, every)
     if as_json:
         emit_json({"queue": name, "purged": gone})
     else:

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from nmbus.admin import Admin, schema_ddl
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -13,50 +14,19 @@ from nmbus.cli._common import (
     SchemaOption,
     YesOption,
     confirm,
-    connect,
     emit_json,
-    fail,
+    operate,
     queue_name,
     run,
     settings,
     table,
 )
-from nmbus.postgres import PostgresStore
 from nmbus.settings import Settings
-from nmbus.sql import render
-from nmbus.store import SCHEMA_VERSION, validate_schema_name
 
 queues = typer.Typer(help="Queue tables: create, drop, list, show DDL.", no_args_is_help=True)
 app.add_typer(queues, name="queues")
 
 Names = Annotated[list[str], typer.Argument(help="queue names")]
-
-
-def schema_ddl(schema: str, queue: str) -> str:
-    """The DDL nmbus runs for a new schema with one queue, as a psql script."""
-    validate_schema_name(schema)
-    queue = queue_name(queue)
-
-    def literal(value: object) -> str:
-        return "'" + str(value).replace("'", "''") + "'"
-
-    header = "\n".join(
-        [
-            f"-- The DDL nmbus runs for schema {schema!r} with an example queue {queue!r},",
-            "-- generated from nmbus/sql/queries.sql (tests/test_cookbook.py keeps it equal):",
-            f"--   python -m nmbus queues ddl {queue} --schema {schema} > sql/schema.sql",
-            "-- nmbus creates all of this itself at start-up; this file is for reading.",
-            "-- Run it as is with: psql -v ON_ERROR_STOP=1 -f sql/schema.sql",
-        ]
-    )
-    statements = [
-        render("create_schema", schema),
-        render("set_schema_version", schema).replace("$1", literal(SCHEMA_VERSION)),
-        render("create_queue", schema, queue),
-        render("register_queue", schema).replace("$1", literal(queue)),
-    ]
-    body = "\n\n".join(s.rstrip().rstrip(";") + ";" for s in statements)
-    return f"{header}\n\nBEGIN;\n\n{body}\n\nCOMMIT;\n"
 
 
 @queues.command("ddl")
@@ -69,37 +39,9 @@ def ddl(
 
 
 async def _create(cfg: Settings, names: list[str]) -> None:
-    store = PostgresStore(cfg.dsn, cfg.schema_name, 1)
-    await store.open()
-    try:
-        for name in names:
-            await store.ensure_queue(name)
-    finally:
-        await store.close()
-
-
-async def _drop(cfg: Settings, names: list[str]) -> list[str]:
-    # Look before opening the store: opening it installs a missing schema.
-    existing = set(await _list(cfg))
-    missing = [n for n in names if n not in existing]
-    if missing:
-        fail(f"no such queue(s): {', '.join(missing)}; nothing dropped")
-    store = PostgresStore(cfg.dsn, cfg.schema_name, 1)
-    await store.open()
-    try:
-        for name in names:
-            await store.drop_queue(name)
-        return names
-    finally:
-        await store.close()
-
-
-async def _list(cfg: Settings) -> list[str]:
-    # Not through PostgresStore: opening it would install a missing schema, and a
-    # listing must never create anything (a typo in --schema would make a schema).
-    schema = cfg.schema_name
-    async with connect(cfg) as conn:
-        return [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
+    # Not through operate(): this is the one command that makes a missing schema.
+    async with Admin.from_settings(cfg) as admin:
+        await admin.create_queues(names)
 
 
 @queues.command("create")
@@ -128,7 +70,7 @@ def drop(
     cfg = settings(dsn, schema)
     checked = [queue_name(n) for n in names]
     confirm(f"Drop queue(s) {', '.join(checked)} and every message in them?", yes)
-    dropped = run(_drop(cfg, checked))
+    dropped = operate(cfg, lambda admin: admin.drop_queues(checked))
     if as_json:
         emit_json({"dropped": dropped})
     else:
@@ -141,7 +83,7 @@ def list_queues(
 ) -> None:
     """Names of every queue (see `nmbus status` for what is in them)."""
     cfg = settings(dsn, schema)
-    names = run(_list(cfg))
+    names = operate(cfg, Admin.list_queues)
     if as_json:
         emit_json(names)
     else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -11,41 +11,13 @@ from nmbus.cli._common import (
     DsnOption,
     JsonOption,
     SchemaOption,
-    connect,
     emit_json,
-    run,
+    operate,
+    plain,
     seconds_text,
     settings,
     table,
 )
-from nmbus.settings import Settings
-from nmbus.sql import render
-
-COLUMNS = (
-    "ready",
-    "scheduled",
-    "processed",
-    "failed",
-    "in_flight",
-    "oldest_ready_seconds",
-    "recent_processed",
-    "recent_avg_ms",
-    "recent_p99_ms",
-    "recent_failed",
-)
-
-
-async def queue_status(cfg: Settings, window: float) -> list[dict[str, Any]]:
-    """One dict per queue: counts per subqueue, oldest ready age, recent latency, failures."""
-    schema = cfg.schema_name
-    async with connect(cfg) as conn:
-        names = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
-        out = []
-        for name in names:
-            row = await conn.fetchrow(render("ops_queue_status", schema, name), window)
-            assert row is not None
-            out.append({"queue": name, **{c: row[c] for c in COLUMNS}})
-        return out
 
 
 @app.command()
@@ -59,9 +31,9 @@ def status(
 ) -> None:
     """Every queue: rows per subqueue, oldest ready age, recent latency and failures."""
     cfg = settings(dsn, schema)
-    queues = run(queue_status(cfg, window))
+    queues = operate(cfg, lambda admin: admin.queue_status(window))
     if as_json:
-        emit_json({"window_seconds": window, "queues": queues})
+        emit_json({"window_seconds": window, "queues": [plain(q) for q in queues]})
         return
     minutes = f"{window / 60:g}m"
     table(
@@ -81,17 +53,17 @@ def status(
         ],
         [
             [
-                q["queue"],
-                q["ready"],
-                q["scheduled"],
-                q["processed"],
-                q["failed"],
-                q["in_flight"],
-                seconds_text(q["oldest_ready_seconds"]),
-                q["recent_processed"],
-                q["recent_avg_ms"],
-                q["recent_p99_ms"],
-                q["recent_failed"],
+                q.queue,
+                q.ready,
+                q.scheduled,
+                q.processed,
+                q.failed,
+                q.in_flight,
+                seconds_text(q.oldest_ready_seconds),
+                q.recent_processed,
+                q.recent_avg_ms,
+                q.recent_p99_ms,
+                q.recent_failed,
             ]
             for q in queues
         ],

@@ -11,14 +11,12 @@ from nmbus.cli._common import (
     DsnOption,
     JsonOption,
     SchemaOption,
-    connect,
     emit_json,
-    rows_to_dicts,
-    run,
+    operate,
+    plain,
     settings,
     table,
 )
-from nmbus.sql import render
 
 subscriptions = typer.Typer(help="Subscriptions of endpoints to publishers.", no_args_is_help=True)
 app.add_typer(subscriptions, name="subscriptions")
@@ -34,13 +32,8 @@ def list_subscriptions(
 ) -> None:
     """Every subscription, by publisher and message type, with its expiry."""
     cfg = settings(dsn, schema)
-
-    async def fetch() -> list[dict[str, object]]:
-        async with connect(cfg) as conn:
-            rows = await conn.fetch(render("ops_subscriptions", cfg.schema_name), publisher)
-            return rows_to_dicts(rows)
-
-    found = [r for r in run(fetch()) if r["live"] or not live]
+    subscribed = operate(cfg, lambda admin: admin.subscriptions(publisher, live_only=live))
+    found = [plain(s) for s in subscribed]
     if as_json:
         emit_json(found)
         return

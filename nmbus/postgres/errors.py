@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import asyncpg
 
-from nmbus.errors import DatabaseUnavailable, QueueNotFound, StoreError
+from nmbus.errors import DatabaseUnavailable, InvalidSetting, QueueNotFound, StoreError
 from nmbus.logs import scrub
 
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -50,7 +51,38 @@ def wrap_errors(what: str) -> Iterator[None]:
         asyncpg.InternalClientError,
         *_CONNECTION_ERRORS,
     ) as exc:  # type: ignore[misc]
+        if isinstance(exc, OSError) and exc.filename is not None:
+            raise  # a file's error (retention's archive, say), not the database's
         # A driver's text may quote the DSN it was given: never its password.
         if is_connection_error(exc):
             raise DatabaseUnavailable(f"{what}: database unavailable ({scrub(str(exc))})") from exc
         raise StoreError(f"{what}: {type(exc).__name__}: {scrub(str(exc))}") from exc
+
+
+@contextmanager
+def wrap_connect_errors(dsn: str | None) -> Iterator[None]:
+    """Translate a failure to connect to ``dsn`` into one an operator can act on.
+
+    A DSN that cannot work raises InvalidSetting (``invalid DSN ...``), a server
+    that cannot be reached or refuses the connection DatabaseUnavailable
+    (``cannot connect to ...``); both name the DSN, without its password.
+    """
+    shown = scrub(dsn or "")
+    try:
+        yield
+    except (asyncpg.exceptions.ClientConfigurationError, ValueError, OverflowError) as exc:
+        reason = str(exc).removeprefix("invalid DSN: ")
+        raise InvalidSetting(f"invalid DSN {shown}: {_port_problem(dsn) or reason}") from exc
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        if problem := _port_problem(dsn):
+            raise InvalidSetting(f"invalid DSN {shown}: {problem}") from exc
+        raise DatabaseUnavailable(f"cannot connect to {shown}: {scrub(str(exc))}") from exc
+
+
+def _port_problem(dsn: str | None) -> str | None:
+    """Why the port of a URL-style DSN cannot be one (asked only after a failure)."""
+    try:
+        _ = urlsplit(dsn or "").port  # a property that checks the port
+    except ValueError as exc:
+        return str(exc)
+    return None

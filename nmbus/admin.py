@@ -1,0 +1,411 @@
+"""The operations layer: every query and action an operator runs, in one place.
+
+The ``nmbus`` commands are argument parsing and rendering over :class:`Admin`,
+and a web page that shows queues or requeues a message uses the same methods
+(as procrastinate's shell and CLI use its JobManager). The SQL stays in
+``nmbus/sql/queries.sql`` (the ``ops_*`` and ``retention_*`` blocks); results
+are typed, never driver records; driver errors become nmbus errors.
+
+Methods that read run in a read-only transaction, so PostgreSQL itself
+refuses any write in them, and none of them creates a missing schema: they
+raise QueueNotFound instead. Methods that write say so in their name
+(``requeue_``, ``purge_``, ``run_``, ``create_``, ``drop_``)::
+
+    async with Admin.from_settings(settings) as admin:
+        for queue in await admin.queue_status():
+            print(queue.queue, queue.ready, queue.failed)
+        await admin.requeue_failed("billing", ids=[4711])
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from nmbus.errors import ConfigurationError, QueueNotFound
+from nmbus.logs import scrub
+from nmbus.postgres import PostgresStore, notify_channel
+from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
+from nmbus.retention import ProgressCallback, RetentionPolicy, RetentionResult, clean_queue
+from nmbus.settings import Settings
+from nmbus.sql import render
+from nmbus.store import SCHEMA_VERSION, validate_queue_name, validate_schema_name
+
+# Failed messages are requeued or purged this many per statement (and commit).
+FAILED_BATCH = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    """One queue at a glance: rows per subqueue, and what happened in the recent window."""
+
+    queue: str
+    ready: int  # I
+    scheduled: int  # R
+    processed: int  # X
+    failed: int  # F
+    in_flight: int  # I/R rows held by a worker
+    oldest_ready_seconds: float | None  # how long the oldest claimable row has waited
+    recent_processed: int
+    recent_avg_ms: float | None  # queue latency (last_processed - retry_time) of those
+    recent_p99_ms: float | None
+    recent_failed: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailedMessage:
+    """A failed (F) message, with the first line of its error."""
+
+    queue: str
+    id: int
+    label: str | None
+    retry_count: int
+    insert_time: datetime
+    last_processed: datetime | None
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class MessageRow:
+    """Every column of one row of a queue table; the headers as JSON text."""
+
+    id: int
+    from_endpoint: str
+    to_endpoint: str
+    subqueue: str
+    insert_time: datetime
+    last_processed: datetime | None
+    retry_count: int
+    retry_time: datetime
+    error_info: str | None
+    correlation_id: str | None
+    label: str | None
+    msg_text: str | None
+    msg_headers: str | None
+    unique_id: str
+    handling_client_id: str | None
+    lease_expires: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """A subscriber's claim on a publisher's messages of one type; expired ones are not live."""
+
+    publisher_endpoint: str
+    subscriber_endpoint: str
+    message_type: str
+    created_date: datetime
+    expiration_date: datetime | None
+    live: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionDue:
+    """How many rows of a queue retention would remove now."""
+
+    queue: str
+    processed: int  # X
+    failed: int  # F
+
+
+class Admin:
+    """The operations on one nmbus schema, for the CLI and any other operator's tool.
+
+    Open it with ``async with``; it connects on first use, with a pool of
+    ``pool_size`` connections (one is enough for one caller at a time).
+    """
+
+    def __init__(self, dsn: str | None, schema: str = "nmbus", *, pool_size: int = 1) -> None:
+        self.dsn = dsn
+        self.schema = validate_schema_name(schema)
+        self._pool_size = pool_size
+        self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()
+        self._schema_seen = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, pool_size: int = 1) -> Admin:
+        return cls(settings.dsn, settings.schema_name, pool_size=pool_size)
+
+    def __repr__(self) -> str:
+        dsn = scrub(self.dsn) if self.dsn else None
+        return f"<Admin schema={self.schema!r} dsn={dsn!r}>"
+
+    async def __aenter__(self) -> Admin:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await asyncio.shield(pool.close())
+
+    # -- reads: a read-only transaction each, nothing created ------------------------------
+
+    async def schema_exists(self) -> bool:
+        """Whether the database holds this nmbus schema (none is made when it does not)."""
+        async with self._session("look for the schema", read_only=True, schema=False) as conn:
+            return await self._has_schema(conn)
+
+    async def list_queues(self) -> list[str]:
+        """Names of every queue that has a table, sorted."""
+        async with self._session("list queues", read_only=True) as conn:
+            return await self._queues(conn)
+
+    async def queue_status(self, window: float = 600.0) -> list[QueueStatus]:
+        """Every queue (one scan each); ``recent_*`` cover the last ``window`` seconds."""
+        async with self._session("queue status", read_only=True) as conn:
+            found = []
+            for name in await self._queues(conn):
+                row = await conn.fetchrow(render("ops_queue_status", self.schema, name), window)
+                found.append(QueueStatus(name, **dict(row)))
+            return found
+
+    async def failed_messages(
+        self, queue: str | None = None, *, message_type: str | None = None, limit: int = 100
+    ) -> list[FailedMessage]:
+        """Failed messages of ``queue`` (None: every queue), oldest first, ``limit`` per queue."""
+        async with self._session("list failed messages", read_only=True) as conn:
+            names = [await self._queue(conn, queue)] if queue else await self._queues(conn)
+            found: list[FailedMessage] = []
+            for name in names:
+                sql = render("ops_failed_list", self.schema, name)
+                rows = await conn.fetch(sql, message_type, limit)
+                found.extend(FailedMessage(name, **dict(r)) for r in rows)
+            return found
+
+    async def message(self, queue: str, message_id: int) -> MessageRow | None:
+        """Every column of message ``message_id`` of ``queue``, whatever its subqueue."""
+        async with self._session(f"show a message of {queue}", read_only=True) as conn:
+            await self._queue(conn, queue)
+            row = await conn.fetchrow(render("ops_message", self.schema, queue), message_id)
+            return None if row is None else MessageRow(**dict(row))
+
+    async def count_failed(
+        self, queue: str, *, ids: Sequence[int] | None = None, message_type: str | None = None
+    ) -> int:
+        """How many failed messages of ``queue`` match: these ids and/or this type (None: any)."""
+        async with self._session(f"count failed messages of {queue}", read_only=True) as conn:
+            await self._queue(conn, queue)
+            sql = render("ops_failed_count", self.schema, queue)
+            return int(await conn.fetchval(sql, ids, message_type))
+
+    async def subscriptions(
+        self, publisher: str | None = None, *, live_only: bool = False
+    ) -> list[Subscription]:
+        """Every subscription (of ``publisher`` only, if given), expired ones unless live_only."""
+        async with self._session("list subscriptions", read_only=True) as conn:
+            rows = await conn.fetch(render("ops_subscriptions", self.schema), publisher)
+        found = [Subscription(**dict(r)) for r in rows]
+        return [s for s in found if s.live or not live_only]
+
+    async def retention_due(
+        self, policy: RetentionPolicy, queues: Sequence[str] | None = None
+    ) -> list[RetentionDue]:
+        """What :meth:`run_retention` would remove from ``queues`` (None: every queue)."""
+        async with self._session("count old rows", read_only=True) as conn:
+            found = []
+            for name in await self._queues(conn, queues):
+                sql = render("retention_count", self.schema, name)
+                row = await conn.fetchrow(sql, policy.max_age, policy.failed_max_age)
+                found.append(RetentionDue(name, processed=int(row[0]), failed=int(row[1])))
+            return found
+
+    # -- writes ----------------------------------------------------------------------------
+
+    async def requeue_failed(
+        self,
+        queue: str,
+        *,
+        ids: Sequence[int] | None = None,
+        message_type: str | None = None,
+        every: bool = False,
+        on_batch: ProgressCallback | None = None,
+    ) -> int:
+        """Move failed messages back to I as fresh messages, and wake the queue's workers.
+
+        Say which: ``ids`` and/or ``message_type``, or ``every=True``. Attempts
+        restart at 0, they are ready now, any lease is cleared; error_info is
+        kept until the next attempt overwrites it. Returns how many moved.
+        """
+        channel = notify_channel(self.schema)
+        return await self._failed_in_batches(
+            "requeue",
+            queue,
+            ids,
+            message_type,
+            every,
+            on_batch,
+            (channel, FAILED_BATCH, queue),
+        )
+
+    async def purge_failed(
+        self,
+        queue: str,
+        *,
+        ids: Sequence[int] | None = None,
+        message_type: str | None = None,
+        every: bool = False,
+        on_batch: ProgressCallback | None = None,
+    ) -> int:
+        """Delete failed messages for good (say which, as for requeue); returns how many."""
+        return await self._failed_in_batches(
+            "purge",
+            queue,
+            ids,
+            message_type,
+            every,
+            on_batch,
+            (FAILED_BATCH,),
+        )
+
+    async def run_retention(
+        self,
+        policy: RetentionPolicy,
+        queues: Sequence[str] | None = None,
+        on_batch: ProgressCallback | None = None,
+    ) -> list[RetentionResult]:
+        """Remove (and archive, if the policy says so) old rows: see :mod:`nmbus.retention`."""
+        async with self._session("retention", read_only=False) as conn:
+            return [
+                await clean_queue(conn, self.schema, name, policy, on_batch)
+                for name in await self._queues(conn, queues)
+            ]
+
+    async def create_queues(self, names: Sequence[str]) -> None:
+        """Create the schema if it is missing, and a table for each queue that has none."""
+        checked = [validate_queue_name(n) for n in names]
+        async with self._store() as store:
+            for name in checked:
+                await store.ensure_queue(name)
+
+    async def drop_queues(self, names: Sequence[str]) -> list[str]:
+        """Drop queue tables and every message in them; all must exist, or none is dropped."""
+        # Look before opening the store: opening it installs a missing schema.
+        async with self._session("drop queues", read_only=True) as conn:
+            await self._queues(conn, names, missing="; nothing dropped")
+        async with self._store() as store:
+            for name in names:
+                await store.drop_queue(name)
+        return list(names)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    async def _connection_pool(self) -> asyncpg.Pool:
+        async with self._opening:
+            if self._pool is None:
+                with wrap_connect_errors(self.dsn):
+                    self._pool = await asyncpg.create_pool(
+                        self.dsn, min_size=1, max_size=self._pool_size, timeout=10
+                    )
+            return self._pool
+
+    @asynccontextmanager
+    async def _session(
+        self, what: str, *, read_only: bool, schema: bool = True
+    ) -> AsyncIterator[Any]:
+        """A pooled connection (in a read-only transaction when reading) on an existing schema."""
+        pool = await self._connection_pool()
+        with wrap_errors(what):
+            async with (
+                pool.acquire() as conn,
+                conn.transaction(readonly=True) if read_only else nullcontext(),
+            ):
+                if schema and not await self._has_schema(conn):
+                    raise QueueNotFound(
+                        f"no nmbus schema {self.schema!r} in this database: no queues"
+                    )
+                yield conn
+
+    async def _has_schema(self, conn: Any) -> bool:
+        if not self._schema_seen:
+            sql = render("schema_exists", self.schema)
+            self._schema_seen = bool(await conn.fetchval(sql, self.schema))
+        return self._schema_seen
+
+    async def _queue(self, conn: Any, queue: str) -> str:
+        validate_queue_name(queue)
+        if not await conn.fetchval(render("queue_exists", self.schema), self.schema, queue):
+            raise QueueNotFound(f"no queue {queue!r} in schema {self.schema!r}")
+        return queue
+
+    async def _queues(
+        self, conn: Any, wanted: Sequence[str] | None = None, missing: str = ""
+    ) -> list[str]:
+        """Every queue, or those ``wanted`` if all of them exist."""
+        known = [r[0] for r in await conn.fetch(render("list_queues", self.schema), self.schema)]
+        if wanted is None:
+            return known
+        if absent := [q for q in wanted if q not in known]:
+            raise QueueNotFound(f"no such queue(s): {', '.join(absent)}{missing}")
+        return list(wanted)
+
+    async def _failed_in_batches(
+        self,
+        verb: str,
+        queue: str,
+        ids: Sequence[int] | None,
+        message_type: str | None,
+        every: bool,
+        on_batch: ProgressCallback | None,
+        extra: tuple[Any, ...],  # the query's parameters after $1 ids and $2 type
+    ) -> int:
+        if every == bool(ids or message_type):
+            raise ConfigurationError(
+                f"{verb}: say which failed messages, ids and/or message_type, or every=True"
+            )
+        async with self._session(f"{verb} failed messages of {queue}", read_only=False) as conn:
+            await self._queue(conn, queue)
+            sql = render(f"ops_{verb}_failed", self.schema, queue)
+            done = 0
+            while True:
+                changed = int(await conn.fetchval(sql, ids, message_type, *extra))
+                done += changed
+                if on_batch is not None:
+                    on_batch(queue, changed)
+                if changed < FAILED_BATCH:
+                    return done
+
+    @asynccontextmanager
+    async def _store(self) -> AsyncIterator[PostgresStore]:
+        store = PostgresStore(self.dsn, self.schema, 1)
+        await store.open()
+        try:
+            yield store
+        finally:
+            await store.close()
+
+
+def schema_ddl(schema: str, queue: str) -> str:
+    """The DDL nmbus runs for a new schema with one queue, as a psql script."""
+    validate_schema_name(schema)
+    validate_queue_name(queue)
+
+    def literal(value: object) -> str:
+        return "'" + str(value).replace("'", "''") + "'"
+
+    header = "\n".join(
+        [
+            f"-- The DDL nmbus runs for schema {schema!r} with an example queue {queue!r},",
+            "-- generated from nmbus/sql/queries.sql (tests/test_cookbook.py keeps it equal):",
+            f"--   python -m nmbus queues ddl {queue} --schema {schema} > sql/schema.sql",
+            "-- nmbus creates all of this itself at start-up; this file is for reading.",
+            "-- Run it as is with: psql -v ON_ERROR_STOP=1 -f sql/schema.sql",
+        ]
+    )
+    statements = [
+        render("create_schema", schema),
+        render("set_schema_version", schema).replace("$1", literal(SCHEMA_VERSION)),
+        render("create_queue", schema, queue),
+        render("register_queue", schema).replace("$1", literal(queue)),
+    ]
+    body = "\n\n".join(s.rstrip().rstrip(";") + ";" for s in statements)
+    return f"{header}\n\nBEGIN;\n\n{body}\n\nCOMMIT;\n"

@@ -1,0 +1,365 @@
+"""The operations layer against a real database: every method, and reads that never write."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from nmbus.admin import (
+    Admin,
+    FailedMessage,
+    QueueStatus,
+    RetentionDue,
+    Subscription,
+    schema_ddl,
+)
+from nmbus.errors import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    InvalidQueueName,
+    InvalidSetting,
+    QueueNotFound,
+    StoreError,
+)
+from nmbus.retention import RetentionPolicy
+from nmbus.settings import Settings
+from tests.ops_data import CHARGE_ERROR, Facts, count, notifications
+
+OLD = RetentionPolicy(max_age=timedelta(hours=12))
+
+
+@pytest.fixture
+async def admin(dsn: str) -> AsyncIterator[Admin]:
+    async with Admin.from_settings(Settings(dsn=dsn)) as opened:
+        yield opened
+
+
+# -- reads -------------------------------------------------------------------------------
+
+
+async def test_queue_status(admin: Admin, facts: Facts) -> None:
+    billing, shipping = await admin.queue_status()
+    assert isinstance(billing, QueueStatus)
+    assert (billing.queue, shipping.queue) == ("billing", "shipping")
+    assert (billing.ready, billing.scheduled, billing.processed, billing.failed) == (6, 3, 165, 3)
+    assert billing.in_flight == 2
+    assert billing.oldest_ready_seconds is not None
+    assert 1800 <= billing.oldest_ready_seconds < 1920
+    assert billing.recent_processed == 100
+    assert billing.recent_avg_ms == pytest.approx(50.5)
+    assert billing.recent_p99_ms == pytest.approx(99.01)
+    assert billing.recent_failed == 0  # failed 30+ minutes ago, window is 10 minutes
+    assert (await admin.queue_status(window=3600))[0].recent_failed == 3
+    assert shipping.ready == 1 and shipping.recent_avg_ms is None
+
+
+async def test_list_queues(admin: Admin, facts: Facts) -> None:
+    assert await admin.list_queues() == ["billing", "shipping"]
+    assert await admin.schema_exists()
+
+
+async def test_failed_messages(admin: Admin, facts: Facts) -> None:
+    found = await admin.failed_messages()
+    assert [(m.queue, m.id) for m in found] == [("billing", i) for i in facts.failed_ids]
+    first = found[0]
+    assert isinstance(first, FailedMessage)
+    assert (first.label, first.retry_count, first.error) == (
+        "billing.Charge",
+        5,
+        "ValueError: card declined",
+    )
+    refunds = await admin.failed_messages("billing", message_type="billing.Refund")
+    assert [m.label for m in refunds] == ["billing.Refund"]
+    assert len(await admin.failed_messages("billing", limit=1)) == 1
+    assert await admin.failed_messages("shipping") == []
+    with pytest.raises(QueueNotFound, match="no queue 'nosuch' in schema 'nmbus'"):
+        await admin.failed_messages("nosuch")
+    with pytest.raises(InvalidQueueName):
+        await admin.failed_messages("bad name!")
+
+
+async def test_message(admin: Admin, facts: Facts) -> None:
+    row = await admin.message("billing", facts.failed_ids[0])
+    assert row is not None
+    assert (row.subqueue, row.error_info, row.msg_headers) == (
+        "F",
+        CHARGE_ERROR,
+        '{"tenant": "acme"}',
+    )
+    assert (row.from_endpoint, row.to_endpoint, row.label) == (
+        "orders",
+        "billing",
+        "billing.Charge",
+    )
+    assert (await admin.message("billing", 1)) is not None  # any subqueue: this one is X
+    assert await admin.message("billing", 999999) is None
+    with pytest.raises(QueueNotFound):
+        await admin.message("nosuch", 1)
+
+
+async def test_count_failed(admin: Admin, facts: Facts) -> None:
+    assert await admin.count_failed("billing") == 3
+    assert await admin.count_failed("billing", message_type="billing.Charge") == 2
+    assert await admin.count_failed("billing", ids=[facts.failed_ids[0], 1]) == 1
+    assert await admin.count_failed("shipping") == 0
+
+
+async def test_subscriptions(admin: Admin, facts: Facts) -> None:
+    found = await admin.subscriptions()
+    assert all(isinstance(s, Subscription) for s in found)
+    assert [(s.publisher_endpoint, s.subscriber_endpoint, s.live) for s in found] == [
+        ("orders", "billing", True),  # orders.OrderCancelled
+        ("orders", "audit", False),  # orders.OrderPlaced, by subscriber
+        ("orders", "billing", True),
+        ("orders", "shipping", True),
+        ("payments", "billing", True),
+    ]
+    live = await admin.subscriptions("orders", live_only=True)
+    assert len(live) == 3 and all(s.live for s in live)
+    assert [s.message_type for s in await admin.subscriptions("payments")] == ["payments.Refunded"]
+
+
+async def test_retention_due(admin: Admin, facts: Facts) -> None:
+    assert await admin.retention_due(OLD) == [
+        RetentionDue("billing", processed=65, failed=0),
+        RetentionDue("shipping", processed=0, failed=0),
+    ]
+    failed_too = RetentionPolicy(max_age=timedelta(days=7), failed_max_age=timedelta(minutes=35))
+    assert await admin.retention_due(failed_too, ["billing"]) == [RetentionDue("billing", 5, 2)]
+    with pytest.raises(QueueNotFound, match=r"no such queue\(s\): nosuch, other"):
+        await admin.retention_due(OLD, ["billing", "nosuch", "other"])
+
+
+# -- writes ------------------------------------------------------------------------------
+
+
+async def test_requeue_failed(admin: Admin, facts: Facts, db: asyncpg.Connection, dsn: str) -> None:
+    first, *rest = facts.failed_ids
+    async with notifications(dsn) as notes:
+        assert await admin.requeue_failed("billing", ids=[first]) == 1
+        assert await asyncio.wait_for(notes.get(), 10) == "billing"  # the workers are woken
+    row = await admin.message("billing", first)
+    assert row is not None and row.retry_time > facts.now  # ready now
+    assert (row.subqueue, row.retry_count, row.handling_client_id, row.lease_expires) == (
+        "I",
+        0,
+        None,
+        None,
+    )
+    assert row.error_info == CHARGE_ERROR  # kept as history until the next attempt
+    assert await admin.requeue_failed("billing", ids=[first]) == 0  # not failed any more
+    assert await admin.requeue_failed("billing", message_type="billing.Refund") == 1
+    assert await admin.requeue_failed("billing", every=True) == 1
+    assert await count(db, "subqueue = 'F'") == 0
+    assert await count(db, "subqueue = 'I' AND retry_count = 0") == 4 + len(rest) + 1
+
+
+async def test_purge_failed(admin: Admin, facts: Facts, db: asyncpg.Connection) -> None:
+    assert await admin.purge_failed("billing", message_type="billing.Refund") == 1
+    assert await count(db, "label = 'billing.Refund'") == 0
+    assert await admin.purge_failed("billing", ids=[facts.failed_ids[0], 1]) == 1  # 1 is X
+    assert await admin.purge_failed("billing", every=True) == 1
+    assert await count(db, "subqueue = 'F'") == 0
+    assert await count(db, "true") == 165 + 9  # nothing else was touched
+
+
+@pytest.mark.parametrize("write", ["requeue_failed", "purge_failed"])
+async def test_failed_writes_say_which_messages(admin: Admin, facts: Facts, write: str) -> None:
+    change = getattr(admin, write)
+    with pytest.raises(ConfigurationError, match="say which failed messages"):
+        await change("billing")
+    with pytest.raises(ConfigurationError):
+        await change("billing", ids=[1], every=True)
+    with pytest.raises(QueueNotFound):
+        await change("nosuch", every=True)
+    assert await admin.count_failed("billing") == 3
+
+
+async def test_failed_writes_go_in_batches(admin: Admin, db: asyncpg.Connection) -> None:
+    await admin.create_queues(["bulk"])
+    await db.execute(
+        "INSERT INTO nmbus.bulk (from_endpoint, to_endpoint, subqueue, retry_count, unique_id,"
+        " error_info) SELECT 'a', 'bulk', 'F', 5, 'u' || g, 'E: x' FROM generate_series(1, 2500) g"
+    )
+    batches: list[tuple[str, int]] = []
+    moved = await admin.requeue_failed(
+        "bulk", every=True, on_batch=lambda q, n: batches.append((q, n))
+    )
+    assert moved == 2500 and batches == [("bulk", 1000), ("bulk", 1000), ("bulk", 500)]
+    assert await count(db, "subqueue = 'I' AND retry_count = 0", "bulk") == 2500
+    await db.execute("UPDATE nmbus.bulk SET subqueue = 'F'")
+    batches.clear()
+    gone = await admin.purge_failed(
+        "bulk", every=True, on_batch=lambda q, n: batches.append((q, n))
+    )
+    assert gone == 2500 and [n for _, n in batches] == [1000, 1000, 500]
+
+
+async def test_run_retention(
+    admin: Admin, facts: Facts, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    policy = RetentionPolicy(max_age=timedelta(hours=12), batch_size=10, archive_dir=tmp_path)
+    batches: list[int] = []
+    (result,) = await admin.run_retention(policy, ["billing"], lambda _q, n: batches.append(n))
+    assert result.queue == "billing" and result.deleted == {"X": 65, "F": 0}
+    assert result.batches == 7 and sum(batches) == 65 and len(batches) == 7
+    assert all(f.is_relative_to(tmp_path / "queue=billing") for f in result.files)
+    assert await count(db, "subqueue = 'X'") == 100
+    everything = RetentionPolicy(max_age=timedelta(0), failed_max_age=timedelta(minutes=35))
+    results = await admin.run_retention(everything)
+    assert [(r.queue, r.deleted) for r in results] == [
+        ("billing", {"X": 100, "F": 2}),
+        ("shipping", {"X": 0, "F": 0}),
+    ]
+    with pytest.raises(QueueNotFound, match=r"no such queue\(s\): nosuch"):
+        await admin.run_retention(everything, ["nosuch"])
+
+
+async def test_an_archive_that_cannot_be_written_is_a_file_error(
+    admin: Admin, facts: Facts, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    policy = RetentionPolicy(max_age=timedelta(hours=12), archive_dir=blocked)
+    with pytest.raises(OSError) as raised:
+        await admin.run_retention(policy, ["billing"])
+    assert not isinstance(raised.value, StoreError)  # not the database's fault
+    assert await count(db, "subqueue = 'X'") == 165
+
+
+async def test_create_and_drop_queues(admin: Admin, db: asyncpg.Connection) -> None:
+    await admin.create_queues(["alpha", "beta"])
+    await admin.create_queues(["alpha"])  # idempotent
+    assert await admin.list_queues() == ["alpha", "beta"]
+    with pytest.raises(InvalidQueueName):
+        await admin.create_queues(["no good"])
+    with pytest.raises(QueueNotFound, match=r"no such queue\(s\): gamma; nothing dropped"):
+        await admin.drop_queues(["alpha", "gamma"])
+    assert await admin.list_queues() == ["alpha", "beta"]
+    assert await admin.drop_queues(["alpha"]) == ["alpha"]
+    assert await admin.list_queues() == ["beta"]
+    assert await db.fetchval("SELECT to_regclass('nmbus.alpha')") is None
+
+
+async def test_create_queues_installs_a_missing_schema(dsn: str, db: asyncpg.Connection) -> None:
+    async with Admin(dsn, "nmbus_new") as admin:
+        assert not await admin.schema_exists()
+        await admin.create_queues(["billing"])
+        assert await admin.schema_exists()
+        assert await admin.list_queues() == ["billing"]
+
+
+def test_schema_ddl() -> None:
+    text = schema_ddl("ops", "orders")
+    assert 'CREATE TABLE IF NOT EXISTS "ops"."orders"' in text
+    assert text.startswith("-- The DDL nmbus runs") and text.endswith("COMMIT;\n")
+    with pytest.raises(InvalidQueueName):
+        schema_ddl("ops", "no good")
+
+
+# -- reads never write; nothing is created where no schema is -----------------------------
+
+Call = Callable[[Admin], Awaitable[Any]]
+READS: list[Call] = [
+    lambda a: a.schema_exists(),
+    lambda a: a.list_queues(),
+    lambda a: a.queue_status(),
+    lambda a: a.failed_messages(),
+    lambda a: a.failed_messages("billing", message_type="billing.Refund"),
+    lambda a: a.message("billing", 1),
+    lambda a: a.count_failed("billing"),
+    lambda a: a.subscriptions(),
+    lambda a: a.retention_due(RetentionPolicy(max_age=timedelta(0), failed_max_age=timedelta(0))),
+]
+# These write, but only to a schema that is there: none of them may create one.
+WRITES: list[Call] = [
+    lambda a: a.requeue_failed("billing", every=True),
+    lambda a: a.purge_failed("billing", every=True),
+    lambda a: a.run_retention(RetentionPolicy(max_age=timedelta(0))),
+    lambda a: a.drop_queues(["billing"]),
+]
+
+
+async def snapshot(db: asyncpg.Connection) -> list[Any]:
+    """Every object of the database, and every row of nmbus's tables with its xmin."""
+    objects = await db.fetch(
+        "SELECT n.nspname, c.relname, c.relkind FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname NOT IN ('pg_catalog', 'information_schema', 'pg_toast') ORDER BY 1, 2"
+    )
+    functions = await db.fetch(
+        "SELECT n.nspname, p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+        " WHERE n.nspname NOT IN ('pg_catalog', 'information_schema') ORDER BY 1, 2"
+    )
+    rows = []
+    for schema, table, kind in objects:
+        if kind == "r":
+            rows.append(
+                await db.fetch(f'SELECT xmin::text, * FROM "{schema}"."{table}" ORDER BY 2')
+            )
+    return [objects, functions, rows]
+
+
+async def test_reads_write_nothing(dsn: str, db: asyncpg.Connection, facts: Facts) -> None:
+    before = await snapshot(db)
+    # Sessions of this database can only read: a read that tried to write would fail.
+    name = await db.fetchval("SELECT current_database()")
+    await db.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+    async with Admin(dsn) as admin:
+        for read in READS:
+            await read(admin)
+        with pytest.raises(StoreError, match="read-only transaction"):
+            await admin.requeue_failed("billing", every=True)  # the setting holds
+    assert await snapshot(db) == before
+
+
+@pytest.mark.parametrize("call", READS + WRITES)
+async def test_a_missing_schema_is_reported_and_not_created(
+    dsn: str, db: asyncpg.Connection, call: Call
+) -> None:
+    before = await snapshot(db)
+    async with Admin(dsn, "nmbus_dmeo") as admin:
+        if call is READS[0]:
+            assert await call(admin) is False
+        else:
+            with pytest.raises(
+                QueueNotFound, match="no nmbus schema 'nmbus_dmeo' in this database"
+            ):
+                await call(admin)
+    assert await snapshot(db) == before
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+async def test_connection_errors_name_the_dsn_without_its_password() -> None:
+    bad_port = "postgresql://postgres:s3cret@127.0.0.1:99999/x"
+    async with Admin(bad_port) as admin:
+        with pytest.raises(
+            InvalidSetting, match=r"invalid DSN postgresql://postgres:\*\*\*@.*: Port out of range"
+        ):
+            await admin.list_queues()
+    async with Admin("postgresql://postgres:s3cret@127.0.0.1:1/x") as admin:
+        with pytest.raises(DatabaseUnavailable, match=r"cannot connect to .*:1/x") as raised:
+            await admin.queue_status()
+    assert "s3cret" not in str(raised.value) and "s3cret" not in repr(admin)
+
+
+async def test_driver_errors_become_store_errors(admin: Admin, facts: Facts) -> None:
+    with pytest.raises(StoreError, match="show a message of billing") as raised:
+        await admin.message("billing", 2**70)  # out of bigint's range
+    assert type(raised.value.__cause__).__module__.startswith("asyncpg")  # kept as the cause
+
+
+async def test_the_pool_serves_concurrent_callers(dsn: str, facts: Facts) -> None:
+    async with Admin(dsn, pool_size=3) as admin:
+        got = await asyncio.gather(
+            admin.queue_status(), admin.failed_messages(), admin.list_queues()
+        )
+    assert [len(g) for g in got] == [2, 3, 2]

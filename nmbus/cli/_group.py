@@ -15,7 +15,6 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import asyncpg
 import typer
 import typer.main
 from pydantic import ValidationError
@@ -23,6 +22,7 @@ from typer.core import TyperGroup
 
 from nmbus.cli._common import CommandError, options, print_error
 from nmbus.errors import NmbusError
+from nmbus.postgres.errors import driver_error_line
 
 
 class NmbusGroup(TyperGroup):
@@ -101,12 +101,11 @@ def describe(exc: BaseException) -> str:
         return str(exc)
     if isinstance(exc, ValidationError):
         return _invalid_settings(exc)
-    if isinstance(exc, asyncpg.exceptions.ClientConfigurationError):
-        return f"invalid DSN: {str(exc).removeprefix('invalid DSN: ')}"
     if isinstance(exc, NmbusError):
         return str(exc) or type(exc).__name__
-    if isinstance(exc, asyncpg.PostgresError):
-        return f"the database said: {exc}"
+    driver = driver_error_line(exc)
+    if driver is not None:
+        return driver
     return f"{type(exc).__name__}: {exc}"
 
 

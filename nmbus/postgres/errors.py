@@ -86,3 +86,16 @@ def _port_problem(dsn: str | None) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def driver_error_line(exc: BaseException) -> str | None:
+    """One line for an operator when ``exc`` is a driver error nmbus did not translate.
+
+    The command line's last resort (tools that talk to asyncpg directly);
+    None for anything that is not asyncpg's.
+    """
+    if isinstance(exc, asyncpg.exceptions.ClientConfigurationError):
+        return scrub(f"invalid DSN: {str(exc).removeprefix('invalid DSN: ')}")
+    if isinstance(exc, asyncpg.PostgresError):
+        return scrub(f"the database said: {exc}")
+    return None

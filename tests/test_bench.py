@@ -12,8 +12,8 @@ import structlog
 from typer.testing import CliRunner
 
 from nmbus import Bus
-from nmbus.bench import BenchOptions, percentile, run
 from nmbus.cli import app
+from nmbus.tools.bench import BenchOptions, percentile, run
 from tests.messages import Ping
 
 SMALL = [

@@ -16,8 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from nmbus import demo
 from nmbus.errors import ConfigurationError
+from nmbus.tools import demo
 
 ROOT = Path(__file__).resolve().parent.parent
 

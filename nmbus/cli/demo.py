@@ -23,10 +23,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from nmbus import demo as demo_lib
 from nmbus.cli._common import fail
-from nmbus.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
 from nmbus.errors import NmbusError
+from nmbus.tools import demo as demo_lib
+from nmbus.tools.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
 
 command = typer.Typer(add_completion=False)
 

@@ -39,16 +39,17 @@ from typing import Any
 import asyncpg
 import structlog
 
+from nmbus import sql as core_sql
 from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.errors import ConfigurationError, PermanentError, RetryLater
 from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
-from nmbus.sql import render
 from nmbus.store import validate_schema_name
+from nmbus.tools.sql import render
 
-log = structlog.get_logger("nmbus.demo")
+log = structlog.get_logger("nmbus.tools.demo")
 
 DEFAULT_SCHEMA = "nmbus_demo"
 PUBLISHER = "shop"
@@ -263,7 +264,7 @@ async def reset_schema(dsn: str, schema: str) -> None:
                 f"schema {schema!r} exists and is not a demo schema (it has no demo_payments "
                 "table); pick another one with --schema"
             )
-        await conn.execute(render("demo_drop_schema", schema))
+        await conn.execute(render("drop_schema", schema))
         await conn.execute(render("demo_create_tables", schema))
     finally:
         await conn.close()
@@ -278,7 +279,7 @@ async def drop_schema(dsn: str, schema: str) -> bool:
             return False
         if not await conn.fetchval(render("demo_is_demo_schema", schema), schema):
             raise ConfigurationError(f"schema {schema!r} is not a demo schema; left alone")
-        await conn.execute(render("demo_drop_schema", schema))
+        await conn.execute(render("drop_schema", schema))
         return True
     finally:
         await conn.close()
@@ -292,7 +293,7 @@ async def _snapshot(
 ) -> Snapshot:
     queues = []
     for queue in QUEUES:
-        rows = await pool.fetch(render("subqueue_counts", options.schema, queue))
+        rows = await pool.fetch(core_sql.render("subqueue_counts", options.schema, queue))
         counts = {row[0]: int(row[1]) for row in rows}
         queues.append(
             QueueCounts(

@@ -40,12 +40,13 @@ from typing import Any
 
 import asyncpg
 
+from nmbus import sql as core_sql
 from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.messages import Message, type_name
 from nmbus.postgres.store import install_schema
 from nmbus.settings import Settings
-from nmbus.sql import render
+from nmbus.tools.sql import render
 
 MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows")
 ALL_MODES = ("ceiling", "drain", "transactional", "latency", "fanout")
@@ -140,7 +141,7 @@ class _Scratch:
     async def __aexit__(self, *exc: object) -> None:
         assert self.conn is not None
         try:
-            await self.conn.execute(render("bench_drop_schema", self.schema))
+            await self.conn.execute(render("drop_schema", self.schema))
         finally:
             await self.conn.close()
 
@@ -151,8 +152,8 @@ class _Scratch:
 
     async def create_queue(self, queue: str = QUEUE) -> None:
         async with self.c.transaction():
-            await self.c.execute(render("create_queue", self.schema, queue))
-            await self.c.execute(render("register_queue", self.schema), queue)
+            await self.c.execute(core_sql.render("create_queue", self.schema, queue))
+            await self.c.execute(core_sql.render("register_queue", self.schema), queue)
 
     async def preload(self, count: int, subqueue: str = "I", queue: str = QUEUE) -> None:
         if count <= 0:
@@ -454,7 +455,7 @@ async def measure_fanout(options: BenchOptions, scratch: _Scratch) -> dict[str, 
 
 async def explain_claim(options: BenchOptions, scratch: _Scratch) -> str:
     """``EXPLAIN (ANALYZE, BUFFERS)`` of the worker's claim, rolled back afterwards."""
-    sql = "EXPLAIN (ANALYZE, BUFFERS) " + render("claim", scratch.schema, QUEUE)
+    sql = "EXPLAIN (ANALYZE, BUFFERS) " + core_sql.render("claim", scratch.schema, QUEUE)
     tx = scratch.c.transaction()
     await tx.start()
     try:

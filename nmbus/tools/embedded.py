@@ -42,7 +42,7 @@ import structlog
 
 from nmbus.errors import ConfigurationError, NmbusError
 
-log = structlog.get_logger("nmbus.embedded")
+log = structlog.get_logger("nmbus.tools.embedded")
 
 DEFAULT_DATA_DIR = Path(".nmbus")
 HOST = "127.0.0.1"

@@ -2,7 +2,7 @@
 
 ``run_soak`` sends ``messages`` messages to a queue of its own schema
 (``nmbus_soak`` by default, dropped and recreated at the start), starts
-``workers`` worker processes (``nmbus.soak._main``) and SIGKILLs
+``workers`` worker processes (``nmbus.tools.soak._main``) and SIGKILLs
 one of them every ``kill_every`` seconds, starting a new one at once. Handlers
 fail ``fail_rate`` of the time and sometimes sleep. ``poison`` of the messages
 are poison: their handler SIGKILLs its own process every time; a dead worker is
@@ -43,7 +43,7 @@ from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.messages import Message
 from nmbus.settings import Settings
-from nmbus.sql import render
+from nmbus.tools.sql import render
 
 QUEUE = "soak"
 
@@ -171,12 +171,12 @@ def _configure_worker_logging() -> None:
 # -- the run -------------------------------------------------------------------------------
 
 
-_WORKER_ENTRY = "import sys; from nmbus.soak import _main; _main(sys.argv[1:])"
+_WORKER_ENTRY = "import sys; from nmbus.tools.soak import _main; _main(sys.argv[1:])"
 
 
 def _worker_env() -> dict[str, str]:
     # The workers must run this very nmbus, wherever it was imported from.
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
@@ -185,7 +185,7 @@ class _Proc:
     def __init__(self, args: list[str], stderr: Path) -> None:
         self._err = stderr.open("ab")
         self.popen = subprocess.Popen(
-            # Not `-m nmbus.soak`: that would define SoakWork a second time, in __main__.
+            # Not `-m nmbus.tools.soak`: that would define SoakWork a second time, in __main__.
             [sys.executable, "-c", _WORKER_ENTRY, "worker", *args],
             stdout=subprocess.PIPE,
             stderr=self._err,
@@ -255,7 +255,7 @@ async def run_soak(
     logs.mkdir(parents=True, exist_ok=True)
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute(render("soak_reset", schema))
+        await conn.execute(render("drop_schema", schema))
         settings = Settings(dsn=dsn, schema_name=schema, concurrency=0)
         sender = Bus("soak-sender", settings=settings)
         async with sender:
@@ -441,7 +441,7 @@ def _worker_events(path: Path) -> dict[str, int]:
 
 def _main(argv: list[str]) -> None:
     if not argv or argv[0] != "worker":
-        raise SystemExit("usage: python -m nmbus.soak worker DSN SCHEMA LOG_DIR key=value...")
+        raise SystemExit("usage: python -m nmbus.tools.soak worker DSN SCHEMA LOG_DIR key=value...")
     dsn, schema, logs = argv[1], argv[2], Path(argv[3])
     options = {k: float(v) for k, v in (item.split("=", 1) for item in argv[4:])}
     _configure_worker_logging()

@@ -1,0 +1,9 @@
+"""nmbus's tools: the demo, the benchmarks, the kill soak and the embedded PostgreSQL.
+
+They run the library; the library never imports them. ``import nmbus`` and
+``nmbus worker`` load nothing from here (the ``nmbus demo``, ``bench`` and
+``soak`` commands import their tool when they run), so a service process
+registers no demo message types and carries no benchmark code.
+
+Their SQL is in ``queries.sql`` beside them, read by :mod:`nmbus.tools.sql`.
+"""

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from nmbus import Bus
 from nmbus.cli import app
-from nmbus.tools.bench import BenchOptions, percentile, run
+from nmbus.tools.bench import BenchOptions, run
+from nmbus.tools.bench_scenarios import percentile
 from tests.messages import Ping
 
 SMALL = [

@@ -2,7 +2,9 @@
 
 Every measurement runs in a schema of its own (``nmbus_bench_<random>``) that it
 creates and drops, so it never touches the queues of the database it is pointed
-at. The modes:
+at (:mod:`nmbus.tools.bench_scratch`). Each mode is measured by a function of
+:mod:`nmbus.tools.bench_scenarios`; this module repeats them and gathers the
+medians, with the settings they ran under. The modes:
 
 ``ceiling``        the bare asyncpg loop nmbus is measured against: claim up to a
                    batch of ready rows with ``FOR UPDATE SKIP LOCKED`` and mark
@@ -26,13 +28,9 @@ with the settings of every run.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import platform
 import statistics
-import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -40,59 +38,21 @@ from typing import Any
 
 import asyncpg
 
-from nmbus import sql as core_sql
-from nmbus.bus import Bus
-from nmbus.context import Context
-from nmbus.messages import Message, type_name
-from nmbus.postgres.store import install_schema
-from nmbus.settings import Settings
+from nmbus.tools.bench_scenarios import (
+    explain_claim,
+    measure_ceiling,
+    measure_drain,
+    measure_fanout,
+    measure_latency,
+    measure_per_message_transactions,
+)
+from nmbus.tools.bench_scratch import BenchOptions, Scratch
 from nmbus.tools.sql import render
+
+__all__ = ["ALL_MODES", "MODES", "BenchOptions", "Result", "run"]
 
 MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows")
 ALL_MODES = ("ceiling", "drain", "transactional", "latency", "fanout")
-QUEUE = "bench"
-
-
-class Tick(Message, type_name="nmbus.bench.Tick"):
-    """The message every benchmark sends: a number, and for latency a send time."""
-
-    n: int
-    sent: float = 0.0
-
-
-TICK = type_name(Tick)
-
-
-@dataclass
-class BenchOptions:
-    """What to measure and how much of it."""
-
-    dsn: str = field(repr=False)  # it may hold a password
-    messages: int = 50_000
-    batch_size: int = 100
-    concurrency: int = 1
-    baseline_messages: int = 5_000
-    rate: float = 200.0
-    seconds: float = 10.0
-    warmup: float = 1.0
-    subscribers: int = 3
-    publishers: int = 8
-    fanout_messages: int = 10_000
-    fanout_batch: int = 500
-    x_rows: int = 5_000_000
-    repeat: int = 1
-
-    def bus_settings(self, schema: str, **extra: Any) -> Settings:
-        values: dict[str, Any] = {
-            "dsn": self.dsn,
-            "schema_name": schema,
-            "batch_size": self.batch_size,
-            "concurrency": self.concurrency,
-            "subscription_ttl": None,
-            "poll_interval": 1.0,
-        }
-        values.update(extra)
-        return Settings(**values)
 
 
 @dataclass
@@ -122,352 +82,6 @@ def _quiet(_: str) -> None:
     pass
 
 
-# -- helpers ---------------------------------------------------------------------------
-
-
-class _Scratch:
-    """A schema of the bench's own with one queue table; dropped on exit."""
-
-    def __init__(self, dsn: str) -> None:
-        self.dsn = dsn
-        self.schema = f"nmbus_bench_{uuid.uuid4().hex[:10]}"
-        self.conn: asyncpg.Connection | None = None
-
-    async def __aenter__(self) -> _Scratch:
-        self.conn = await asyncpg.connect(self.dsn)
-        await install_schema(self.conn, self.schema)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.conn is not None
-        try:
-            await self.conn.execute(render("drop_schema", self.schema))
-        finally:
-            await self.conn.close()
-
-    @property
-    def c(self) -> asyncpg.Connection:
-        assert self.conn is not None
-        return self.conn
-
-    async def create_queue(self, queue: str = QUEUE) -> None:
-        async with self.c.transaction():
-            await self.c.execute(core_sql.render("create_queue", self.schema, queue))
-            await self.c.execute(core_sql.render("register_queue", self.schema), queue)
-
-    async def preload(self, count: int, subqueue: str = "I", queue: str = QUEUE) -> None:
-        if count <= 0:
-            return
-        prefix = f"{subqueue}{uuid.uuid4().hex[:8]}-"
-        await self.c.execute(
-            render("bench_preload", self.schema, queue), count, subqueue, TICK, prefix
-        )
-        await self.c.execute(render("bench_vacuum", self.schema, queue))
-
-    async def checkpoint(self) -> None:
-        """Flush what the pre-load dirtied, so no checkpoint lands in the timed part."""
-        # Without the right to, figures may include a checkpoint (docs/performance.md).
-        with contextlib.suppress(asyncpg.InsufficientPrivilegeError):
-            await self.c.execute(render("bench_checkpoint", self.schema))
-
-    async def count(self, subqueue: str, queue: str = QUEUE) -> int:
-        sql = render("bench_count_subqueue", self.schema, queue)
-        return int(await self.c.fetchval(sql, subqueue))
-
-
-async def _wait_until(check: Callable[[], bool], timeout: float, step: float = 0.005) -> None:
-    # The worker's counters have no event to wait on; a 5 ms poll costs next to nothing.
-    async with asyncio.timeout(timeout):
-        while not check():  # noqa: ASYNC110
-            await asyncio.sleep(step)
-
-
-def _deadline(count: int) -> float:
-    # Generous: a loaded machine must not turn a slow run into a failure.
-    return 60.0 + count / 200.0
-
-
-# -- ceiling ----------------------------------------------------------------------------
-
-
-async def measure_ceiling(options: BenchOptions, scratch: _Scratch) -> float:
-    """Messages per second of the bare claim-and-mark-X loop, ``concurrency`` loops."""
-    await scratch.create_queue()
-    await scratch.preload(options.messages)
-    await scratch.checkpoint()
-    sql = render("bench_ceiling", scratch.schema, QUEUE)
-    conns = [await asyncpg.connect(options.dsn) for _ in range(options.concurrency)]
-    try:
-        for conn in conns:  # prepare outside the timed part, as asyncpg's cache would
-            await conn.prepare(sql)
-        done = 0
-
-        async def loop(conn: asyncpg.Connection) -> None:
-            nonlocal done
-            while True:
-                rows = await conn.fetch(sql, options.batch_size)
-                if not rows:
-                    return
-                done += len(rows)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(loop(c) for c in conns))
-        elapsed = time.perf_counter() - started
-    finally:
-        for conn in conns:
-            await conn.close()
-    if done != options.messages:
-        raise RuntimeError(f"ceiling loop marked {done} rows, expected {options.messages}")
-    return done / elapsed
-
-
-# -- drain and transactional ----------------------------------------------------------
-
-
-async def measure_drain(
-    options: BenchOptions,
-    scratch: _Scratch,
-    *,
-    transactional: bool = False,
-    x_rows: int = 0,
-    count: int | None = None,
-    cpu_used: list[float] | None = None,
-) -> float:
-    """Messages per second of a Bus worker draining ``count`` pre-loaded messages.
-
-    With ``cpu_used``, also appends this process's CPU microseconds per message:
-    the Python cost, which a busy machine disturbs far less than the wall clock.
-    """
-    total = options.messages if count is None else count
-    await scratch.create_queue()
-    await scratch.preload(x_rows, "X")
-    if transactional:
-        await scratch.c.execute(render("bench_create_effects", scratch.schema))
-    await scratch.preload(total)
-    await scratch.checkpoint()
-
-    bus = Bus(QUEUE, settings=options.bus_settings(scratch.schema))
-    first: list[float] = []
-    insert_effect = render("bench_insert_effect", scratch.schema)
-
-    if transactional:
-
-        @bus.handler
-        async def effect(msg: Tick, ctx: Context) -> None:
-            if not first:
-                first.append(time.perf_counter())
-            await ctx.connection.execute(insert_effect, ctx.message_id, msg.n)
-
-    else:
-
-        @bus.handler
-        async def noop(msg: Tick, ctx: Context) -> None:
-            if not first:
-                first.append(time.perf_counter())
-
-    async with bus:
-        cpu = time.process_time()
-        await _wait_until(lambda: bus.worker.handled >= total, _deadline(total))
-        elapsed = time.perf_counter() - first[0]
-        cpu = time.process_time() - cpu
-    if cpu_used is not None:
-        cpu_used.append(cpu * 1e6 / total)
-    processed = await scratch.count("X") - x_rows
-    if processed != total:
-        raise RuntimeError(f"drain processed {processed} messages, expected {total}")
-    if transactional:
-        effects = int(await scratch.c.fetchval(render("bench_count_effects", scratch.schema)))
-        if effects != total:
-            raise RuntimeError(f"handlers wrote {effects} effects, expected {total}")
-    return total / elapsed
-
-
-async def measure_per_message_transactions(options: BenchOptions, scratch: _Scratch) -> float:
-    """The baseline: every message in a transaction of its own (claim one, insert, X, commit)."""
-    await scratch.create_queue()
-    await scratch.c.execute(render("bench_create_effects", scratch.schema))
-    total = options.baseline_messages
-    await scratch.preload(total)
-    await scratch.checkpoint()
-    claim = render("bench_claim_one", scratch.schema, QUEUE)
-    insert = render("bench_insert_effect", scratch.schema)
-    mark = render("bench_mark_one", scratch.schema, QUEUE)
-    conn = await asyncpg.connect(options.dsn)
-    done = 0
-    try:
-        started = time.perf_counter()
-        while True:
-            async with conn.transaction():
-                row = await conn.fetchrow(claim)
-                if row is None:
-                    break
-                msg = Tick.model_validate_json(row["msg_text"])
-                await conn.execute(insert, row["id"], msg.n)
-                await conn.execute(mark, row["id"])
-            done += 1
-        elapsed = time.perf_counter() - started
-    finally:
-        await conn.close()
-    if done != total:
-        raise RuntimeError(f"baseline handled {done} messages, expected {total}")
-    return done / elapsed
-
-
-# -- latency ----------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation between closest ranks."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("no values")
-    pos = (len(ordered) - 1) * q / 100.0
-    lower = int(pos)
-    upper = min(lower + 1, len(ordered) - 1)
-    return ordered[lower] + (ordered[upper] - ordered[lower]) * (pos - lower)
-
-
-async def measure_latency(options: BenchOptions, scratch: _Scratch) -> dict[str, float]:
-    """Send at ``rate`` per second for ``seconds``; milliseconds from send to handler start.
-
-    Sends are scheduled open-loop (each in its own task at its due time, on the
-    producer's pool), so a slow send delays no other. Two clocks are kept: from
-    the call of ``send`` (what a caller waits for: INSERT + COMMIT + the worker's
-    wake-up and claim) and from its return (the commit is durable: wake-up and claim).
-    """
-    await scratch.create_queue()
-    started_at: dict[int, float] = {}
-    worker = Bus(QUEUE, settings=options.bus_settings(scratch.schema))
-
-    @worker.handler
-    async def record(msg: Tick, ctx: Context) -> None:
-        started_at[msg.n] = time.perf_counter()
-
-    producer = Bus(
-        "bench_producer",
-        settings=options.bus_settings(scratch.schema, concurrency=0, send_pool_size=8),
-    )
-    total = max(1, int(options.rate * (options.seconds + options.warmup)))
-    skip = int(options.rate * options.warmup)
-    called: dict[int, float] = {}
-    returned: dict[int, float] = {}
-
-    async def send(n: int) -> None:
-        called[n] = time.perf_counter()
-        await producer.send(Tick(n=n, sent=called[n]), to=QUEUE)
-        returned[n] = time.perf_counter()
-
-    async with worker, producer:
-        await asyncio.sleep(0.2)  # let the worker's listener connect
-        interval = 1.0 / options.rate
-        tasks: list[asyncio.Task[None]] = []
-        begin = time.perf_counter()
-        for n in range(total):
-            wait = begin + n * interval - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(send(n)))
-        await asyncio.gather(*tasks)
-        await _wait_until(lambda: len(started_at) >= total, _deadline(total))
-    counted = range(skip, total) if total > skip else range(total)
-    from_call = [(started_at[n] - called[n]) * 1000.0 for n in counted]
-    from_commit = [(started_at[n] - returned[n]) * 1000.0 for n in counted]
-    send_ms = [(returned[n] - called[n]) * 1000.0 for n in counted]
-    return {
-        "p50_ms": percentile(from_call, 50),
-        "p95_ms": percentile(from_call, 95),
-        "p99_ms": percentile(from_call, 99),
-        "max_ms": max(from_call),
-        "after_commit_p50_ms": percentile(from_commit, 50),
-        "after_commit_p99_ms": percentile(from_commit, 99),
-        "send_p50_ms": percentile(send_ms, 50),
-        "send_p99_ms": percentile(send_ms, 99),
-        "samples": float(len(from_call)),
-    }
-
-
-# -- fanout -----------------------------------------------------------------------------
-
-
-async def measure_fanout(options: BenchOptions, scratch: _Scratch) -> dict[str, float]:
-    """``publishers`` tasks call Bus.publish; every message goes to ``subscribers`` queues."""
-    subscribers = [f"bench_sub_{i}" for i in range(1, options.subscribers + 1)]
-    buses = []
-    for name in subscribers:
-        sub = Bus(name, settings=options.bus_settings(scratch.schema, concurrency=0))
-        sub.subscribe(Tick, publisher="bench_pub")
-        buses.append(sub)
-    publisher = Bus(
-        "bench_pub",
-        settings=options.bus_settings(
-            # One spare: Bus.publish holds a connection while ensure_queue may want
-            # another for a subscriber queue it has not seen yet.
-            scratch.schema,
-            concurrency=0,
-            send_pool_size=options.publishers + 1,
-        ),
-    )
-    total = options.fanout_messages
-    for sub in buses:
-        await sub.start()
-    try:
-        async with publisher:
-            await publisher.publish(Tick(n=-1))  # connections and caches warm, not timed
-            counter = iter(range(total))
-
-            async def publish_loop() -> None:
-                for n in counter:
-                    await publisher.publish(Tick(n=n))
-
-            started = time.perf_counter()
-            await asyncio.gather(*(publish_loop() for _ in range(options.publishers)))
-            elapsed = time.perf_counter() - started
-
-            # The same messages again through publish_many: one statement and one
-            # commit per fanout_batch messages, every copy still in its own row.
-            batches = iter(range(0, total, options.fanout_batch))
-
-            async def publish_many_loop() -> None:
-                for first in batches:
-                    last = min(total, first + options.fanout_batch)
-                    await publisher.publish_many([Tick(n=n) for n in range(first, last)])
-
-            started = time.perf_counter()
-            await asyncio.gather(*(publish_many_loop() for _ in range(options.publishers)))
-            batched_elapsed = time.perf_counter() - started
-    finally:
-        for sub in buses:
-            await sub.stop()
-    for name in subscribers:
-        stored = await scratch.count("I", name)
-        if stored != 2 * total + 1:
-            raise RuntimeError(f"subscriber {name} got {stored} rows, expected {2 * total + 1}")
-    return {
-        "published_per_s": total / elapsed,
-        "rows_per_s": total * len(subscribers) / elapsed,
-        "batched_published_per_s": total / batched_elapsed,
-        "batched_rows_per_s": total * len(subscribers) / batched_elapsed,
-    }
-
-
-# -- X rows -----------------------------------------------------------------------------
-
-
-async def explain_claim(options: BenchOptions, scratch: _Scratch) -> str:
-    """``EXPLAIN (ANALYZE, BUFFERS)`` of the worker's claim, rolled back afterwards."""
-    sql = "EXPLAIN (ANALYZE, BUFFERS) " + core_sql.render("claim", scratch.schema, QUEUE)
-    tx = scratch.c.transaction()
-    await tx.start()
-    try:
-        rows = await scratch.c.fetch(sql, options.batch_size, "bench-explain", 60.0)
-    finally:
-        await tx.rollback()
-    return "\n".join(r[0] for r in rows)
-
-
-# -- the runner -------------------------------------------------------------------------
-
-
 async def _server_settings(dsn: str) -> dict[str, Any]:
     conn = await asyncpg.connect(dsn)
     try:
@@ -493,8 +107,8 @@ def _machine() -> dict[str, Any]:
     }
 
 
-async def _scratch_run(dsn: str, body: Callable[[_Scratch], Awaitable[Any]]) -> Any:
-    async with _Scratch(dsn) as scratch:
+async def _scratch_run(dsn: str, body: Callable[[Scratch], Awaitable[Any]]) -> Any:
+    async with Scratch(dsn) as scratch:
         return await body(scratch)
 
 
@@ -556,7 +170,7 @@ async def run(
             empty = await _scratch_run(dsn, lambda s: measure_drain(options, s))
             progress(f"loading {options.x_rows} X rows and draining, run {rep}")
 
-            async def with_x(s: _Scratch) -> tuple[float, str]:
+            async def with_x(s: Scratch) -> tuple[float, str]:
                 rate = await measure_drain(options, s, x_rows=options.x_rows)
                 await s.preload(options.batch_size)
                 return rate, await explain_claim(options, s)

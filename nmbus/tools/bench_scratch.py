@@ -14,8 +14,8 @@ from typing import Any
 
 import asyncpg
 
-from nmbus import sql as core_sql
 from nmbus.messages import Message, type_name
+from nmbus.postgres.pubsub import create_queue_on
 from nmbus.postgres.store import install_schema
 from nmbus.settings import Settings
 from nmbus.tools.sql import render
@@ -92,8 +92,7 @@ class Scratch:
 
     async def create_queue(self, queue: str = QUEUE) -> None:
         async with self.c.transaction():
-            await self.c.execute(core_sql.render("create_queue", self.schema, queue))
-            await self.c.execute(core_sql.render("register_queue", self.schema), queue)
+            await create_queue_on(self.c, self.schema, queue)
 
     async def preload(self, count: int, subqueue: str = "I", queue: str = QUEUE) -> None:
         if count <= 0:

@@ -2,7 +2,7 @@
 
 ``run_soak`` sends ``messages`` messages to a queue of its own schema
 (``nmbus_soak`` by default, dropped and recreated at the start), starts
-``workers`` worker processes (``nmbus.tools.soak._main``) and SIGKILLs
+``workers`` worker processes (:mod:`nmbus.tools.soak_worker`) and SIGKILLs
 one of them every ``kill_every`` seconds, starting a new one at once. Handlers
 fail ``fail_rate`` of the time and sometimes sleep. ``poison`` of the messages
 are poison: their handler SIGKILLs its own process every time; a dead worker is
@@ -17,13 +17,13 @@ for every message in X and never for one in F), and after succeeding appends
 A message with two ``ok`` lines was handled twice; every such repeat must come
 from a process that was killed, whose transaction never committed.
 
-At the end every message must be in X or F, none left in I or R, none lost.
+At the end every message must be in X or F, none left in I or R, none lost
+(:mod:`nmbus.tools.soak_report` checks it all).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import signal
@@ -31,147 +31,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 
 from nmbus.bus import Bus
-from nmbus.context import Context
-from nmbus.messages import Message
 from nmbus.settings import Settings
+from nmbus.tools.soak_report import SoakReport, verify
+from nmbus.tools.soak_worker import ENTRY, QUEUE, SoakWork
 from nmbus.tools.sql import render
-
-QUEUE = "soak"
-
-
-class SoakWork(Message, type_name="nmbus.soak.Work"):
-    """One unit of soak work."""
-
-    n: int
-    poison: bool = False
-
-
-class SoakFailure(Exception):
-    """The soak handler's injected failure."""
-
-
-@dataclass
-class SoakReport:
-    """What a soak run found. ``ok`` is the verdict."""
-
-    messages: int
-    workers: int
-    seconds: float = 0.0
-    kills: int = 0
-    killed_pids: list[int] = field(default_factory=list)
-    poison_messages: int = 0
-    deaths: int = 0  # workers that died on their own (a poison message killed them)
-    poison_failed: int = 0  # poison messages in F with AttemptsExhausted: must be all
-    innocent_exhausted: int = 0  # must be 0: other messages failed for dying
-    processed: int = 0  # X
-    failed: int = 0  # F
-    open: int = 0  # still I or R at the end
-    lost: int = 0  # sent but not stored
-    attempts: int = 0  # sum of retry_count
-    injected_failures: int = 0
-    handled_twice: int = 0  # messages with more than one successful handler run
-    repeats_from_killed: int = 0
-    repeats_from_live: int = 0  # must be 0: a repeat whose process was not killed
-    effects_duplicated: int = 0  # must be 0: a transactional effect committed twice
-    effects_missing: int = 0  # must be 0: a message in X without its effect
-    effects_in_failed: int = 0  # must be 0: a message in F with a committed effect
-    failed_reasons: dict[str, int] = field(default_factory=dict)
-    worker_events: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.processed + self.failed == self.messages
-            and self.open == 0
-            and self.lost == 0
-            and self.repeats_from_live == 0
-            and self.effects_duplicated == 0
-            and self.effects_missing == 0
-            and self.effects_in_failed == 0
-            and self.poison_failed == self.poison_messages
-            and self.innocent_exhausted == 0
-        )
-
-    @property
-    def rate(self) -> float:
-        return self.messages / self.seconds if self.seconds else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok, "rate": round(self.rate, 1)}
-
-
-# -- the worker process ---------------------------------------------------------------
-
-
-async def _worker(dsn: str, schema: str, logs: Path, options: dict[str, float]) -> None:
-    pid = os.getpid()
-    fd = os.open(logs / f"{pid}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    fail_rate, sleep_rate, sleep_max = (
-        options["fail_rate"],
-        options["sleep_rate"],
-        options["sleep_max"],
-    )
-    bus = Bus(
-        QUEUE,
-        settings=Settings(
-            dsn=dsn,
-            schema_name=schema,
-            concurrency=int(options["concurrency"]),
-            batch_size=int(options["batch_size"]),
-            lease_seconds=options["lease"],
-            poll_interval=0.5,
-            max_attempts=int(options["max_attempts"]),
-            retry_delay=0.05,
-            retry_max_delay=0.5,
-            reconnect_max_delay=1.0,
-        ),
-    )
-    record = render("soak_record_effect", schema)
-
-    @bus.handler
-    async def handle(msg: SoakWork, ctx: Context) -> None:
-        if msg.poison:
-            os.write(fd, f"poison {ctx.unique_id} {ctx.retry_count}\n".encode())
-            os.kill(pid, signal.SIGKILL)
-        if random.random() < sleep_rate:
-            await asyncio.sleep(random.uniform(0, sleep_max))
-        await ctx.connection.execute(record, ctx.unique_id, ctx.retry_count, pid)
-        if random.random() < fail_rate:
-            os.write(fd, f"fail {ctx.unique_id} {ctx.retry_count}\n".encode())
-            raise SoakFailure(f"injected failure of message {msg.n}")
-        os.write(fd, f"ok {ctx.unique_id} {ctx.retry_count}\n".encode())
-
-    loop = asyncio.get_running_loop()
-    async with bus:
-        loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(bus.stop()))
-        print("ready", flush=True)
-        await bus.wait_stopped()
-
-
-def _configure_worker_logging() -> None:
-    import logging
-
-    import structlog
-
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-
-
-# -- the run -------------------------------------------------------------------------------
-
-
-_WORKER_ENTRY = "import sys; from nmbus.tools.soak import _main; _main(sys.argv[1:])"
 
 
 def _worker_env() -> dict[str, str]:
@@ -185,8 +54,8 @@ class _Proc:
     def __init__(self, args: list[str], stderr: Path) -> None:
         self._err = stderr.open("ab")
         self.popen = subprocess.Popen(
-            # Not `-m nmbus.tools.soak`: that would define SoakWork a second time, in __main__.
-            [sys.executable, "-c", _WORKER_ENTRY, "worker", *args],
+            # `-c` with ENTRY, not `-m`: see nmbus.tools.soak_worker.
+            [sys.executable, "-c", ENTRY, "worker", *args],
             stdout=subprocess.PIPE,
             stderr=self._err,
             text=True,
@@ -291,7 +160,7 @@ async def run_soak(
                 for proc in procs:
                     proc.terminate(timeout=30)
             report.seconds = time.monotonic() - started
-        await _verify(conn, schema, logs, report, poisoned)
+        await verify(conn, schema, logs, report, poisoned)
     finally:
         await conn.close()
         if owned_dir:
@@ -356,94 +225,3 @@ async def _kill_until_done(
             await procs[0].ready()
             next_kill = time.monotonic() + kill_every * random.uniform(0.5, 1.5)
         await asyncio.sleep(0.2)
-
-
-def _read_logs(logs: Path) -> tuple[dict[str, list[tuple[int, int]]], int]:
-    """Successful runs per unique id as (attempt, pid), and the injected failures."""
-    runs: dict[str, list[tuple[int, int]]] = {}
-    failures = 0
-    for path in logs.glob("*.log"):
-        pid = int(path.stem)
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) != 3:
-                continue  # one write() per line: a SIGKILL cannot cut one short
-            if parts[0] == "ok":
-                runs.setdefault(parts[1], []).append((int(parts[2]), pid))
-            elif parts[0] == "fail":
-                failures += 1
-    return runs, failures
-
-
-async def _verify(
-    conn: asyncpg.Connection, schema: str, logs: Path, report: SoakReport, poisoned: set[str]
-) -> None:
-    rows = await conn.fetch(render("soak_rows", schema, QUEUE))
-    runs, report.injected_failures = _read_logs(logs)
-    killed = set(report.killed_pids)
-    reasons: Counter[str] = Counter()
-    stored = 0
-    for unique_id, subqueue, retry_count, reason, attempts, pids in rows:
-        stored += 1
-        report.attempts += retry_count
-        committed = set(zip(attempts, pids, strict=True))
-        if subqueue == "X":
-            report.processed += 1
-            if len(attempts) > 1:
-                report.effects_duplicated += 1
-            elif not attempts:
-                report.effects_missing += 1
-        elif subqueue == "F":
-            report.failed += 1
-            reason_name = (reason or "").split(":")[0]
-            reasons[reason_name] += 1
-            if reason_name == "AttemptsExhausted":
-                if unique_id in poisoned:
-                    report.poison_failed += 1
-                else:
-                    report.innocent_exhausted += 1
-            if attempts:
-                report.effects_in_failed += 1
-        else:
-            report.open += 1
-        done = runs.get(unique_id, [])
-        if len(done) > 1:
-            report.handled_twice += 1
-        for run, count in Counter(done).items():
-            # The same attempt run twice by one process is a re-run inside a live
-            # worker (a batch rolled back and retried), never excused by a kill.
-            report.repeats_from_live += count - 1
-            if run in committed:
-                continue
-            if run[1] in killed:
-                report.repeats_from_killed += 1
-            else:
-                report.repeats_from_live += 1
-    report.lost = max(report.lost, report.messages - stored)
-    report.failed_reasons = dict(reasons)
-    report.worker_events = _worker_events(logs / "workers.err")
-
-
-def _worker_events(path: Path) -> dict[str, int]:
-    """Warning and error events the workers logged, by name (retries left out)."""
-    events: Counter[str] = Counter()
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            parts = line.split()
-            if len(parts) >= 4 and parts[2] in ("[warning", "[error", "[critical"):
-                events[parts[4] if parts[3] == "]" else parts[3]] += 1
-    events.pop("message_retry_scheduled", None)
-    return dict(events)
-
-
-# -- entry point of the worker processes ---------------------------------------------------
-
-
-def _main(argv: list[str]) -> None:
-    if not argv or argv[0] != "worker":
-        raise SystemExit("usage: python -m nmbus.tools.soak worker DSN SCHEMA LOG_DIR key=value...")
-    dsn, schema, logs = argv[1], argv[2], Path(argv[3])
-    options = {k: float(v) for k, v in (item.split("=", 1) for item in argv[4:])}
-    _configure_worker_logging()
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_worker(dsn, schema, logs, options))

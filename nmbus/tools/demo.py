@@ -37,7 +37,7 @@ import structlog
 from nmbus import sql as core_sql
 from nmbus.bus import Bus
 from nmbus.context import Context
-from nmbus.errors import ConfigurationError, PermanentError, RetryLater
+from nmbus.errors import ConfigurationError, NmbusError, PermanentError, RetryLater
 from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
@@ -68,7 +68,7 @@ class OrderShipped(Message, type_name="demo.OrderShipped"):
     carrier: str
 
 
-class GatewayTimeout(Exception):
+class GatewayTimeout(NmbusError):
     """A transient failure: the message is retried after a backoff."""
 
 

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nmbus.errors import NmbusError
 from nmbus.tools.demo import QUEUES, DemoOptions
 
 
-class ReportUnavailable(Exception):
+class ReportUnavailable(NmbusError):
     """The statistics report cannot run here; the message says what to install."""
 
 

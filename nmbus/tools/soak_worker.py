@@ -23,6 +23,7 @@ from pathlib import Path
 
 from nmbus.bus import Bus
 from nmbus.context import Context
+from nmbus.errors import NmbusError
 from nmbus.messages import Message
 from nmbus.settings import Settings
 from nmbus.tools.sql import render
@@ -38,8 +39,8 @@ class SoakWork(Message, type_name="nmbus.soak.Work"):
     poison: bool = False
 
 
-class SoakFailure(Exception):
-    """The soak handler's injected failure."""
+class SoakFailure(NmbusError):
+    """The soak handler's injected failure: an ordinary one, retried by the policy."""
 
 
 async def _worker(dsn: str, schema: str, logs: Path, options: dict[str, float]) -> None:

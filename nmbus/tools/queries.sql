@@ -1,4 +1,4 @@
--- The SQL of nmbus's tools (nmbus bench, nmbus soak, nmbus demo), by name.
+-- The SQL of nmbus's tools (nmbus bench, soak and demo, the statistics seed), by name.
 --
 -- The same format as nmbus/sql/queries.sql, read by the same loader
 -- (nmbus.sql.load) and filled in by the same nmbus.sql.fill: {schema} is the
@@ -156,3 +156,44 @@ SELECT count(*) FROM {queue} WHERE retry_count > 1;
 SELECT split_part(error_info, E'\n', 1) AS error, count(*) AS n
 FROM {queue} WHERE error_info IS NOT NULL
 GROUP BY 1 ORDER BY n DESC, error LIMIT $1;
+
+-- ---------------------------------------------------------------------------
+-- Statistics seed (python -m nmbus.tools.stats_seed): synthetic X and F rows.
+-- ---------------------------------------------------------------------------
+
+-- seed_rows --
+-- Rows g = $1..$2 of $3 in total, into one queue: inserted from $4 over $5 seconds, a
+-- failure share $6, a latency spike if $7 = 1, to_endpoint $8, unique ids $9 || g,
+-- error lines $10, labels $11.
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
+                     retry_count, retry_time, error_info, correlation_id, label,
+                     msg_text, msg_headers, unique_id)
+SELECT 'seed', $8, CASE WHEN failed THEN 'F' ELSE 'X' END, ins,
+       ready + lat, attempts, ready,
+       CASE WHEN failed OR attempts > 1
+            THEN ($10::text[])[1 + ((g / 5) % 4)::int]
+                 || E'\nTraceback (most recent call last):\n'
+                 || '  File "handlers.py", line 42, in handle\n'
+            END,
+       'c' || (g / 3), ($11::text[])[1 + ((g * 7) % 4)::int],
+       '{{"n": ' || g || '}}', '{{}}'::jsonb, $9 || g
+FROM (
+    SELECT g, failed, attempts, ins,
+           ins + (attempts - 1) * interval '2 seconds'
+               + exp(random() * 6) * interval '1 millisecond' AS ready,
+           exp(random() * 7 + 1) * interval '50 microseconds'
+               * CASE WHEN $7::int = 1 AND g BETWEEN $3 * 0.55 AND $3 * 0.62
+                      THEN 25 ELSE 1 END AS lat
+    FROM (
+        SELECT g, r < $6::float8 AS failed,
+               CASE WHEN r < $6 THEN 5 WHEN r < $6 * 4 THEN 2 + (g % 3)::int ELSE 1 END
+                   AS attempts,
+               $4::timestamptz
+                   + ($5::float8 * (g - 1)::float8 / $3::bigint) * interval '1 second' AS ins
+        FROM (SELECT g, random() AS r FROM generate_series($1::bigint, $2::bigint) AS g) AS a
+    ) AS b
+) AS c;
+
+-- seed_analyze --
+-- Refresh the planner's statistics of a queue table after seeding it.
+ANALYZE {queue};

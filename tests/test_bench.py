@@ -12,8 +12,9 @@ import structlog
 from typer.testing import CliRunner
 
 from nmbus import Bus
-from nmbus.bench import BenchOptions, percentile, run
 from nmbus.cli import app
+from nmbus.tools.bench import BenchOptions, run
+from nmbus.tools.bench_scenarios import percentile
 from tests.messages import Ping
 
 SMALL = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -48,6 +49,24 @@ def test_importing_the_cli_imports_no_demo_bench_soak_or_embedded_code() -> None
         "in ('demo', 'bench', 'soak', 'embedded'))))"
     )
     assert found == "[]"
+
+
+def test_the_library_and_nmbus_worker_load_nothing_from_nmbus_tools() -> None:
+    found = python(
+        "import sys, nmbus, nmbus.cli, nmbus.cli.worker; "
+        "print(sorted(m for m in sys.modules if m.startswith('nmbus.tools')))"
+    )
+    assert found == "[]"
+
+
+def test_only_the_tools_own_commands_import_nmbus_tools() -> None:
+    importers = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "nmbus").rglob("*.py")
+        if path.parent.name != "tools"
+        and re.search(r"^\s*(from|import) nmbus\.tools\b", path.read_text(), re.MULTILINE)
+    }
+    assert importers <= {"nmbus/cli/bench.py", "nmbus/cli/demo.py", "nmbus/cli/soak.py"}
 
 
 def test_a_worker_process_knows_no_demo_message_types() -> None:

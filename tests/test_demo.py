@@ -16,8 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from nmbus import demo
 from nmbus.errors import ConfigurationError
+from nmbus.tools import demo, demo_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,8 +28,8 @@ def _require_spark() -> None:
     CI installs all of it and sets NMBUS_TEST_STRICT=1, which fails a run with a skip.
     """
     try:
-        demo.check_report()
-    except demo.ReportUnavailable as exc:
+        demo_report.check_report()
+    except demo_report.ReportUnavailable as exc:
         pytest.skip(f"the report cannot run here: {exc}")
 
 
@@ -201,7 +201,7 @@ def test_demo_without_pyspark_runs_the_bus_and_says_what_the_report_needs(
     env = {**os.environ, "NMBUS_DSN": dsn, "PYTHONPATH": str(hidden)}
     outcome = _nmbus("--orders", "20", "--data-dir", str(tmp_path / ".nmbus"), env=env)
     assert outcome["bus"]["orders"] == 20
-    assert outcome["report"] == {"skipped": demo.SPARK_HINT}
+    assert outcome["report"] == {"skipped": demo_report.SPARK_HINT}
 
 
 @pytest.mark.timeout(240)

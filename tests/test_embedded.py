@@ -17,7 +17,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from nmbus.embedded import EmbeddedPostgres, _bin_dir
+from nmbus.tools.embedded import EmbeddedPostgres, _bin_dir
 
 pytest.importorskip("pgserver", reason="the embedded extra (pgserver) is not installed")
 
@@ -151,7 +151,7 @@ def test_missing_pgserver_says_what_to_install(
 ) -> None:
     import importlib.util
 
-    from nmbus.embedded import EmbeddedUnavailable
+    from nmbus.tools.embedded import EmbeddedUnavailable
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

@@ -46,7 +46,7 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Measure nmbus on a scratch schema it creates and drops; print figures and settings."""
-    from nmbus.bench import ALL_MODES, MODES, BenchOptions, run
+    from nmbus.tools.bench import ALL_MODES, MODES, BenchOptions, run
 
     if not dsn:
         raise typer.BadParameter("give --dsn or set NMBUS_DSN", param_hint="--dsn")

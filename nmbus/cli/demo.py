@@ -23,10 +23,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from nmbus import demo as demo_lib
 from nmbus.cli._common import fail
-from nmbus.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
 from nmbus.errors import NmbusError
+from nmbus.tools import demo as demo_lib
+from nmbus.tools import demo_report
+from nmbus.tools.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
 
 command = typer.Typer(add_completion=False)
 
@@ -203,8 +204,8 @@ def demo(
     report_problem: str | None = None
     if report:
         try:
-            demo_lib.check_report()
-        except demo_lib.ReportUnavailable as exc:
+            demo_report.check_report()
+        except demo_report.ReportUnavailable as exc:
             report_problem = str(exc)
             say.print(f"[yellow]note:[/yellow] {escape(report_problem)}", highlight=False)
             say.print("the bus part runs anyway; the report is skipped.\n", highlight=False)
@@ -239,8 +240,8 @@ def demo(
                 highlight=False,
             )
             try:
-                stats = demo_lib.run_report(dsn, options, out, jvm_log=data_dir / "spark.log")
-            except demo_lib.ReportUnavailable as exc:
+                stats = demo_report.run_report(dsn, options, out, jvm_log=data_dir / "spark.log")
+            except demo_report.ReportUnavailable as exc:
                 say.print(f"[red]report failed:[/red] {escape(str(exc))}", highlight=False)
                 outcome["report"] = {"error": str(exc)}
             else:

@@ -1,4 +1,4 @@
-"""``nmbus soak``: the kill soak (nmbus.soak). Loaded only when it runs (see NmbusGroup.lazy)."""
+"""``nmbus soak``: the kill soak (nmbus.tools.soak), loaded only when it runs (NmbusGroup.lazy)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def soak(
     Exits with status 1 when any guarantee was broken.
     """
     from nmbus.settings import Settings
-    from nmbus.soak import run_soak
+    from nmbus.tools.soak import run_soak
 
     settings = Settings(dsn=dsn) if dsn else Settings()
     if not settings.dsn:

@@ -1,7 +1,9 @@
 """The runtime SQL of nmbus, loaded once from ``queries.sql`` by name.
 
 Queue tables are the one dynamic part of any statement: :func:`render` fills in
-schema, table and index names, always through :func:`quote_ident`.
+schema, table and index names, always through :func:`quote_ident`. The tools'
+SQL (:mod:`nmbus.tools.sql`) is another file of named blocks, read by the same
+:func:`load` and filled in by the same :func:`fill`.
 
 nmbus's own objects of a table (its indexes, primary key and identity
 sequence) are named ``<table>$<role>`` (:func:`own_name`). Queue names cannot
@@ -19,8 +21,9 @@ from importlib.resources import files
 _BLOCK = re.compile(r"^-- ([a-z_][a-z0-9_]*) --$", re.MULTILINE)
 
 
-def _load() -> dict[str, str]:
-    text = files(__package__).joinpath("queries.sql").read_text(encoding="utf-8")
+def load(package: str, filename: str = "queries.sql") -> dict[str, str]:
+    """The ``-- name --`` blocks of ``filename`` in ``package``, without their comment lines."""
+    text = files(package).joinpath(filename).read_text(encoding="utf-8")
     parts = _BLOCK.split(text)
     queries: dict[str, str] = {}
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
@@ -29,7 +32,7 @@ def _load() -> dict[str, str]:
     return queries
 
 
-QUERIES: dict[str, str] = _load()
+QUERIES: dict[str, str] = load(__name__)
 
 
 def quote_ident(name: str) -> str:
@@ -51,9 +54,8 @@ def own_name(table: str, role: str) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=1024)
-def render(name: str, schema: str, queue: str | None = None) -> str:
-    """The query ``name`` with identifiers for ``schema`` and ``queue`` filled in."""
+def fill(sql: str, schema: str, queue: str | None = None) -> str:
+    """``sql`` with the identifiers of ``schema`` and ``queue`` filled in, each one quoted."""
     values = {"schema": quote_ident(schema)}
     if queue is not None:
         values["queue"] = f"{quote_ident(schema)}.{quote_ident(queue)}"
@@ -61,4 +63,10 @@ def render(name: str, schema: str, queue: str | None = None) -> str:
         values["unique_index"] = quote_ident(own_name(queue, "uid"))
         values["pkey"] = quote_ident(own_name(queue, "pkey"))
         values["id_seq"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'id_seq'))}"
-    return QUERIES[name].format_map(values)
+    return sql.format_map(values)
+
+
+@functools.lru_cache(maxsize=1024)
+def render(name: str, schema: str, queue: str | None = None) -> str:
+    """The query ``name`` with identifiers for ``schema`` and ``queue`` filled in."""
+    return fill(QUERIES[name], schema, queue)

@@ -1,6 +1,6 @@
 """Fill queue tables with synthetic processed and failed rows, for figures and demos.
 
-    python -m nmbus.stats.seed --dsn postgresql://postgres@127.0.0.1:5432/nmbus_bench \\
+    python -m nmbus.tools.stats_seed --dsn postgresql://postgres@127.0.0.1:5432/nmbus_bench \\
         --rows 1000000 --queues orders,billing,mail
 
 Rows are generated inside PostgreSQL (``generate_series``), in batches, so a
@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 
 from nmbus.postgres import PostgresStore, install_schema
-from nmbus.sql import quote_ident
+from nmbus.tools.sql import render
 
 LABELS = ["orders.OrderPlaced", "billing.ChargeCard", "mail.SendReceipt", "stock.Reserve"]
 ERRORS = [
@@ -31,40 +31,6 @@ ERRORS = [
     "KeyError: 'customer_id'",
     "asyncpg.exceptions.UniqueViolationError: duplicate key value",
 ]
-
-# $1 first g, $2 last g, $3 rows in total, $4 start time, $5 span seconds,
-# $6 failure share, $7 spike (0 or 1), $8 queue name, $9 unique id prefix,
-# $10 error lines, $11 labels.
-INSERT = """
-INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
-                     retry_count, retry_time, error_info, correlation_id, label,
-                     msg_text, msg_headers, unique_id)
-SELECT 'seed', $8, CASE WHEN failed THEN 'F' ELSE 'X' END, ins,
-       ready + lat, attempts, ready,
-       CASE WHEN failed OR attempts > 1
-            THEN ($10::text[])[1 + ((g / 5) % 4)::int]
-                 || E'\\nTraceback (most recent call last):\\n'
-                 || '  File "handlers.py", line 42, in handle\\n'
-            END,
-       'c' || (g / 3), ($11::text[])[1 + ((g * 7) % 4)::int],
-       '{{"n": ' || g || '}}', '{{}}'::jsonb, $9 || g
-FROM (
-    SELECT g, failed, attempts, ins,
-           ins + (attempts - 1) * interval '2 seconds'
-               + exp(random() * 6) * interval '1 millisecond' AS ready,
-           exp(random() * 7 + 1) * interval '50 microseconds'
-               * CASE WHEN $7::int = 1 AND g BETWEEN $3 * 0.55 AND $3 * 0.62
-                      THEN 25 ELSE 1 END AS lat
-    FROM (
-        SELECT g, r < $6::float8 AS failed,
-               CASE WHEN r < $6 THEN 5 WHEN r < $6 * 4 THEN 2 + (g % 3)::int ELSE 1 END
-                   AS attempts,
-               $4::timestamptz
-                   + ($5::float8 * (g - 1)::float8 / $3::bigint) * interval '1 second' AS ins
-        FROM (SELECT g, random() AS r FROM generate_series($1::bigint, $2::bigint) AS g) AS a
-    ) AS b
-) AS c
-"""
 
 
 async def seed(
@@ -97,7 +63,7 @@ async def seed(
     conn = await asyncpg.connect(dsn)
     try:
         for i, (q, n) in enumerate(zip(queues, per_queue, strict=True)):
-            sql = INSERT.format(queue=f"{quote_ident(schema)}.{quote_ident(q)}")
+            sql = render("seed_rows", schema, q)
             prefix = f"seed-{q}-{int(time.time())}-"
             for lo in range(1, n + 1, batch):
                 hi = min(n, lo + batch - 1)
@@ -118,14 +84,14 @@ async def seed(
                     LABELS,
                 )
                 print(f"{q}: rows {lo}-{hi} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-            await conn.execute(f"ANALYZE {quote_ident(schema)}.{quote_ident(q)}")
+            await conn.execute(render("seed_analyze", schema, q))
     finally:
         await conn.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m nmbus.stats.seed", description=__doc__.split("\n")[0]
+        prog="python -m nmbus.tools.stats_seed", description=__doc__.split("\n")[0]
     )
     p.add_argument("--dsn", required=True)
     p.add_argument("--rows", type=int, default=100_000, help="rows in total, split over queues")

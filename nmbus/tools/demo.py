@@ -17,7 +17,8 @@ to R and is retried with backoff), some cards are declined for good
 
 Everything lives in its own schema (``nmbus_demo``), dropped and created again
 at each run, so the figures are those of the last run. The command line
-(``nmbus demo``) adds the embedded PostgreSQL, the live view and the report.
+(``nmbus demo``) adds the embedded PostgreSQL (:mod:`nmbus.tools.embedded`),
+the live view and the report (:mod:`nmbus.tools.demo_report`).
 """
 
 from __future__ import annotations
@@ -25,30 +26,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import importlib
-import os
 import random
-import shutil
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import asyncpg
 import structlog
 
+from nmbus import sql as core_sql
 from nmbus.bus import Bus
 from nmbus.context import Context
-from nmbus.errors import ConfigurationError, PermanentError, RetryLater
+from nmbus.errors import ConfigurationError, NmbusError, PermanentError, RetryLater
 from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
-from nmbus.sql import render
 from nmbus.store import validate_schema_name
+from nmbus.tools.sql import render
 
-log = structlog.get_logger("nmbus.demo")
+log = structlog.get_logger("nmbus.tools.demo")
 
 DEFAULT_SCHEMA = "nmbus_demo"
 PUBLISHER = "shop"
@@ -72,7 +68,7 @@ class OrderShipped(Message, type_name="demo.OrderShipped"):
     carrier: str
 
 
-class GatewayTimeout(Exception):
+class GatewayTimeout(NmbusError):
     """A transient failure: the message is retried after a backoff."""
 
 
@@ -263,7 +259,7 @@ async def reset_schema(dsn: str, schema: str) -> None:
                 f"schema {schema!r} exists and is not a demo schema (it has no demo_payments "
                 "table); pick another one with --schema"
             )
-        await conn.execute(render("demo_drop_schema", schema))
+        await conn.execute(render("drop_schema", schema))
         await conn.execute(render("demo_create_tables", schema))
     finally:
         await conn.close()
@@ -278,7 +274,7 @@ async def drop_schema(dsn: str, schema: str) -> bool:
             return False
         if not await conn.fetchval(render("demo_is_demo_schema", schema), schema):
             raise ConfigurationError(f"schema {schema!r} is not a demo schema; left alone")
-        await conn.execute(render("demo_drop_schema", schema))
+        await conn.execute(render("drop_schema", schema))
         return True
     finally:
         await conn.close()
@@ -292,7 +288,7 @@ async def _snapshot(
 ) -> Snapshot:
     queues = []
     for queue in QUEUES:
-        rows = await pool.fetch(render("subqueue_counts", options.schema, queue))
+        rows = await pool.fetch(core_sql.render("subqueue_counts", options.schema, queue))
         counts = {row[0]: int(row[1]) for row in rows}
         queues.append(
             QueueCounts(
@@ -390,104 +386,3 @@ async def run_bus(
         top_errors=sorted(top, key=lambda t: -t[2]),
         seconds=seconds,
     )
-
-
-# -- the report ---------------------------------------------------------------------------
-
-
-class ReportUnavailable(Exception):
-    """The statistics report cannot run here; the message says what to install."""
-
-
-JAVA_HINT = (
-    "the statistics report runs on Spark, which needs Java 17 (a JRE is enough):\n"
-    "    Debian/Ubuntu: sudo apt-get install openjdk-17-jre-headless\n"
-    "    macOS:         brew install openjdk@17\n"
-    "or set JAVA_HOME to a Java 17 installation."
-)
-SPARK_HINT = "the statistics report needs pyspark: pip install 'nmbus[spark]'"
-JOB_MISSING = (
-    "this nmbus has no statistics job (nmbus.stats.job is missing), so the demo stops "
-    "after the bus part"
-)
-
-
-def find_java() -> str | None:
-    home = os.environ.get("JAVA_HOME")
-    if home and Path(home, "bin", "java").exists():
-        return str(Path(home, "bin", "java"))
-    return shutil.which("java")
-
-
-def stats_job() -> Any:
-    """The statistics job module, or ReportUnavailable saying what is missing."""
-    try:
-        importlib.import_module("pyspark")
-    except ImportError as exc:
-        raise ReportUnavailable(SPARK_HINT) from exc
-    try:
-        return importlib.import_module("nmbus.stats.job")
-    except ModuleNotFoundError as exc:
-        if exc.name in ("nmbus.stats", "nmbus.stats.job"):
-            raise ReportUnavailable(JOB_MISSING) from exc
-        raise
-
-
-def check_report() -> Any:
-    """Everything the report needs, checked before the bus part starts."""
-    job = stats_job()
-    if find_java() is None:
-        raise ReportUnavailable(JAVA_HINT)
-    try:
-        job.find_jdbc_jar(None)
-    except job.StatsError as exc:
-        raise ReportUnavailable(str(exc)) from exc
-    return job
-
-
-@contextlib.contextmanager
-def _stderr_to(path: Path | None) -> Iterator[None]:
-    """Point file descriptor 2 at ``path`` while the JVM starts: it inherits it for good."""
-    if path is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with path.open("ab") as target:
-            os.dup2(target.fileno(), 2)
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def run_report(
-    dsn: str,
-    options: DemoOptions,
-    out: Path,
-    master: str = "local[2]",
-    jvm_log: Path | None = None,
-) -> Any:
-    """Run the Spark statistics job over the demo's schema; returns its result.
-
-    With ``jvm_log``, Spark's own console output goes to that file.
-    """
-    job = check_report()
-    # Per-second windows: the whole demo usually fits in one minute. The publisher's
-    # own queue stays empty and is left out.
-    opts = job.Options(
-        dsn=dsn, out=str(out), schema=options.schema, window="second", queues=list(QUEUES)
-    )
-    with contextlib.suppress(TypeError, AttributeError):
-        opts.title = "nmbus demo"
-    with _stderr_to(jvm_log):
-        spark = job.build_session(master, None, "1g")
-    try:
-        return job.run(spark, opts)
-    except job.StatsError as exc:
-        raise ReportUnavailable(str(exc)) from exc
-    finally:
-        spark.stop()

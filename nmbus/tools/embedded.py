@@ -16,8 +16,14 @@ file serialises them):
 - a stale ``postmaster.pid`` (the server was killed, the machine rebooted, or
   its pid now belongs to another process) is removed before starting.
 
-As root, PostgreSQL refuses to run, so (as pgserver does) the server runs as
-the system user ``pgserver``, created on first use, which owns the data folder.
+Running as root changes the machine. PostgreSQL refuses to run as root, so
+(as pgserver does) the server then runs as the system user ``pgserver``: the
+first :meth:`EmbeddedPostgres.start` creates that user with ``useradd``, opens
+the folders above the data folder and the pgserver binaries to other users,
+and gives it the data folder. All of it is in :mod:`nmbus.tools.embedded_root`,
+runs only when the effective uid is 0 and only in ``start()``, never at
+import, and is logged. As any other user, nothing outside the data folder is
+touched.
 """
 
 from __future__ import annotations
@@ -26,11 +32,9 @@ import contextlib
 import fcntl
 import importlib.util
 import os
-import pwd
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -41,12 +45,12 @@ from typing import Any
 import structlog
 
 from nmbus.errors import ConfigurationError, NmbusError
+from nmbus.tools import embedded_root
 
-log = structlog.get_logger("nmbus.embedded")
+log = structlog.get_logger("nmbus.tools.embedded")
 
 DEFAULT_DATA_DIR = Path(".nmbus")
 HOST = "127.0.0.1"
-SYSTEM_USER = "pgserver"
 INSTALL_HINT = "pip install 'nmbus[embedded]'  (the pgserver package)"
 
 
@@ -84,49 +88,13 @@ def _bin_dir() -> Path:
     return Path(locations[0]).resolve() / "pginstall" / "bin"
 
 
-def _ensure_system_user(name: str) -> tuple[int, int]:
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "-s", "/bin/sh", name], check=True, capture_output=True
-        )
-        entry = pwd.getpwnam(name)
-    return entry.pw_uid, entry.pw_gid
-
-
-def _open_up(path: Path) -> None:
-    """Let other users traverse every folder above ``path`` (g+rx, o+rx), as pgserver does."""
-    for parent in path.parents:
-        mode = parent.stat().st_mode
-        if mode & 0o055 != 0o055:
-            parent.chmod(mode | 0o055)
-
-
-def _open_tree(root: Path) -> None:
-    """Make the binaries' tree readable (and its executables runnable) by the system user."""
-    for folder, dirs, files in os.walk(root):
-        for name in [folder, *(os.path.join(folder, d) for d in dirs)]:
-            mode = os.stat(name).st_mode
-            if mode & 0o055 != 0o055:
-                os.chmod(name, mode | 0o055)
-        for name in files:
-            full = os.path.join(folder, name)
-            mode = os.lstat(full).st_mode
-            if stat.S_ISLNK(mode):
-                continue
-            wanted = mode | 0o044 | (0o011 if mode & 0o100 else 0)
-            if wanted != mode:
-                os.chmod(full, wanted)
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        # Someone else's process: ours would run as us (or as SYSTEM_USER under root).
+        # Someone else's process: ours would run as us (or as the system user under root).
         return os.geteuid() == 0
     return True
 
@@ -180,7 +148,8 @@ class EmbeddedPostgres:
         self.log_file = self.pgdata / "log"
         self._port_file = self.data_dir / "port"
         self._lock_file = self.data_dir / "lock"
-        self._user = SYSTEM_USER if os.geteuid() == 0 else None
+        # The system user the server runs as: only when nmbus runs as root.
+        self._user = embedded_root.system_user()
 
     # -- public ------------------------------------------------------------------
 
@@ -279,12 +248,8 @@ class EmbeddedPostgres:
         """Create the data folder (and, as root, make it the system user's) and initdb it."""
         self.pgdata.mkdir(parents=True, exist_ok=True)
         if self._user is not None:
-            uid, gid = _ensure_system_user(self._user)
-            _open_up(self.pgdata)
-            _open_up(bin_dir.parent)
-            _open_tree(bin_dir.parent)
-            if self.pgdata.stat().st_uid != uid:
-                os.chown(self.pgdata, uid, gid)
+            # Root only: the system changes are all in nmbus.tools.embedded_root.
+            embedded_root.hand_over(self._user, self.pgdata, bin_dir.parent)
         self.pgdata.chmod(0o700)
         if (self.pgdata / "PG_VERSION").exists():
             return

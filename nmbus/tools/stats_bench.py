@@ -1,24 +1,27 @@
 """Time the statistics job, and the same figures from one SQL query, on one database.
 
-    python -m nmbus.stats.bench --dsn postgresql://postgres@127.0.0.1:5432/nmbus_bench \\
+    python -m nmbus.tools.stats_bench --dsn postgresql://postgres@127.0.0.1:5432/nmbus_bench \\
         --master 'local[2]'
 
 Prints one line per measurement: rows, seconds, rows per second. The SQL
 query computes, per queue, type and hour, the counts, mean, percentile_cont
 p50/p95/p99 and max of both latencies: what the job's ``windows`` table holds.
-Seed a database first with ``python -m nmbus.stats.seed``.
+Seed a database first with ``python -m nmbus.tools.stats_seed``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 import tempfile
 import time
+from typing import Any
 
 import asyncpg
 
+from nmbus import sql as core_sql
 from nmbus.sql import quote_ident
 
 SQL = """
@@ -57,7 +60,7 @@ def reference_sql(schema: str, queues: list[str]) -> str:
 async def _queues(dsn: str, schema: str) -> list[str]:
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch(f"SELECT name FROM {quote_ident(schema)}.queues ORDER BY name")
+        rows = await conn.fetch(core_sql.render("list_queues", schema), schema)
         return [r[0] for r in rows]
     finally:
         await conn.close()
@@ -83,8 +86,8 @@ async def time_sql(dsn: str, schema: str) -> tuple[int, int, float]:
 
 def time_job(dsn: str, schema: str, master: str, partitions: int) -> tuple[int, float, float]:
     """(rows, seconds of the job, seconds including Spark start-up)."""
-    from nmbus.stats import job
-
+    # Imported by name, as `nmbus report` does: the job is plain PySpark code, not type-checked.
+    job: Any = importlib.import_module("nmbus.stats.job")
     started = time.perf_counter()
     spark = job.build_session(master)
     try:
@@ -98,7 +101,7 @@ def time_job(dsn: str, schema: str, master: str, partitions: int) -> tuple[int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nmbus.stats.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m nmbus.tools.stats_bench", description=__doc__)
     p.add_argument("--dsn", required=True)
     p.add_argument("--schema", default="nmbus")
     p.add_argument("--master", default="local[2]")

@@ -1,0 +1,205 @@
+"""Benchmarks of nmbus against a real PostgreSQL: what ``nmbus bench`` runs.
+
+Every measurement runs in a schema of its own (``nmbus_bench_<random>``) that it
+creates and drops, so it never touches the queues of the database it is pointed
+at (:mod:`nmbus.tools.bench_scratch`). Each mode is measured by a function of
+:mod:`nmbus.tools.bench_scenarios`; this module repeats them and gathers the
+medians, with the settings they ran under. The modes:
+
+``ceiling``        the bare asyncpg loop nmbus is measured against: claim up to a
+                   batch of ready rows with ``FOR UPDATE SKIP LOCKED`` and mark
+                   them X, one autocommitted statement per batch.
+``drain``          pre-load N messages, time a worker draining them with a typed
+                   no-op handler.
+``transactional``  the same, the handler inserting one row through
+                   ``ctx.connection``; compared with a loop that gives every
+                   message its own transaction (claim one, insert, mark X, commit).
+``latency``        a producer on its own connections sends at a fixed rate; the
+                   time from send to handler start, as percentiles.
+``fanout``         publishers call ``Bus.publish``, then ``Bus.publish_many`` in
+                   batches, to 3 subscribers; published
+                   messages and stored rows per second.
+``xrows``          drain on an empty table, then with millions of X rows in the
+                   same table, and ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
+
+Figures are only as good as the machine is quiet: the load average is printed
+with the settings of every run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+import asyncpg
+
+from nmbus.tools.bench_scenarios import (
+    explain_claim,
+    measure_ceiling,
+    measure_drain,
+    measure_fanout,
+    measure_latency,
+    measure_per_message_transactions,
+)
+from nmbus.tools.bench_scratch import BenchOptions, Scratch
+from nmbus.tools.sql import render
+
+__all__ = ["ALL_MODES", "MODES", "BenchOptions", "Result", "run"]
+
+MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows")
+ALL_MODES = ("ceiling", "drain", "transactional", "latency", "fanout")
+
+
+@dataclass
+class Result:
+    """The figures of one mode: each a median over ``runs`` repetitions."""
+
+    mode: str
+    figures: dict[str, float] = field(default_factory=dict)
+    units: dict[str, str] = field(default_factory=dict)
+    runs: dict[str, list[float]] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, name: str, value: float, unit: str) -> None:
+        self.runs.setdefault(name, []).append(value)
+        self.units[name] = unit
+        self.figures[name] = statistics.median(self.runs[name])
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+async def _server_settings(dsn: str) -> dict[str, Any]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow(render("bench_server", "nmbus"))
+    finally:
+        await conn.close()
+    assert row is not None
+    return {
+        "server": str(row[0]).split(",")[0],
+        "synchronous_commit": row[1],
+        "shared_buffers": row[2],
+        "fsync": row[3],
+    }
+
+
+def _machine() -> dict[str, Any]:
+    load = os.getloadavg()
+    return {
+        "cpus": os.cpu_count(),
+        "load_average_1m": round(load[0], 2),
+        "python": platform.python_version(),
+        "asyncpg": asyncpg.__version__,
+    }
+
+
+async def _scratch_run(dsn: str, body: Callable[[Scratch], Awaitable[Any]]) -> Any:
+    async with Scratch(dsn) as scratch:
+        return await body(scratch)
+
+
+async def run(
+    modes: Sequence[str], options: BenchOptions, progress: Progress = _quiet
+) -> list[Result]:
+    """Measure ``modes`` ``options.repeat`` times each; medians in each Result's figures."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown bench mode {mode!r}; choose from {', '.join(MODES)}")
+    common = {**await _server_settings(options.dsn), **_machine()}
+    results = {mode: Result(mode) for mode in modes}
+    dsn = options.dsn
+    needs_ceiling = any(m in modes for m in ("ceiling", "drain"))
+    for rep in range(1, options.repeat + 1):
+        ceiling = None
+        if needs_ceiling:
+            progress(f"ceiling, run {rep}")
+            ceiling = await _scratch_run(dsn, lambda s: measure_ceiling(options, s))
+            if "ceiling" in results:
+                results["ceiling"].add("messages_per_s", ceiling, "msg/s")
+        if "drain" in results:
+            progress(f"drain, run {rep}")
+            cpu: list[float] = []
+            rate = await _scratch_run(dsn, partial(measure_drain, options, cpu_used=cpu))
+            results["drain"].add("messages_per_s", rate, "msg/s")
+            assert ceiling is not None
+            results["drain"].add("ratio_to_ceiling", rate / ceiling, "x")
+            results["drain"].add("python_cpu_us_per_msg", cpu[0], "us")
+        if "transactional" in results:
+            progress(f"transactional, run {rep}")
+            cpu = []
+            run_tx = partial(measure_drain, options, transactional=True, cpu_used=cpu)
+            rate = await _scratch_run(dsn, run_tx)
+            progress(f"per-message transactions, run {rep}")
+            base = await _scratch_run(dsn, lambda s: measure_per_message_transactions(options, s))
+            res = results["transactional"]
+            res.add("messages_per_s", rate, "msg/s")
+            res.add("per_message_tx_per_s", base, "msg/s")
+            res.add("ratio_to_per_message_tx", rate / base, "x")
+            res.add("python_cpu_us_per_msg", cpu[0], "us")
+        if "latency" in results:
+            progress(f"latency, run {rep}")
+            figures = await _scratch_run(dsn, lambda s: measure_latency(options, s))
+            for name, value in figures.items():
+                unit = "ms" if name.endswith("_ms") else ""
+                results["latency"].add(name, value, unit)
+        if "fanout" in results:
+            progress(f"fanout, run {rep}")
+            figures = await _scratch_run(dsn, lambda s: measure_fanout(options, s))
+            results["fanout"].add("published_per_s", figures["published_per_s"], "msg/s")
+            results["fanout"].add("rows_per_s", figures["rows_per_s"], "rows/s")
+            results["fanout"].add(
+                "batched_published_per_s", figures["batched_published_per_s"], "msg/s"
+            )
+            results["fanout"].add("batched_rows_per_s", figures["batched_rows_per_s"], "rows/s")
+        if "xrows" in results:
+            progress(f"drain on an empty table, run {rep}")
+            empty = await _scratch_run(dsn, lambda s: measure_drain(options, s))
+            progress(f"loading {options.x_rows} X rows and draining, run {rep}")
+
+            async def with_x(s: Scratch) -> tuple[float, str]:
+                rate = await measure_drain(options, s, x_rows=options.x_rows)
+                await s.preload(options.batch_size)
+                return rate, await explain_claim(options, s)
+
+            loaded, plan = await _scratch_run(dsn, with_x)
+            res = results["xrows"]
+            res.add("empty_messages_per_s", empty, "msg/s")
+            res.add("with_x_rows_messages_per_s", loaded, "msg/s")
+            res.add("ratio_loaded_to_empty", loaded / empty, "x")
+            res.notes = [f"EXPLAIN (ANALYZE, BUFFERS) of the claim with {options.x_rows} X rows:"]
+            res.notes.append(plan)
+    for mode, result in results.items():
+        result.settings = {**_mode_settings(mode, options), **common, "repeat": options.repeat}
+    return list(results.values())
+
+
+def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
+    base = {"batch_size": o.batch_size, "concurrency": o.concurrency}
+    if mode in ("ceiling", "drain"):
+        return {**base, "messages": o.messages}
+    if mode == "transactional":
+        return {**base, "messages": o.messages, "baseline_messages": o.baseline_messages}
+    if mode == "latency":
+        return {**base, "rate_per_s": o.rate, "seconds": o.seconds, "warmup_s": o.warmup}
+    if mode == "fanout":
+        return {
+            "messages": o.fanout_messages,
+            "subscribers": o.subscribers,
+            "publishers": o.publishers,
+            "publish_many_batch": o.fanout_batch,
+        }
+    return {**base, "messages": o.messages, "x_rows": o.x_rows}

@@ -1,0 +1,309 @@
+"""The benchmarks themselves: each mode of ``nmbus bench`` measured once, on a scratch schema.
+
+:mod:`nmbus.tools.bench` runs them, repeats them and gathers their figures;
+the modes are described there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+import asyncpg
+
+from nmbus import sql as core_sql
+from nmbus.bus import Bus
+from nmbus.context import Context
+from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
+from nmbus.tools.sql import render
+
+
+async def _wait_until(check: Callable[[], bool], timeout: float, step: float = 0.005) -> None:
+    # The worker's counters have no event to wait on; a 5 ms poll costs next to nothing.
+    async with asyncio.timeout(timeout):
+        while not check():  # noqa: ASYNC110
+            await asyncio.sleep(step)
+
+
+def _deadline(count: int) -> float:
+    # Generous: a loaded machine must not turn a slow run into a failure.
+    return 60.0 + count / 200.0
+
+
+# -- ceiling ----------------------------------------------------------------------------
+
+
+async def measure_ceiling(options: BenchOptions, scratch: Scratch) -> float:
+    """Messages per second of the bare claim-and-mark-X loop, ``concurrency`` loops."""
+    await scratch.create_queue()
+    await scratch.preload(options.messages)
+    await scratch.checkpoint()
+    sql = render("bench_ceiling", scratch.schema, QUEUE)
+    conns = [await asyncpg.connect(options.dsn) for _ in range(options.concurrency)]
+    try:
+        for conn in conns:  # prepare outside the timed part, as asyncpg's cache would
+            await conn.prepare(sql)
+        done = 0
+
+        async def loop(conn: asyncpg.Connection) -> None:
+            nonlocal done
+            while True:
+                rows = await conn.fetch(sql, options.batch_size)
+                if not rows:
+                    return
+                done += len(rows)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(loop(c) for c in conns))
+        elapsed = time.perf_counter() - started
+    finally:
+        for conn in conns:
+            await conn.close()
+    if done != options.messages:
+        raise RuntimeError(f"ceiling loop marked {done} rows, expected {options.messages}")
+    return done / elapsed
+
+
+# -- drain and transactional ----------------------------------------------------------
+
+
+async def measure_drain(
+    options: BenchOptions,
+    scratch: Scratch,
+    *,
+    transactional: bool = False,
+    x_rows: int = 0,
+    count: int | None = None,
+    cpu_used: list[float] | None = None,
+) -> float:
+    """Messages per second of a Bus worker draining ``count`` pre-loaded messages.
+
+    With ``cpu_used``, also appends this process's CPU microseconds per message:
+    the Python cost, which a busy machine disturbs far less than the wall clock.
+    """
+    total = options.messages if count is None else count
+    await scratch.create_queue()
+    await scratch.preload(x_rows, "X")
+    if transactional:
+        await scratch.c.execute(render("bench_create_effects", scratch.schema))
+    await scratch.preload(total)
+    await scratch.checkpoint()
+
+    bus = Bus(QUEUE, settings=options.bus_settings(scratch.schema))
+    first: list[float] = []
+    insert_effect = render("bench_insert_effect", scratch.schema)
+
+    if transactional:
+
+        @bus.handler
+        async def effect(msg: Tick, ctx: Context) -> None:
+            if not first:
+                first.append(time.perf_counter())
+            await ctx.connection.execute(insert_effect, ctx.message_id, msg.n)
+
+    else:
+
+        @bus.handler
+        async def noop(msg: Tick, ctx: Context) -> None:
+            if not first:
+                first.append(time.perf_counter())
+
+    async with bus:
+        cpu = time.process_time()
+        await _wait_until(lambda: bus.worker.handled >= total, _deadline(total))
+        elapsed = time.perf_counter() - first[0]
+        cpu = time.process_time() - cpu
+    if cpu_used is not None:
+        cpu_used.append(cpu * 1e6 / total)
+    processed = await scratch.count("X") - x_rows
+    if processed != total:
+        raise RuntimeError(f"drain processed {processed} messages, expected {total}")
+    if transactional:
+        effects = int(await scratch.c.fetchval(render("bench_count_effects", scratch.schema)))
+        if effects != total:
+            raise RuntimeError(f"handlers wrote {effects} effects, expected {total}")
+    return total / elapsed
+
+
+async def measure_per_message_transactions(options: BenchOptions, scratch: Scratch) -> float:
+    """The baseline: every message in a transaction of its own (claim one, insert, X, commit)."""
+    await scratch.create_queue()
+    await scratch.c.execute(render("bench_create_effects", scratch.schema))
+    total = options.baseline_messages
+    await scratch.preload(total)
+    await scratch.checkpoint()
+    claim = render("bench_claim_one", scratch.schema, QUEUE)
+    insert = render("bench_insert_effect", scratch.schema)
+    mark = render("bench_mark_one", scratch.schema, QUEUE)
+    conn = await asyncpg.connect(options.dsn)
+    done = 0
+    try:
+        started = time.perf_counter()
+        while True:
+            async with conn.transaction():
+                row = await conn.fetchrow(claim)
+                if row is None:
+                    break
+                msg = Tick.model_validate_json(row["msg_text"])
+                await conn.execute(insert, row["id"], msg.n)
+                await conn.execute(mark, row["id"])
+            done += 1
+        elapsed = time.perf_counter() - started
+    finally:
+        await conn.close()
+    if done != total:
+        raise RuntimeError(f"baseline handled {done} messages, expected {total}")
+    return done / elapsed
+
+
+# -- latency ----------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation between closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    pos = (len(ordered) - 1) * q / 100.0
+    lower = int(pos)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (pos - lower)
+
+
+async def measure_latency(options: BenchOptions, scratch: Scratch) -> dict[str, float]:
+    """Send at ``rate`` per second for ``seconds``; milliseconds from send to handler start.
+
+    Sends are scheduled open-loop (each in its own task at its due time, on the
+    producer's pool), so a slow send delays no other. Two clocks are kept: from
+    the call of ``send`` (what a caller waits for: INSERT + COMMIT + the worker's
+    wake-up and claim) and from its return (the commit is durable: wake-up and claim).
+    """
+    await scratch.create_queue()
+    started_at: dict[int, float] = {}
+    worker = Bus(QUEUE, settings=options.bus_settings(scratch.schema))
+
+    @worker.handler
+    async def record(msg: Tick, ctx: Context) -> None:
+        started_at[msg.n] = time.perf_counter()
+
+    producer = Bus(
+        "bench_producer",
+        settings=options.bus_settings(scratch.schema, concurrency=0, send_pool_size=8),
+    )
+    total = max(1, int(options.rate * (options.seconds + options.warmup)))
+    skip = int(options.rate * options.warmup)
+    called: dict[int, float] = {}
+    returned: dict[int, float] = {}
+
+    async def send(n: int) -> None:
+        called[n] = time.perf_counter()
+        await producer.send(Tick(n=n, sent=called[n]), to=QUEUE)
+        returned[n] = time.perf_counter()
+
+    async with worker, producer:
+        await asyncio.sleep(0.2)  # let the worker's listener connect
+        interval = 1.0 / options.rate
+        tasks: list[asyncio.Task[None]] = []
+        begin = time.perf_counter()
+        for n in range(total):
+            wait = begin + n * interval - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(send(n)))
+        await asyncio.gather(*tasks)
+        await _wait_until(lambda: len(started_at) >= total, _deadline(total))
+    counted = range(skip, total) if total > skip else range(total)
+    from_call = [(started_at[n] - called[n]) * 1000.0 for n in counted]
+    from_commit = [(started_at[n] - returned[n]) * 1000.0 for n in counted]
+    send_ms = [(returned[n] - called[n]) * 1000.0 for n in counted]
+    return {
+        "p50_ms": percentile(from_call, 50),
+        "p95_ms": percentile(from_call, 95),
+        "p99_ms": percentile(from_call, 99),
+        "max_ms": max(from_call),
+        "after_commit_p50_ms": percentile(from_commit, 50),
+        "after_commit_p99_ms": percentile(from_commit, 99),
+        "send_p50_ms": percentile(send_ms, 50),
+        "send_p99_ms": percentile(send_ms, 99),
+        "samples": float(len(from_call)),
+    }
+
+
+# -- fanout -----------------------------------------------------------------------------
+
+
+async def measure_fanout(options: BenchOptions, scratch: Scratch) -> dict[str, float]:
+    """``publishers`` tasks call Bus.publish; every message goes to ``subscribers`` queues."""
+    subscribers = [f"bench_sub_{i}" for i in range(1, options.subscribers + 1)]
+    buses = []
+    for name in subscribers:
+        sub = Bus(name, settings=options.bus_settings(scratch.schema, concurrency=0))
+        sub.subscribe(Tick, publisher="bench_pub")
+        buses.append(sub)
+    publisher = Bus(
+        "bench_pub",
+        settings=options.bus_settings(
+            # One spare: Bus.publish holds a connection while ensure_queue may want
+            # another for a subscriber queue it has not seen yet.
+            scratch.schema,
+            concurrency=0,
+            send_pool_size=options.publishers + 1,
+        ),
+    )
+    total = options.fanout_messages
+    for sub in buses:
+        await sub.start()
+    try:
+        async with publisher:
+            await publisher.publish(Tick(n=-1))  # connections and caches warm, not timed
+            counter = iter(range(total))
+
+            async def publish_loop() -> None:
+                for n in counter:
+                    await publisher.publish(Tick(n=n))
+
+            started = time.perf_counter()
+            await asyncio.gather(*(publish_loop() for _ in range(options.publishers)))
+            elapsed = time.perf_counter() - started
+
+            # The same messages again through publish_many: one statement and one
+            # commit per fanout_batch messages, every copy still in its own row.
+            batches = iter(range(0, total, options.fanout_batch))
+
+            async def publish_many_loop() -> None:
+                for first in batches:
+                    last = min(total, first + options.fanout_batch)
+                    await publisher.publish_many([Tick(n=n) for n in range(first, last)])
+
+            started = time.perf_counter()
+            await asyncio.gather(*(publish_many_loop() for _ in range(options.publishers)))
+            batched_elapsed = time.perf_counter() - started
+    finally:
+        for sub in buses:
+            await sub.stop()
+    for name in subscribers:
+        stored = await scratch.count("I", name)
+        if stored != 2 * total + 1:
+            raise RuntimeError(f"subscriber {name} got {stored} rows, expected {2 * total + 1}")
+    return {
+        "published_per_s": total / elapsed,
+        "rows_per_s": total * len(subscribers) / elapsed,
+        "batched_published_per_s": total / batched_elapsed,
+        "batched_rows_per_s": total * len(subscribers) / batched_elapsed,
+    }
+
+
+# -- X rows -----------------------------------------------------------------------------
+
+
+async def explain_claim(options: BenchOptions, scratch: Scratch) -> str:
+    """``EXPLAIN (ANALYZE, BUFFERS)`` of the worker's claim, rolled back afterwards."""
+    sql = "EXPLAIN (ANALYZE, BUFFERS) " + core_sql.render("claim", scratch.schema, QUEUE)
+    tx = scratch.c.transaction()
+    await tx.start()
+    try:
+        rows = await scratch.c.fetch(sql, options.batch_size, "bench-explain", 60.0)
+    finally:
+        await tx.rollback()
+    return "\n".join(r[0] for r in rows)

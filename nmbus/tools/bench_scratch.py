@@ -1,0 +1,114 @@
+"""The ground every benchmark stands on: its options, its message, its scratch schema.
+
+Every measurement runs in a schema of its own (``nmbus_bench_<random>``) that
+:class:`Scratch` creates and drops, so a benchmark never touches the queues of
+the database it is pointed at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from nmbus.messages import Message, type_name
+from nmbus.postgres.pubsub import create_queue_on
+from nmbus.postgres.store import install_schema
+from nmbus.settings import Settings
+from nmbus.tools.sql import render
+
+QUEUE = "bench"
+
+
+class Tick(Message, type_name="nmbus.bench.Tick"):
+    """The message every benchmark sends: a number, and for latency a send time."""
+
+    n: int
+    sent: float = 0.0
+
+
+TICK = type_name(Tick)
+
+
+@dataclass
+class BenchOptions:
+    """What to measure and how much of it."""
+
+    dsn: str = field(repr=False)  # it may hold a password
+    messages: int = 50_000
+    batch_size: int = 100
+    concurrency: int = 1
+    baseline_messages: int = 5_000
+    rate: float = 200.0
+    seconds: float = 10.0
+    warmup: float = 1.0
+    subscribers: int = 3
+    publishers: int = 8
+    fanout_messages: int = 10_000
+    fanout_batch: int = 500
+    x_rows: int = 5_000_000
+    repeat: int = 1
+
+    def bus_settings(self, schema: str, **extra: Any) -> Settings:
+        values: dict[str, Any] = {
+            "dsn": self.dsn,
+            "schema_name": schema,
+            "batch_size": self.batch_size,
+            "concurrency": self.concurrency,
+            "subscription_ttl": None,
+            "poll_interval": 1.0,
+        }
+        values.update(extra)
+        return Settings(**values)
+
+
+class Scratch:
+    """A schema of the bench's own with one queue table; dropped on exit."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.schema = f"nmbus_bench_{uuid.uuid4().hex[:10]}"
+        self.conn: asyncpg.Connection | None = None
+
+    async def __aenter__(self) -> Scratch:
+        self.conn = await asyncpg.connect(self.dsn)
+        await install_schema(self.conn, self.schema)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.conn is not None
+        try:
+            await self.conn.execute(render("drop_schema", self.schema))
+        finally:
+            await self.conn.close()
+
+    @property
+    def c(self) -> asyncpg.Connection:
+        assert self.conn is not None
+        return self.conn
+
+    async def create_queue(self, queue: str = QUEUE) -> None:
+        async with self.c.transaction():
+            await create_queue_on(self.c, self.schema, queue)
+
+    async def preload(self, count: int, subqueue: str = "I", queue: str = QUEUE) -> None:
+        if count <= 0:
+            return
+        prefix = f"{subqueue}{uuid.uuid4().hex[:8]}-"
+        await self.c.execute(
+            render("bench_preload", self.schema, queue), count, subqueue, TICK, prefix
+        )
+        await self.c.execute(render("bench_vacuum", self.schema, queue))
+
+    async def checkpoint(self) -> None:
+        """Flush what the pre-load dirtied, so no checkpoint lands in the timed part."""
+        # Without the right to, figures may include a checkpoint (docs/performance.md).
+        with contextlib.suppress(asyncpg.InsufficientPrivilegeError):
+            await self.c.execute(render("bench_checkpoint", self.schema))
+
+    async def count(self, subqueue: str, queue: str = QUEUE) -> int:
+        sql = render("bench_count_subqueue", self.schema, queue)
+        return int(await self.c.fetchval(sql, subqueue))

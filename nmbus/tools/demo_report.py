@@ -1,0 +1,118 @@
+"""The demo's second part: the Spark statistics report over the demo's schema.
+
+Everything the report needs (pyspark, Java 17, the JDBC driver, the statistics
+job itself) is checked first by :func:`check_report`, so ``nmbus demo`` can say
+what is missing before the bus part starts, and run the bus part anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from nmbus.errors import NmbusError
+from nmbus.tools.demo import QUEUES, DemoOptions
+
+
+class ReportUnavailable(NmbusError):
+    """The statistics report cannot run here; the message says what to install."""
+
+
+JAVA_HINT = (
+    "the statistics report runs on Spark, which needs Java 17 (a JRE is enough):\n"
+    "    Debian/Ubuntu: sudo apt-get install openjdk-17-jre-headless\n"
+    "    macOS:         brew install openjdk@17\n"
+    "or set JAVA_HOME to a Java 17 installation."
+)
+SPARK_HINT = "the statistics report needs pyspark: pip install 'nmbus[spark]'"
+JOB_MISSING = (
+    "this nmbus has no statistics job (nmbus.stats.job is missing), so the demo stops "
+    "after the bus part"
+)
+
+
+def find_java() -> str | None:
+    home = os.environ.get("JAVA_HOME")
+    if home and Path(home, "bin", "java").exists():
+        return str(Path(home, "bin", "java"))
+    return shutil.which("java")
+
+
+def stats_job() -> Any:
+    """The statistics job module, or ReportUnavailable saying what is missing."""
+    try:
+        importlib.import_module("pyspark")
+    except ImportError as exc:
+        raise ReportUnavailable(SPARK_HINT) from exc
+    try:
+        return importlib.import_module("nmbus.stats.job")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("nmbus.stats", "nmbus.stats.job"):
+            raise ReportUnavailable(JOB_MISSING) from exc
+        raise
+
+
+def check_report() -> Any:
+    """Everything the report needs, checked before the bus part starts."""
+    job = stats_job()
+    if find_java() is None:
+        raise ReportUnavailable(JAVA_HINT)
+    try:
+        job.find_jdbc_jar(None)
+    except job.StatsError as exc:
+        raise ReportUnavailable(str(exc)) from exc
+    return job
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path | None) -> Iterator[None]:
+    """Point file descriptor 2 at ``path`` while the JVM starts: it inherits it for good."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with path.open("ab") as target:
+            os.dup2(target.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def run_report(
+    dsn: str,
+    options: DemoOptions,
+    out: Path,
+    master: str = "local[2]",
+    jvm_log: Path | None = None,
+) -> Any:
+    """Run the Spark statistics job over the demo's schema; returns its result.
+
+    With ``jvm_log``, Spark's own console output goes to that file.
+    """
+    job = check_report()
+    # Per-second windows: the whole demo usually fits in one minute. The publisher's
+    # own queue stays empty and is left out.
+    opts = job.Options(
+        dsn=dsn, out=str(out), schema=options.schema, window="second", queues=list(QUEUES)
+    )
+    with contextlib.suppress(TypeError, AttributeError):
+        opts.title = "nmbus demo"
+    with _stderr_to(jvm_log):
+        spark = job.build_session(master, None, "1g")
+    try:
+        return job.run(spark, opts)
+    except job.StatsError as exc:
+        raise ReportUnavailable(str(exc)) from exc
+    finally:
+        spark.stop()

@@ -1,0 +1,199 @@
+-- The SQL of nmbus's tools (nmbus bench, soak and demo, the statistics seed), by name.
+--
+-- The same format as nmbus/sql/queries.sql, read by the same loader
+-- (nmbus.sql.load) and filled in by the same nmbus.sql.fill: {schema} is the
+-- quoted schema, {queue} the quoted schema-qualified queue table. Every tool
+-- works in a schema of its own; the library core never reads this file.
+
+-- drop_schema --
+-- Drop a schema a tool owns (bench, soak or demo) with everything in it.
+DROP SCHEMA IF EXISTS {schema} CASCADE;
+
+-- ---------------------------------------------------------------------------
+-- Benchmarks (nmbus bench). They only touch the bench's own schema.
+-- ---------------------------------------------------------------------------
+
+-- bench_preload --
+-- Insert $1 rows into subqueue $2 ('I' ready, 'X' processed) with type $3,
+-- body {"n": k} (braces doubled for render), unique ids $4 || k, in one statement.
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
+                     retry_time, label, msg_text, unique_id)
+SELECT 'bench', 'bench', $2::char(1), now(),
+       CASE WHEN $2 = 'X' THEN now() END, now(), $3::text,
+       '{{"n":' || g || '}}', $4::text || g
+FROM generate_series(1, $1::int) AS g;
+
+-- bench_vacuum --
+-- Vacuum and analyze a queue table after a bulk load, as autovacuum would.
+VACUUM (ANALYZE) {queue};
+
+-- bench_checkpoint --
+-- Write out what a bulk load dirtied, so its checkpoint does not land inside
+-- the timed part (needs superuser or pg_checkpoint; skipped when not allowed).
+CHECKPOINT;
+
+-- bench_ceiling --
+-- The bare loop nmbus is measured against: claim up to $1 ready rows with
+-- SKIP LOCKED and mark them X, in one autocommitted statement.
+UPDATE {queue} AS q
+SET subqueue = 'X', last_processed = clock_timestamp()
+WHERE q.id IN (
+    SELECT id FROM {queue}
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+    ORDER BY retry_time, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
+          q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id;
+
+-- bench_claim_one --
+-- The one-message-per-transaction baseline: lock one ready row.
+SELECT id, label, msg_text FROM {queue}
+WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+ORDER BY retry_time, id
+LIMIT 1
+FOR UPDATE SKIP LOCKED;
+
+-- bench_mark_one --
+-- The one-message-per-transaction baseline: mark row $1 processed.
+UPDATE {queue} SET subqueue = 'X', last_processed = clock_timestamp() WHERE id = $1;
+
+-- bench_create_effects --
+-- The table the transactional handlers write their effect into.
+CREATE TABLE IF NOT EXISTS {schema}.bench_effects (
+    message_id bigint NOT NULL,
+    n integer NOT NULL
+);
+
+-- bench_insert_effect --
+-- One handler effect: message $1 with payload $2.
+INSERT INTO {schema}.bench_effects (message_id, n) VALUES ($1, $2);
+
+-- bench_count_effects --
+-- How many effects were written.
+SELECT count(*) FROM {schema}.bench_effects;
+
+-- bench_count_subqueue --
+-- Rows of one queue in subqueue $1.
+SELECT count(*) FROM {queue} WHERE subqueue = $1;
+
+-- bench_server --
+-- The server's version and the settings that bound the figures.
+SELECT version(), current_setting('synchronous_commit'), current_setting('shared_buffers'),
+       current_setting('fsync');
+
+
+-- ---------------------------------------------------------------------------
+-- Soak (nmbus soak): the kill soak's own bookkeeping, in its own schema.
+-- ---------------------------------------------------------------------------
+
+-- soak_create_effects --
+-- The table soak handlers write through ctx.connection: one row per committed handling.
+CREATE TABLE IF NOT EXISTS {schema}.soak_effects (
+    unique_id text NOT NULL,
+    attempt integer NOT NULL,
+    pid integer NOT NULL
+);
+
+-- soak_record_effect --
+-- A soak handler's transactional effect. $1 unique_id, $2 attempt, $3 worker pid.
+INSERT INTO {schema}.soak_effects (unique_id, attempt, pid) VALUES ($1, $2, $3);
+
+-- soak_open_rows --
+-- Rows of the soak queue not yet in X or F.
+SELECT count(*) FROM {queue} WHERE subqueue IN ('I', 'R');
+
+-- soak_rows --
+-- Every row of the soak queue with its committed effects (unique_id, subqueue,
+-- retry_count, error_info's first line, effects as (attempt, pid) pairs).
+SELECT q.unique_id, q.subqueue, q.retry_count, split_part(q.error_info, E'\n', 1),
+       coalesce(array_agg(e.attempt ORDER BY e.attempt) FILTER (WHERE e.attempt IS NOT NULL),
+                ARRAY[]::integer[]),
+       coalesce(array_agg(e.pid ORDER BY e.attempt) FILTER (WHERE e.pid IS NOT NULL),
+                ARRAY[]::integer[])
+FROM {queue} AS q
+LEFT JOIN {schema}.soak_effects AS e ON e.unique_id = q.unique_id
+GROUP BY q.unique_id, q.subqueue, q.retry_count, q.error_info;
+
+-- ---------------------------------------------------------------------------
+-- Demo (nmbus demo): the shop's payments, in the demo's own schema
+-- ---------------------------------------------------------------------------
+
+-- demo_schema_exists --
+-- Whether schema $1 (unquoted) exists.
+SELECT to_regnamespace(quote_ident($1::text)) IS NOT NULL;
+
+-- demo_is_demo_schema --
+-- Whether schema $1 (unquoted) is absent or was made by the demo (has demo_payments).
+SELECT to_regnamespace(quote_ident($1::text)) IS NULL
+    OR to_regclass(format('%I.demo_payments', $1::text)) IS NOT NULL;
+
+-- demo_create_tables --
+-- Create the demo schema and the table billing writes in its handler's transaction.
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {schema}.demo_payments (
+    order_id bigint PRIMARY KEY,
+    amount numeric(12, 2) NOT NULL,
+    paid_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- demo_insert_payment --
+-- Record the payment of order $1 for amount $2 (once, whatever the retries).
+INSERT INTO {schema}.demo_payments (order_id, amount) VALUES ($1, $2)
+ON CONFLICT (order_id) DO NOTHING;
+
+-- demo_count_payments --
+-- How many payments are recorded.
+SELECT count(*) FROM {schema}.demo_payments;
+
+-- demo_retried_count --
+-- Messages of a queue that needed more than one attempt.
+SELECT count(*) FROM {queue} WHERE retry_count > 1;
+
+-- demo_top_errors --
+-- The $1 most frequent first lines of error_info in a queue, with their counts.
+SELECT split_part(error_info, E'\n', 1) AS error, count(*) AS n
+FROM {queue} WHERE error_info IS NOT NULL
+GROUP BY 1 ORDER BY n DESC, error LIMIT $1;
+
+-- ---------------------------------------------------------------------------
+-- Statistics seed (python -m nmbus.tools.stats_seed): synthetic X and F rows.
+-- ---------------------------------------------------------------------------
+
+-- seed_rows --
+-- Rows g = $1..$2 of $3 in total, into one queue: inserted from $4 over $5 seconds, a
+-- failure share $6, a latency spike if $7 = 1, to_endpoint $8, unique ids $9 || g,
+-- error lines $10, labels $11.
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
+                     retry_count, retry_time, error_info, correlation_id, label,
+                     msg_text, msg_headers, unique_id)
+SELECT 'seed', $8, CASE WHEN failed THEN 'F' ELSE 'X' END, ins,
+       ready + lat, attempts, ready,
+       CASE WHEN failed OR attempts > 1
+            THEN ($10::text[])[1 + ((g / 5) % 4)::int]
+                 || E'\nTraceback (most recent call last):\n'
+                 || '  File "handlers.py", line 42, in handle\n'
+            END,
+       'c' || (g / 3), ($11::text[])[1 + ((g * 7) % 4)::int],
+       '{{"n": ' || g || '}}', '{{}}'::jsonb, $9 || g
+FROM (
+    SELECT g, failed, attempts, ins,
+           ins + (attempts - 1) * interval '2 seconds'
+               + exp(random() * 6) * interval '1 millisecond' AS ready,
+           exp(random() * 7 + 1) * interval '50 microseconds'
+               * CASE WHEN $7::int = 1 AND g BETWEEN $3 * 0.55 AND $3 * 0.62
+                      THEN 25 ELSE 1 END AS lat
+    FROM (
+        SELECT g, r < $6::float8 AS failed,
+               CASE WHEN r < $6 THEN 5 WHEN r < $6 * 4 THEN 2 + (g % 3)::int ELSE 1 END
+                   AS attempts,
+               $4::timestamptz
+                   + ($5::float8 * (g - 1)::float8 / $3::bigint) * interval '1 second' AS ins
+        FROM (SELECT g, random() AS r FROM generate_series($1::bigint, $2::bigint) AS g) AS a
+    ) AS b
+) AS c;
+
+-- seed_analyze --
+-- Refresh the planner's statistics of a queue table after seeding it.
+ANALYZE {queue};

@@ -1,0 +1,12 @@
+"""The tools' SQL, loaded once from ``queries.sql`` beside it by the library's loader."""
+
+from __future__ import annotations
+
+from nmbus.sql import fill, load
+
+QUERIES: dict[str, str] = load("nmbus.tools")
+
+
+def render(name: str, schema: str, queue: str | None = None) -> str:
+    """The tool query ``name`` with identifiers for ``schema`` and ``queue`` filled in."""
+    return fill(QUERIES[name], schema, queue)

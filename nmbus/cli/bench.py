@@ -43,6 +43,13 @@ def bench(
         5_000_000
     ),
     repeat: Annotated[int, typer.Option(min=1, help="runs per mode; figures are medians")] = 1,
+    unconfigured_logging: Annotated[
+        bool,
+        typer.Option(
+            help="leave structlog unconfigured, as an application that never set it up "
+            "(a new user's default)"
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Measure nmbus on a scratch schema it creates and drops; print figures and settings."""
@@ -81,6 +88,10 @@ def bench(
         if not as_json:
             err.print(f"[dim]{text}...[/dim]")
 
+    if unconfigured_logging:
+        import structlog
+
+        structlog.reset_defaults()
     results = asyncio.run(run(chosen, options, progress))
     if as_json:
         typer.echo(json.dumps([r.as_dict() for r in results], indent=2, default=str))

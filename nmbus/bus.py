@@ -27,6 +27,7 @@ from nmbus.handlers import HandlerFunc, Registry
 from nmbus.logs import log_failure
 from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
+from nmbus.sagas import S, Saga
 from nmbus.settings import Settings, build_settings
 from nmbus.store import Store, validate_queue_name
 from nmbus.subscriptions import Subscriptions
@@ -98,6 +99,7 @@ class Bus:
             settings=settings,
             client_id=self.client_id,
         )
+        self.sagas: dict[str, Saga[Any]] = {}
         self._background: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = asyncio.Event()
@@ -144,6 +146,40 @@ class Bus:
 
         return register
 
+    def saga(
+        self,
+        state: type[S],
+        key: str | Callable[[Any], object],
+        *,
+        name: str | None = None,
+        on_missing: str = "fail",
+    ) -> Saga[S]:
+        """Declare a saga whose state is the pydantic model ``state``, kept in this endpoint.
+
+        ``key`` names the field of its messages that identifies one saga (or is
+        a callable of the message). ``name`` (default: the model's class name)
+        is what the saga table stores; two sagas of an endpoint need two names.
+        ``on_missing="ignore"`` sends a non-start message for a missing saga
+        to X instead of F. Register handlers with ``@saga.handler``.
+        """
+        saga_name = name if name is not None else state.__name__
+        if saga_name in self.sagas:
+            raise ConfigurationError(
+                f"endpoint {self.endpoint!r} already has a saga named {saga_name!r}; "
+                "give this one name=..."
+            )
+        saga = Saga(
+            state,
+            key,
+            name=saga_name,
+            endpoint=self.endpoint,
+            registry=self.registry,
+            store=self.store,
+            on_missing=on_missing,
+        )
+        self.sagas[saga_name] = saga
+        return saga
+
     def subscribe(
         self, message_type: type[Message], publisher: str, *, permanent: bool = False
     ) -> None:
@@ -173,6 +209,8 @@ class Bus:
         await self.store.open()
         try:
             await self.store.ensure_queue(self.endpoint)
+            if self.sagas:
+                await self.store.ensure_sagas(self.endpoint)
             await self.subscriptions.start()
         except BaseException:
             await self.store.close()

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from nmbus.envelopes import EnvelopeBuilder, deliver_time
+from nmbus.envelopes import SAGA_HEADER, SAGA_KEY_HEADER, EnvelopeBuilder, deliver_time
+from nmbus.errors import ConfigurationError
 from nmbus.messages import Envelope, Message, StoredMessage
 
 if TYPE_CHECKING:
@@ -101,10 +102,49 @@ class HandlerConnection:
         return await self._enter()
 
 
+class SagaControl:
+    """``ctx.saga`` in a saga handler: which saga, its timeouts, its completion."""
+
+    __slots__ = ("_ctx", "completed", "key", "name")
+
+    def __init__(self, ctx: Context, name: str, key: str) -> None:
+        self._ctx = ctx
+        self.name = name
+        self.key = key
+        self.completed = False
+
+    async def timeout(self, seconds: float, message: Message) -> str:
+        """Send ``message`` to this endpoint in ``seconds``, for this saga's handler of its type.
+
+        It is an ordinary deferred message (in R until due) carrying the saga's
+        name and key in headers, stored when the handler's transaction commits.
+        Returns its unique id.
+        """
+        return await self._ctx.send(
+            message,
+            to=self._ctx.queue,
+            delay=seconds,
+            headers={SAGA_HEADER: self.name, SAGA_KEY_HEADER: self.key},
+        )
+
+    def complete(self) -> None:
+        """End the saga: its row is deleted when the handler's transaction commits."""
+        self.completed = True
+
+
 class Context:
     """Everything a handler knows about the message it handles."""
 
-    __slots__ = ("_batch", "_builder", "_connection", "_headers", "_row", "effects", "queue")
+    __slots__ = (
+        "_batch",
+        "_builder",
+        "_connection",
+        "_headers",
+        "_row",
+        "_saga",
+        "effects",
+        "queue",
+    )
 
     def __init__(
         self, queue: str, row: StoredMessage, batch: HandlerTransaction, builder: EnvelopeBuilder
@@ -116,6 +156,7 @@ class Context:
         self.effects = Effects()
         self._connection: HandlerConnection | None = None
         self._headers: dict[str, str] | None = None
+        self._saga: SagaControl | None = None
 
     @property
     def message_id(self) -> int:
@@ -153,6 +194,17 @@ class Context:
             raw = self._row.msg_headers
             self._headers = json.loads(raw) if raw else {}
         return self._headers
+
+    @property
+    def saga(self) -> SagaControl:
+        """The saga of the saga handler running now (timeouts, completion)."""
+        if self._saga is None:
+            raise ConfigurationError("ctx.saga is only available in a saga handler")
+        return self._saga
+
+    def use_saga(self, control: SagaControl | None) -> None:
+        """Set (or clear) what ``ctx.saga`` is: called around each saga handler."""
+        self._saga = control
 
     @property
     def connection(self) -> HandlerConnection:

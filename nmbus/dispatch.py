@@ -32,6 +32,7 @@ from nmbus.errors import (
     NoHandler,
     PermanentError,
     RetryLater,
+    SagaNotFound,
     UndecodableMessage,
     UnknownMessageType,
 )
@@ -338,7 +339,7 @@ class Dispatcher:
         elif isinstance(exc, asyncio.CancelledError):
             exc = because(HandlerCancelled("cancelled by something other than the worker"), exc)
         info = error_info(exc)
-        if isinstance(exc, PermanentError) or policy.gives_up_after(row.retry_count):
+        if isinstance(exc, PermanentError | SagaNotFound) or policy.gives_up_after(row.retry_count):
             outcomes.add(row.id, "F", error_info=info)
             if chatty:
                 log.error("message_failed", attempts=row.retry_count, error=info.splitlines()[0])

@@ -24,6 +24,13 @@ from nmbus.store import validate_queue_name
 #: comma-separated; present when the message's class has Message ancestors.
 TYPE_CHAIN_HEADER = "nmbus-type-chain"
 
+#: Headers whose name starts with this belong to one message and never travel
+#: onto what its handler sends (see :func:`travelling`).
+INTERNAL_PREFIX = "nmbus-"
+#: On a saga timeout: the saga's name and key, so the timeout finds its saga.
+SAGA_HEADER = "nmbus-saga"
+SAGA_KEY_HEADER = "nmbus-saga-key"
+
 
 def chain_header(cls: type[Message]) -> str | None:
     """The TYPE_CHAIN_HEADER value for ``cls``, or None when it is its own whole chain."""

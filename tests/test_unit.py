@@ -30,7 +30,9 @@ PUBLIC_API = {
     "UndecodableMessage", "AttemptFailed", "AttemptsExhausted", "HandlerTimeout",
     "HandlerCancelled", "OutcomeNotRecorded", "StoreError", "DatabaseUnavailable",
     "QueueNotFound", "LeaseLost", "SchemaVersionError", "RetentionError", "ToolError",
-    "HandlerSignal", "PermanentError", "RetryLater",
+    "HandlerSignal", "PermanentError", "RetryLater", "SagaNotFound",
+    # The service bus (DESIGN.md section 8).
+    "Saga",
 }  # fmt: skip
 
 

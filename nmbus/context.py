@@ -15,7 +15,17 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from nmbus.envelopes import SAGA_HEADER, SAGA_KEY_HEADER, EnvelopeBuilder, deliver_time
+from nmbus.envelopes import (
+    IN_REPLY_TO_HEADER,
+    REPLY_BY_HEADER,
+    REPLY_TO_HEADER,
+    REQUESTER_HEADER,
+    SAGA_HEADER,
+    SAGA_KEY_HEADER,
+    EnvelopeBuilder,
+    deliver_time,
+    travelling,
+)
 from nmbus.errors import ConfigurationError
 from nmbus.messages import Envelope, Message, StoredMessage
 
@@ -142,6 +152,7 @@ class Context:
         "_headers",
         "_row",
         "_saga",
+        "_travel",
         "effects",
         "queue",
     )
@@ -157,6 +168,7 @@ class Context:
         self._connection: HandlerConnection | None = None
         self._headers: dict[str, str] | None = None
         self._saga: SagaControl | None = None
+        self._travel: dict[str, str] | None = None
 
     @property
     def message_id(self) -> int:
@@ -213,6 +225,20 @@ class Context:
             self._connection = HandlerConnection(self.effects, self._batch)
         return self._connection
 
+    def outgoing_headers(self, headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
+        """The headers of what this handler sends: the travelling ones, overridden by ``headers``.
+
+        Every header of the message being handled travels except nmbus's own
+        (``nmbus-*``: type chain, saga, reply address); see docs/request-reply.md.
+        """
+        if self._travel is None:
+            self._travel = travelling(self.headers) if self._row.msg_headers else {}
+        if not self._travel:
+            return headers
+        if not headers:
+            return self._travel
+        return {**self._travel, **headers}
+
     async def send(
         self,
         message: Message,
@@ -222,13 +248,23 @@ class Context:
         delay: float | None = None,
         headers: Mapping[str, str] | None = None,
         unique_id: str | None = None,
+        correlation_id: str | None = None,
+        reply_to: str | None = None,
     ) -> str:
-        """Send ``message`` to queue ``to`` when this handler's transaction commits."""
+        """Send ``message`` to queue ``to`` when this handler's transaction commits.
+
+        It carries this message's correlation id and travelling headers unless
+        ``correlation_id`` / ``headers`` say otherwise; ``reply_to`` names the
+        endpoint its receiver's ``ctx.reply`` answers to.
+        """
+        outgoing = self.outgoing_headers(headers)
+        if reply_to is not None:
+            outgoing = {**(outgoing or {}), REPLY_TO_HEADER: reply_to}
         envelope = self._builder.for_send(
             message,
             to,
-            self.correlation_id or self.unique_id,
-            headers,
+            correlation_id or self.correlation_id or self.unique_id,
+            outgoing,
             unique_id,
             deliver_at,
             delay,
@@ -244,18 +280,20 @@ class Context:
         unique_id: str | None = None,
         deliver_at: datetime | None = None,
         delay: float | None = None,
+        correlation_id: str | None = None,
     ) -> str:
         """Publish ``message`` to every subscriber, in this handler's transaction.
 
         The copies are stored when the handler succeeds, with the batch's
         commit (one server call for everything the batch published), and carry
-        this message's correlation id. Returns the publish id: each copy's
-        unique_id is ``<publish id>/<subscriber>``.
+        this message's correlation id and travelling headers (unless
+        ``correlation_id`` / ``headers`` say otherwise). Returns the publish
+        id: each copy's unique_id is ``<publish id>/<subscriber>``.
         """
         envelope, _ = self._builder.for_publish(
             message,
-            self.correlation_id or self.unique_id,
-            headers,
+            correlation_id or self.correlation_id or self.unique_id,
+            self.outgoing_headers(headers),
             unique_id,
             deliver_time(deliver_at, delay),
         )
@@ -263,5 +301,17 @@ class Context:
         return envelope.unique_id
 
     async def reply(self, message: Message, *, headers: Mapping[str, str] | None = None) -> str:
-        """Send ``message`` back to the endpoint that sent the message being handled."""
-        return await self.send(message, to=self.from_endpoint, headers=headers)
+        """Answer the message being handled, when this handler's transaction commits.
+
+        The reply goes to the endpoint its ``reply-to`` header names (set by
+        ``bus.request`` or ``send(..., reply_to=...)``), else to the endpoint
+        that sent it; it carries the same correlation id, which is how a
+        waiting ``bus.request`` recognises its answer.
+        """
+        request = self.headers
+        to = request.get(REPLY_TO_HEADER) or self.from_endpoint
+        marks = {IN_REPLY_TO_HEADER: self.unique_id}
+        for name in (REQUESTER_HEADER, REPLY_BY_HEADER):
+            if name in request:
+                marks[name] = request[name]
+        return await self.send(message, to=to, headers={**(headers or {}), **marks})

@@ -11,18 +11,26 @@ worker records every outcome of a batch in one statement.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
 import traceback
 from collections.abc import Coroutine, Generator
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import structlog
 from pydantic import ValidationError
 
 from nmbus.context import Context, Effects
-from nmbus.envelopes import EnvelopeBuilder, decode_type
+from nmbus.envelopes import (
+    IN_REPLY_TO_HEADER,
+    REPLY_BY_HEADER,
+    REQUESTER_HEADER,
+    EnvelopeBuilder,
+    decode_type,
+)
 from nmbus.errors import (
     AttemptFailed,
     AttemptsExhausted,
@@ -39,6 +47,7 @@ from nmbus.errors import (
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.messages import Message, StoredMessage
 from nmbus.recovery import DIED_ALONE
+from nmbus.replies import Replies
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
 from nmbus.store import Batch, Outcomes
@@ -48,6 +57,9 @@ log = structlog.get_logger("nmbus.worker")
 MAX_ERROR_INFO = 8000
 # The longest retry delay written (100 years): beyond it a timestamp overflows.
 MAX_DELAY = 100 * 365.25 * 86400
+# How long a reply for a request of another process of this endpoint waits
+# before it is offered again (it is claimed at random by the endpoint's workers).
+HAND_BACK_DELAY = 0.05
 
 
 def storable(text: str) -> str:
@@ -99,6 +111,19 @@ def _retry_delay(seconds: float) -> float:
     if math.isnan(seconds) or seconds < 0:
         return 0.0
     return min(seconds, MAX_DELAY)
+
+
+def _not_yet(when: object) -> bool:
+    """Whether ISO 8601 time ``when`` is still to come (False for anything unreadable)."""
+    if not isinstance(when, str):
+        return False
+    try:
+        moment = datetime.fromisoformat(when)
+    except ValueError:
+        return False
+    if moment.tzinfo is None:
+        return False
+    return moment > datetime.now(UTC)
 
 
 def per_message_logs() -> bool:
@@ -211,8 +236,10 @@ class Dispatcher:
         retry: RetryPolicy,
         settings: Settings,
         builder: EnvelopeBuilder,
+        replies: Replies | None = None,
     ) -> None:
         self.queue = queue
+        self.replies = replies
         self.registry = registry
         self.retry = retry
         self.on_unknown = settings.on_unknown
@@ -230,6 +257,14 @@ class Dispatcher:
     ) -> None:
         """Handle ``row`` in batch ``tx``; on success its effects are appended to ``done``."""
         cls = decode_type(row.label, row.msg_headers)
+        text = row.msg_headers
+        if (
+            cls is not None
+            and text
+            and IN_REPLY_TO_HEADER in text
+            and self.reply(row, cls, outcomes)
+        ):
+            return
         handlers = self.registry.handlers_for(cls) if cls is not None else ()
         if not handlers:
             unhandled: MessageError = (
@@ -312,6 +347,57 @@ class Dispatcher:
             if serial is not None:
                 serial.let_go()
             structlog.contextvars.reset_contextvars(**tokens)
+
+    def reply(self, row: StoredMessage, cls: type[Message], outcomes: Outcomes) -> bool:
+        """Deal with a reply if it is not for the handlers: True when its outcome is added.
+
+        A reply a request of this process waits for resolves that request and
+        goes to X (its handlers do not run). One that another live request of
+        this endpoint, in another process, waits for goes back for that process
+        (to R, shortly, the attempt not counted). A late one, that no request
+        waits for any more, is handled like any message; with no handler it
+        goes to X with a note rather than to F.
+        """
+        try:
+            headers = json.loads(row.msg_headers or "")
+        except ValueError:
+            return False
+        if not isinstance(headers, dict) or IN_REPLY_TO_HEADER not in headers:
+            return False
+        replies = self.replies
+        if replies is not None and row.correlation_id in replies:
+            try:
+                message = cls.model_validate_json(row.msg_text or "")
+            except (ValidationError, ValueError):
+                return False  # recorded as undecodable by the usual path
+            if replies.resolve(row.correlation_id, message):
+                outcomes.add(row.id, "X")
+                if per_message_logs():
+                    log.info("reply_received", correlation_id=row.correlation_id)
+                return True
+        requester = headers.get(REQUESTER_HEADER)
+        if (
+            requester
+            and replies is not None
+            and requester != replies.client_id
+            and _not_yet(headers.get(REPLY_BY_HEADER))
+        ):
+            outcomes.add(row.id, "R", delay=HAND_BACK_DELAY, correction=-1)
+            return True
+        if self.registry.handlers_for(cls):
+            return False
+        outcomes.add(
+            row.id,
+            "X",
+            error_info=(
+                f"late reply: no request waits for correlation id {row.correlation_id!r} "
+                "any more (it timed out, or its process stopped) and no handler takes "
+                f"{row.label}"
+            ),
+        )
+        if per_message_logs():
+            log.info("late_reply", correlation_id=row.correlation_id)
+        return True
 
     def policy(self, row: StoredMessage) -> RetryPolicy:
         """The retry policy of the first handler of ``row``'s type, else the endpoint's."""

@@ -19,6 +19,8 @@ at. The modes:
                    messages and stored rows per second.
 ``xrows``          drain on an empty table, then with millions of X rows in the
                    same table, and ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
+``saga``           drain through a saga that updates its state on every message,
+                   against the same handler without a saga (``nmbus.bench_saga``).
 
 Figures are only as good as the machine is quiet: the load average is printed
 with the settings of every run.
@@ -47,7 +49,7 @@ from nmbus.postgres.store import install_schema
 from nmbus.settings import Settings
 from nmbus.sql import render
 
-MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows")
+MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows", "saga")
 ALL_MODES = ("ceiling", "drain", "transactional", "latency", "fanout")
 QUEUE = "bench"
 
@@ -567,9 +569,20 @@ async def run(
             res.add("ratio_loaded_to_empty", loaded / empty, "x")
             res.notes = [f"EXPLAIN (ANALYZE, BUFFERS) of the claim with {options.x_rows} X rows:"]
             res.notes.append(plan)
+        if "saga" in results:
+            progress(f"saga and the same handler without, run {rep}")
+            await _bench_saga(options, results["saga"])
     for mode, result in results.items():
         result.settings = {**_mode_settings(mode, options), **common, "repeat": options.repeat}
     return list(results.values())
+
+
+async def _bench_saga(options: BenchOptions, result: Result) -> None:
+    from nmbus.bench_saga import measure_saga  # it builds on this module
+
+    figures = await measure_saga(options, _Scratch)
+    for name, value in figures.items():
+        result.add(name, value, "x" if name.startswith("ratio") else "msg/s")
 
 
 def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
@@ -587,4 +600,8 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
             "publishers": o.publishers,
             "publish_many_batch": o.fanout_batch,
         }
+    if mode == "saga":
+        from nmbus.bench_saga import SAGAS
+
+        return {**base, "messages": o.messages, "sagas": SAGAS}
     return {**base, "messages": o.messages, "x_rows": o.x_rows}

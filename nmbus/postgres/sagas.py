@@ -46,7 +46,11 @@ class PostgresSagaTable:
         self._endpoint = endpoint
 
     async def lock(self, conn: Any, saga: str, key: str, create: bool) -> SagaRow | None:
-        row = await conn.fetchrow(self._create if create else self._lock, saga, key)
+        # A plain lock first even for a start message: a saga usually exists, and
+        # the upsert would write a row version that the save writes again.
+        row = await conn.fetchrow(self._lock, saga, key)
+        if row is None and create:
+            row = await conn.fetchrow(self._create, saga, key)
         return None if row is None else SagaRow(row[0], int(row[1]))
 
     async def save(self, conn: Any, saga: str, key: str, state: str) -> None:

@@ -532,6 +532,15 @@ INSERT INTO {schema}.bench_effects (message_id, n) VALUES ($1, $2);
 -- How many effects were written.
 SELECT count(*) FROM {schema}.bench_effects;
 
+-- bench_create_counters --
+-- The table the saga bench's hand-written handler counts into, one row per key.
+CREATE TABLE IF NOT EXISTS {schema}.bench_counters (k integer PRIMARY KEY, count integer NOT NULL);
+
+-- bench_bump_counter --
+-- Count one message for key $1 (the hand-written equivalent of a saga's load and save).
+INSERT INTO {schema}.bench_counters AS c (k, count) VALUES ($1, 1)
+ON CONFLICT (k) DO UPDATE SET count = c.count + 1;
+
 -- bench_count_subqueue --
 -- Rows of one queue in subqueue $1.
 SELECT count(*) FROM {queue} WHERE subqueue = $1;

@@ -28,6 +28,7 @@ from nmbus.envelopes import (
 )
 from nmbus.errors import ConfigurationError
 from nmbus.messages import Envelope, Message, StoredMessage
+from nmbus.store import validate_queue_name
 
 if TYPE_CHECKING:
     import asyncpg
@@ -204,7 +205,9 @@ class Context:
     def headers(self) -> Mapping[str, str]:
         if self._headers is None:
             raw = self._row.msg_headers
-            self._headers = json.loads(raw) if raw else {}
+            parsed = json.loads(raw) if raw else {}
+            # Written by hand, msg_headers may hold any JSON: only an object is headers.
+            self._headers = parsed if isinstance(parsed, dict) else {}
         return self._headers
 
     @property
@@ -259,7 +262,7 @@ class Context:
         """
         outgoing = self.outgoing_headers(headers)
         if reply_to is not None:
-            outgoing = {**(outgoing or {}), REPLY_TO_HEADER: reply_to}
+            outgoing = {**(outgoing or {}), REPLY_TO_HEADER: validate_queue_name(reply_to)}
         envelope = self._builder.for_send(
             message,
             to,

@@ -58,8 +58,16 @@ MAX_ERROR_INFO = 8000
 # The longest retry delay written (100 years): beyond it a timestamp overflows.
 MAX_DELAY = 100 * 365.25 * 86400
 # How long a reply for a request of another process of this endpoint waits
-# before it is offered again (it is claimed at random by the endpoint's workers).
+# before it is offered again (it is claimed at random by the endpoint's workers):
+# 50 ms at first, growing with its age up to 5 s, so that the replies of a
+# requester that died bounce slowly until their deadline.
 HAND_BACK_DELAY = 0.05
+HAND_BACK_MAX_DELAY = 5.0
+
+
+def _hand_back_delay(row: StoredMessage) -> float:
+    age = (datetime.now(UTC) - row.insert_time).total_seconds()
+    return min(HAND_BACK_MAX_DELAY, max(HAND_BACK_DELAY, age / 10))
 
 
 def storable(text: str) -> str:
@@ -382,7 +390,7 @@ class Dispatcher:
             and requester != replies.client_id
             and _not_yet(headers.get(REPLY_BY_HEADER))
         ):
-            outcomes.add(row.id, "R", delay=HAND_BACK_DELAY, correction=-1)
+            outcomes.add(row.id, "R", delay=_hand_back_delay(row), correction=-1)
             return True
         if self.registry.handlers_for(cls):
             return False

@@ -206,3 +206,44 @@ async def test_a_reply_carries_the_requests_headers(
     headers = json.loads(await db.fetchval("SELECT msg_headers FROM nmbus.shop"))
     assert headers["tenant"] == "acme"
     assert "nmbus-reply-to" not in headers
+
+
+async def test_hand_written_headers_that_are_not_an_object_do_not_break_sends(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    first = make_bus("first", poll_interval=0.2)
+
+    @first.handler
+    async def hop1(msg: Step, ctx: Context) -> None:
+        await ctx.send(Step(hop=2), to="second")
+
+    async with first:
+        for n, headers in enumerate(('["a"]', '"text"', "null", '{"tenant": 5, "ok": "yes"}')):
+            await db.execute(
+                "INSERT INTO nmbus.first (from_endpoint, to_endpoint, label, msg_text, "
+                "msg_headers) VALUES ('op', 'first', 'test.rr.Step', $1, $2::jsonb)",
+                json.dumps({"hop": n}),
+                headers,
+            )
+        await drain(first)
+    rows = await db.fetch("SELECT subqueue FROM nmbus.first ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["X", "X", "X", "X"]
+    sent = await db.fetch("SELECT msg_headers FROM nmbus.second ORDER BY id")
+    # A header whose value is not a string does not travel; the others do.
+    assert [r["msg_headers"] for r in sent] == [None, None, None, '{"ok": "yes"}']
+
+
+async def test_a_bad_reply_address_fails_the_sender_not_the_batch(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("first", poll_interval=0.2, max_attempts=1)
+
+    @bus.handler
+    async def hop1(msg: Step, ctx: Context) -> None:
+        await ctx.send(Step(hop=2), to="second", reply_to='x"; DROP TABLE y')
+
+    async with bus:
+        await bus.send(Step(hop=1), to="first")
+        await drain(bus)
+    info = await db.fetchval("SELECT error_info FROM nmbus.first")
+    assert info.startswith("InvalidQueueName: invalid queue name")

@@ -315,6 +315,7 @@ class Context:
         to = request.get(REPLY_TO_HEADER) or self.from_endpoint
         marks = {IN_REPLY_TO_HEADER: self.unique_id}
         for name in (REQUESTER_HEADER, REPLY_BY_HEADER):
-            if name in request:
-                marks[name] = request[name]
+            value = request.get(name)
+            if isinstance(value, str):
+                marks[name] = value
         return await self.send(message, to=to, headers={**(headers or {}), **marks})

@@ -421,3 +421,26 @@ async def test_a_worker_killed_between_load_and_save_loses_no_update(
     assert state.count == total
     handled = await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'")
     assert handled == total + 1
+
+
+async def test_concurrent_start_messages_create_one_saga(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # Four loops, one message per batch: the starts race to create the same row.
+    bus = make_bus("counting", poll_interval=0.2, concurrency=4, batch_size=1)
+    saga = bus.saga(Counter, key="counter")
+
+    @saga.handler(start=True)
+    async def increment(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+        state.seen.append(msg.n)
+        await asyncio.sleep(0.01)
+
+    async with bus:
+        for n in range(20):
+            await bus.send(Increment(counter="raced", n=n), to="counting")
+        await drain(bus, timeout=30)
+        state = await saga.load("raced")
+    assert state is not None and state.count == 20
+    assert sorted(state.seen) == list(range(20))
+    assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0

@@ -4,8 +4,10 @@ row lock and saved in the handler's transaction; timeouts; several processes."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -16,6 +18,8 @@ from nmbus.errors import ConfigurationError
 from nmbus.testing import MemoryStore, drain
 from tests.procs import Proc
 from tests.saga_workers import Counter, Increment, Open, counter_bus
+
+SAGAS_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "sagas.md").read_text()
 
 
 class OrderPlaced(Message, type_name="test.saga.OrderPlaced"):
@@ -444,3 +448,34 @@ async def test_concurrent_start_messages_create_one_saga(
     assert state is not None and state.count == 20
     assert sorted(state.seen) == list(range(20))
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+
+
+async def test_the_sql_of_the_sagas_page_runs_as_written(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    blocks = re.findall(r"```sql\n(.*?)```", SAGAS_PAGE, re.DOTALL)
+    statements = [s.strip() for block in blocks for s in block.split(";") if s.strip()]
+    assert len(statements) == 5
+    bus = make_bus("fulfilment", poll_interval=0.2)
+    saga = bus.saga(Fulfilment, key="order_id")
+
+    @saga.handler(start=True)
+    async def placed(msg: OrderPlaced, state: Fulfilment, ctx: Context) -> None:
+        state.order_id = msg.order_id
+        await ctx.saga.timeout(3600, Overdue(order_id=msg.order_id))
+
+    @saga.handler
+    async def paid(msg: PaymentTaken, state: Fulfilment, ctx: Context) -> None:
+        state.paid = True
+
+    async with bus:
+        await bus.send(OrderPlaced(order_id=42), to="fulfilment")
+        await bus.send(PaymentTaken(order_id=7), to="fulfilment")  # no saga: F
+        await drain(bus)
+    results = [await db.fetch(sql) for sql in statements]
+    running, one, waiting, timeouts, not_found = results
+    assert [r["saga_key"] for r in running] == ["42"]
+    assert '"order_id": 42' in one[0]["state"]
+    assert waiting == []  # created just now
+    assert [r["label"] for r in timeouts] == ["test.saga.Overdue"]
+    assert len(not_found) == 1

@@ -28,6 +28,7 @@ from nmbus.errors import (
     QueueNotFound,
     RetentionError,
     RetryLater,
+    SagaNotFound,
     SchemaVersionError,
     StoreError,
     ToolError,
@@ -36,6 +37,7 @@ from nmbus.errors import (
 )
 from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
+from nmbus.sagas import Saga
 from nmbus.settings import Settings
 
 __all__ = [
@@ -65,6 +67,8 @@ __all__ = [
     "RetentionError",
     "RetryLater",
     "RetryPolicy",
+    "Saga",
+    "SagaNotFound",
     "SchemaVersionError",
     "Settings",
     "StoreError",

@@ -9,24 +9,33 @@ handling goes Worker -> Dispatcher -> handlers; nothing below calls back up.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import socket
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
 import structlog
 
 from nmbus.dispatch import Dispatcher
-from nmbus.envelopes import EnvelopeBuilder, deliver_time
-from nmbus.errors import ConfigurationError
+from nmbus.envelopes import (
+    REPLY_BY_HEADER,
+    REPLY_TO_HEADER,
+    REQUESTER_HEADER,
+    EnvelopeBuilder,
+    deliver_time,
+)
+from nmbus.errors import MAX_SECONDS, ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.logs import log_failure
 from nmbus.messages import Message
+from nmbus.replies import Replies
 from nmbus.retry import RetryPolicy
+from nmbus.sagas import S, Saga
 from nmbus.settings import Settings, build_settings
 from nmbus.store import Store, validate_queue_name
 from nmbus.subscriptions import Subscriptions
@@ -89,15 +98,17 @@ class Bus:
         self.client_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.subscriptions = Subscriptions(self.endpoint, store, settings)
         self.envelopes = EnvelopeBuilder(settings.max_message_bytes)
+        self.replies = Replies(self.client_id)
         self.worker = Worker(
             queue=self.endpoint,
             store=store,
             dispatcher=Dispatcher(
-                self.endpoint, self.registry, self.retry, settings, self.envelopes
+                self.endpoint, self.registry, self.retry, settings, self.envelopes, self.replies
             ),
             settings=settings,
             client_id=self.client_id,
         )
+        self.sagas: dict[str, Saga[Any]] = {}
         self._background: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = asyncio.Event()
@@ -144,6 +155,40 @@ class Bus:
 
         return register
 
+    def saga(
+        self,
+        state: type[S],
+        key: str | Callable[[Any], object],
+        *,
+        name: str | None = None,
+        on_missing: str = "fail",
+    ) -> Saga[S]:
+        """Declare a saga whose state is the pydantic model ``state``, kept in this endpoint.
+
+        ``key`` names the field of its messages that identifies one saga (or is
+        a callable of the message). ``name`` (default: the model's class name)
+        is what the saga table stores; two sagas of an endpoint need two names.
+        ``on_missing="ignore"`` sends a non-start message for a missing saga
+        to X instead of F. Register handlers with ``@saga.handler``.
+        """
+        saga_name = name if name is not None else state.__name__
+        if saga_name in self.sagas:
+            raise ConfigurationError(
+                f"endpoint {self.endpoint!r} already has a saga named {saga_name!r}; "
+                "give this one name=..."
+            )
+        saga = Saga(
+            state,
+            key,
+            name=saga_name,
+            endpoint=self.endpoint,
+            registry=self.registry,
+            store=self.store,
+            on_missing=on_missing,
+        )
+        self.sagas[saga_name] = saga
+        return saga
+
     def subscribe(
         self, message_type: type[Message], publisher: str, *, permanent: bool = False
     ) -> None:
@@ -173,6 +218,8 @@ class Bus:
         await self.store.open()
         try:
             await self.store.ensure_queue(self.endpoint)
+            if self.sagas:
+                await self.store.ensure_sagas(self.endpoint)
             await self.subscriptions.start()
         except BaseException:
             await self.store.close()
@@ -256,6 +303,7 @@ class Bus:
         unique_id: str | None = None,
         correlation_id: str | None = None,
         connection: Any = None,
+        reply_to: str | None = None,
     ) -> str:
         """Store ``message`` in queue ``to``; durable when this returns.
 
@@ -263,13 +311,68 @@ class Bus:
         R until then. With ``connection``, an asyncpg connection inside a
         transaction, the message exists exactly when that transaction commits.
         A ``unique_id`` already stored in that queue is not stored again.
-        Returns the message's unique id.
+        ``reply_to`` names the endpoint the receiver's ``ctx.reply`` answers
+        to (default: this one). Returns the message's unique id.
         """
+        if reply_to is not None:
+            validate_queue_name(reply_to)
+            headers = {**(headers or {}), REPLY_TO_HEADER: reply_to}
         envelope = self.envelopes.for_send(
             message, to, correlation_id, headers, unique_id, deliver_at, delay
         )
         await self.store.insert(to, self.endpoint, [envelope], connection)
         return envelope.unique_id
+
+    async def request(
+        self,
+        message: Message,
+        to: str,
+        *,
+        timeout: float = 30.0,
+        headers: Mapping[str, str] | None = None,
+    ) -> Message:
+        """Send ``message`` to ``to`` and return the reply its handler sends with ``ctx.reply``.
+
+        The request carries a fresh correlation id and this endpoint as its
+        reply address; the reply comes back to this endpoint's queue, where
+        this process's workers hand it to the waiting call (so the bus must run
+        workers: concurrency >= 1). Raises TimeoutError after ``timeout``
+        seconds; a reply that comes later is handled like any message (its
+        handler, or X with a note). Many requests may be in flight at once.
+        """
+        if not (isinstance(timeout, int | float) and math.isfinite(timeout)):
+            raise ConfigurationError(f"request timeout must be a finite number, got {timeout!r}")
+        if not 0 < timeout <= MAX_SECONDS:
+            raise ConfigurationError(f"request timeout must be > 0 seconds, got {timeout}")
+        if self.settings.concurrency < 1:
+            raise ConfigurationError(
+                f"bus.request needs endpoint {self.endpoint!r} to run workers (concurrency >= 1): "
+                "the reply comes back to its queue and is received by them"
+            )
+        if not self._started or self._stopped.is_set():
+            raise RuntimeError(f"bus {self.endpoint!r} is not running; use 'async with bus:'")
+        correlation_id = uuid.uuid4().hex
+        reply_by = datetime.now(UTC) + timedelta(seconds=timeout)
+        marks = {
+            REPLY_TO_HEADER: self.endpoint,
+            REQUESTER_HEADER: self.client_id,
+            REPLY_BY_HEADER: reply_by.isoformat(),
+        }
+        future = self.replies.expect(correlation_id)
+        try:
+            await self.send(
+                message, to, headers={**(headers or {}), **marks}, correlation_id=correlation_id
+            )
+            try:
+                async with asyncio.timeout(timeout):
+                    return await future
+            except TimeoutError:
+                raise TimeoutError(
+                    f"no reply from {to!r} to {message.__type_name__} within {timeout:g}s "
+                    f"(correlation id {correlation_id})"
+                ) from None
+        finally:
+            self.replies.forget(correlation_id)
 
     async def publish(
         self,

@@ -15,8 +15,20 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from nmbus.envelopes import EnvelopeBuilder, deliver_time
+from nmbus.envelopes import (
+    IN_REPLY_TO_HEADER,
+    REPLY_BY_HEADER,
+    REPLY_TO_HEADER,
+    REQUESTER_HEADER,
+    SAGA_HEADER,
+    SAGA_KEY_HEADER,
+    EnvelopeBuilder,
+    deliver_time,
+    travelling,
+)
+from nmbus.errors import ConfigurationError
 from nmbus.messages import Envelope, Message, StoredMessage
+from nmbus.store import validate_queue_name
 
 if TYPE_CHECKING:
     import asyncpg
@@ -101,10 +113,50 @@ class HandlerConnection:
         return await self._enter()
 
 
+class SagaControl:
+    """``ctx.saga`` in a saga handler: which saga, its timeouts, its completion."""
+
+    __slots__ = ("_ctx", "completed", "key", "name")
+
+    def __init__(self, ctx: Context, name: str, key: str) -> None:
+        self._ctx = ctx
+        self.name = name
+        self.key = key
+        self.completed = False
+
+    async def timeout(self, seconds: float, message: Message) -> str:
+        """Send ``message`` to this endpoint in ``seconds``, for this saga's handler of its type.
+
+        It is an ordinary deferred message (in R until due) carrying the saga's
+        name and key in headers, stored when the handler's transaction commits.
+        Returns its unique id.
+        """
+        return await self._ctx.send(
+            message,
+            to=self._ctx.queue,
+            delay=seconds,
+            headers={SAGA_HEADER: self.name, SAGA_KEY_HEADER: self.key},
+        )
+
+    def complete(self) -> None:
+        """End the saga: its row is deleted when the handler's transaction commits."""
+        self.completed = True
+
+
 class Context:
     """Everything a handler knows about the message it handles."""
 
-    __slots__ = ("_batch", "_builder", "_connection", "_headers", "_row", "effects", "queue")
+    __slots__ = (
+        "_batch",
+        "_builder",
+        "_connection",
+        "_headers",
+        "_row",
+        "_saga",
+        "_travel",
+        "effects",
+        "queue",
+    )
 
     def __init__(
         self, queue: str, row: StoredMessage, batch: HandlerTransaction, builder: EnvelopeBuilder
@@ -116,6 +168,8 @@ class Context:
         self.effects = Effects()
         self._connection: HandlerConnection | None = None
         self._headers: dict[str, str] | None = None
+        self._saga: SagaControl | None = None
+        self._travel: dict[str, str] | None = None
 
     @property
     def message_id(self) -> int:
@@ -151,8 +205,21 @@ class Context:
     def headers(self) -> Mapping[str, str]:
         if self._headers is None:
             raw = self._row.msg_headers
-            self._headers = json.loads(raw) if raw else {}
+            parsed = json.loads(raw) if raw else {}
+            # Written by hand, msg_headers may hold any JSON: only an object is headers.
+            self._headers = parsed if isinstance(parsed, dict) else {}
         return self._headers
+
+    @property
+    def saga(self) -> SagaControl:
+        """The saga of the saga handler running now (timeouts, completion)."""
+        if self._saga is None:
+            raise ConfigurationError("ctx.saga is only available in a saga handler")
+        return self._saga
+
+    def use_saga(self, control: SagaControl | None) -> None:
+        """Set (or clear) what ``ctx.saga`` is: called around each saga handler."""
+        self._saga = control
 
     @property
     def connection(self) -> HandlerConnection:
@@ -160,6 +227,20 @@ class Context:
         if self._connection is None:
             self._connection = HandlerConnection(self.effects, self._batch)
         return self._connection
+
+    def outgoing_headers(self, headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
+        """The headers of what this handler sends: the travelling ones, overridden by ``headers``.
+
+        Every header of the message being handled travels except nmbus's own
+        (``nmbus-*``: type chain, saga, reply address); see docs/request-reply.md.
+        """
+        if self._travel is None:
+            self._travel = travelling(self.headers) if self._row.msg_headers else {}
+        if not self._travel:
+            return headers
+        if not headers:
+            return self._travel
+        return {**self._travel, **headers}
 
     async def send(
         self,
@@ -170,13 +251,23 @@ class Context:
         delay: float | None = None,
         headers: Mapping[str, str] | None = None,
         unique_id: str | None = None,
+        correlation_id: str | None = None,
+        reply_to: str | None = None,
     ) -> str:
-        """Send ``message`` to queue ``to`` when this handler's transaction commits."""
+        """Send ``message`` to queue ``to`` when this handler's transaction commits.
+
+        It carries this message's correlation id and travelling headers unless
+        ``correlation_id`` / ``headers`` say otherwise; ``reply_to`` names the
+        endpoint its receiver's ``ctx.reply`` answers to.
+        """
+        outgoing = self.outgoing_headers(headers)
+        if reply_to is not None:
+            outgoing = {**(outgoing or {}), REPLY_TO_HEADER: validate_queue_name(reply_to)}
         envelope = self._builder.for_send(
             message,
             to,
-            self.correlation_id or self.unique_id,
-            headers,
+            correlation_id or self.correlation_id or self.unique_id,
+            outgoing,
             unique_id,
             deliver_at,
             delay,
@@ -192,18 +283,20 @@ class Context:
         unique_id: str | None = None,
         deliver_at: datetime | None = None,
         delay: float | None = None,
+        correlation_id: str | None = None,
     ) -> str:
         """Publish ``message`` to every subscriber, in this handler's transaction.
 
         The copies are stored when the handler succeeds, with the batch's
         commit (one server call for everything the batch published), and carry
-        this message's correlation id. Returns the publish id: each copy's
-        unique_id is ``<publish id>/<subscriber>``.
+        this message's correlation id and travelling headers (unless
+        ``correlation_id`` / ``headers`` say otherwise). Returns the publish
+        id: each copy's unique_id is ``<publish id>/<subscriber>``.
         """
         envelope, _ = self._builder.for_publish(
             message,
-            self.correlation_id or self.unique_id,
-            headers,
+            correlation_id or self.correlation_id or self.unique_id,
+            self.outgoing_headers(headers),
             unique_id,
             deliver_time(deliver_at, delay),
         )
@@ -211,5 +304,18 @@ class Context:
         return envelope.unique_id
 
     async def reply(self, message: Message, *, headers: Mapping[str, str] | None = None) -> str:
-        """Send ``message`` back to the endpoint that sent the message being handled."""
-        return await self.send(message, to=self.from_endpoint, headers=headers)
+        """Answer the message being handled, when this handler's transaction commits.
+
+        The reply goes to the endpoint its ``reply-to`` header names (set by
+        ``bus.request`` or ``send(..., reply_to=...)``), else to the endpoint
+        that sent it; it carries the same correlation id, which is how a
+        waiting ``bus.request`` recognises its answer.
+        """
+        request = self.headers
+        to = request.get(REPLY_TO_HEADER) or self.from_endpoint
+        marks = {IN_REPLY_TO_HEADER: self.unique_id}
+        for name in (REQUESTER_HEADER, REPLY_BY_HEADER):
+            value = request.get(name)
+            if isinstance(value, str):
+                marks[name] = value
+        return await self.send(message, to=to, headers={**(headers or {}), **marks})

@@ -11,18 +11,26 @@ worker records every outcome of a batch in one statement.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
 import traceback
 from collections.abc import Coroutine, Generator
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import structlog
 from pydantic import ValidationError
 
 from nmbus.context import Context, Effects
-from nmbus.envelopes import EnvelopeBuilder, decode_type
+from nmbus.envelopes import (
+    IN_REPLY_TO_HEADER,
+    REPLY_BY_HEADER,
+    REQUESTER_HEADER,
+    EnvelopeBuilder,
+    decode_type,
+)
 from nmbus.errors import (
     AttemptFailed,
     AttemptsExhausted,
@@ -32,12 +40,14 @@ from nmbus.errors import (
     NoHandler,
     PermanentError,
     RetryLater,
+    SagaNotFound,
     UndecodableMessage,
     UnknownMessageType,
 )
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.messages import Message, StoredMessage
 from nmbus.recovery import DIED_ALONE
+from nmbus.replies import Replies
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
 from nmbus.store import Batch, Outcomes
@@ -47,6 +57,17 @@ log = structlog.get_logger("nmbus.worker")
 MAX_ERROR_INFO = 8000
 # The longest retry delay written (100 years): beyond it a timestamp overflows.
 MAX_DELAY = 100 * 365.25 * 86400
+# How long a reply for a request of another process of this endpoint waits
+# before it is offered again (it is claimed at random by the endpoint's workers):
+# 50 ms at first, growing with its age up to 5 s, so that the replies of a
+# requester that died bounce slowly until their deadline.
+HAND_BACK_DELAY = 0.05
+HAND_BACK_MAX_DELAY = 5.0
+
+
+def _hand_back_delay(row: StoredMessage) -> float:
+    age = (datetime.now(UTC) - row.insert_time).total_seconds()
+    return min(HAND_BACK_MAX_DELAY, max(HAND_BACK_DELAY, age / 10))
 
 
 def storable(text: str) -> str:
@@ -98,6 +119,19 @@ def _retry_delay(seconds: float) -> float:
     if math.isnan(seconds) or seconds < 0:
         return 0.0
     return min(seconds, MAX_DELAY)
+
+
+def _not_yet(when: object) -> bool:
+    """Whether ISO 8601 time ``when`` is still to come (False for anything unreadable)."""
+    if not isinstance(when, str):
+        return False
+    try:
+        moment = datetime.fromisoformat(when)
+    except ValueError:
+        return False
+    if moment.tzinfo is None:
+        return False
+    return moment > datetime.now(UTC)
 
 
 def per_message_logs() -> bool:
@@ -210,8 +244,10 @@ class Dispatcher:
         retry: RetryPolicy,
         settings: Settings,
         builder: EnvelopeBuilder,
+        replies: Replies | None = None,
     ) -> None:
         self.queue = queue
+        self.replies = replies
         self.registry = registry
         self.retry = retry
         self.on_unknown = settings.on_unknown
@@ -229,6 +265,14 @@ class Dispatcher:
     ) -> None:
         """Handle ``row`` in batch ``tx``; on success its effects are appended to ``done``."""
         cls = decode_type(row.label, row.msg_headers)
+        text = row.msg_headers
+        if (
+            cls is not None
+            and text
+            and IN_REPLY_TO_HEADER in text
+            and self.reply(row, cls, outcomes)
+        ):
+            return
         handlers = self.registry.handlers_for(cls) if cls is not None else ()
         if not handlers:
             unhandled: MessageError = (
@@ -312,6 +356,57 @@ class Dispatcher:
                 serial.let_go()
             structlog.contextvars.reset_contextvars(**tokens)
 
+    def reply(self, row: StoredMessage, cls: type[Message], outcomes: Outcomes) -> bool:
+        """Deal with a reply if it is not for the handlers: True when its outcome is added.
+
+        A reply a request of this process waits for resolves that request and
+        goes to X (its handlers do not run). One that another live request of
+        this endpoint, in another process, waits for goes back for that process
+        (to R, shortly, the attempt not counted). A late one, that no request
+        waits for any more, is handled like any message; with no handler it
+        goes to X with a note rather than to F.
+        """
+        try:
+            headers = json.loads(row.msg_headers or "")
+        except ValueError:
+            return False
+        if not isinstance(headers, dict) or IN_REPLY_TO_HEADER not in headers:
+            return False
+        replies = self.replies
+        if replies is not None and row.correlation_id in replies:
+            try:
+                message = cls.model_validate_json(row.msg_text or "")
+            except (ValidationError, ValueError):
+                return False  # recorded as undecodable by the usual path
+            if replies.resolve(row.correlation_id, message):
+                outcomes.add(row.id, "X")
+                if per_message_logs():
+                    log.info("reply_received", correlation_id=row.correlation_id)
+                return True
+        requester = headers.get(REQUESTER_HEADER)
+        if (
+            requester
+            and replies is not None
+            and requester != replies.client_id
+            and _not_yet(headers.get(REPLY_BY_HEADER))
+        ):
+            outcomes.add(row.id, "R", delay=_hand_back_delay(row), correction=-1)
+            return True
+        if self.registry.handlers_for(cls):
+            return False
+        outcomes.add(
+            row.id,
+            "X",
+            error_info=(
+                f"late reply: no request waits for correlation id {row.correlation_id!r} "
+                "any more (it timed out, or its process stopped) and no handler takes "
+                f"{row.label}"
+            ),
+        )
+        if per_message_logs():
+            log.info("late_reply", correlation_id=row.correlation_id)
+        return True
+
     def policy(self, row: StoredMessage) -> RetryPolicy:
         """The retry policy of the first handler of ``row``'s type, else the endpoint's."""
         cls = decode_type(row.label, row.msg_headers)
@@ -338,7 +433,7 @@ class Dispatcher:
         elif isinstance(exc, asyncio.CancelledError):
             exc = because(HandlerCancelled("cancelled by something other than the worker"), exc)
         info = error_info(exc)
-        if isinstance(exc, PermanentError) or policy.gives_up_after(row.retry_count):
+        if isinstance(exc, PermanentError | SagaNotFound) or policy.gives_up_after(row.retry_count):
             outcomes.add(row.id, "F", error_info=info)
             if chatty:
                 log.error("message_failed", attempts=row.retry_count, error=info.splitlines()[0])

@@ -24,6 +24,33 @@ from nmbus.store import validate_queue_name
 #: comma-separated; present when the message's class has Message ancestors.
 TYPE_CHAIN_HEADER = "nmbus-type-chain"
 
+#: Headers whose name starts with this belong to one message and never travel
+#: onto what its handler sends (see :func:`travelling`).
+INTERNAL_PREFIX = "nmbus-"
+#: On a saga timeout: the saga's name and key, so the timeout finds its saga.
+SAGA_HEADER = "nmbus-saga"
+SAGA_KEY_HEADER = "nmbus-saga-key"
+#: Where the answer to a message goes (``ctx.reply``): an endpoint name.
+REPLY_TO_HEADER = "nmbus-reply-to"
+#: On a reply: the unique id of the message it answers.
+IN_REPLY_TO_HEADER = "nmbus-in-reply-to"
+#: On a request, copied onto its reply: the client id of the process waiting
+#: for it and until when (ISO 8601), so that another process of the same
+#: endpoint hands the reply back rather than take it for a late one.
+REQUESTER_HEADER = "nmbus-requester"
+REPLY_BY_HEADER = "nmbus-reply-by"
+
+
+def travelling(headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers of a handled message that go onto what its handler sends.
+
+    All but nmbus's own (``nmbus-*``), which describe one message only: its
+    type chain, saga, reply address.
+    """
+    return {
+        k: v for k, v in headers.items() if isinstance(v, str) and not k.startswith(INTERNAL_PREFIX)
+    }
+
 
 def chain_header(cls: type[Message]) -> str | None:
     """The TYPE_CHAIN_HEADER value for ``cls``, or None when it is its own whole chain."""

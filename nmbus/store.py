@@ -94,6 +94,38 @@ class Outcomes:
         return len(self.ids)
 
 
+@dataclass(slots=True)
+class SagaRow:
+    """A saga's row, locked in a handler's transaction.
+
+    ``state`` is the JSON of the state model, None for a saga that the lock
+    has just created (a start message, no saga yet); ``version`` counts saves.
+    """
+
+    state: str | None
+    version: int
+
+
+class SagaTable(Protocol):
+    """One endpoint's saga states: one row per (saga name, key).
+
+    ``conn`` is the handler's connection (``ctx.connection``): the row is
+    locked, saved and deleted in the handler's own transaction and savepoint.
+    """
+
+    async def lock(self, conn: Any, saga: str, key: str, create: bool) -> SagaRow | None:
+        """Lock the row until the transaction ends; with ``create``, create it when missing."""
+        ...
+
+    async def save(self, conn: Any, saga: str, key: str, state: str) -> None: ...
+
+    async def delete(self, conn: Any, saga: str, key: str) -> None: ...
+
+    async def load(self, saga: str, key: str) -> str | None:
+        """The committed state of a saga (no lock), None when there is none."""
+        ...
+
+
 class HandlerTransaction(Protocol):
     """The batch's transaction as a handler's Context sees it."""
 
@@ -198,6 +230,12 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
     async def ensure_queue(self, queue: str) -> None: ...
+
+    async def ensure_sagas(self, endpoint: str) -> None:
+        """Create the saga table of ``endpoint`` when missing (idempotent)."""
+        ...
+
+    def saga_table(self, endpoint: str) -> SagaTable: ...
 
     async def drop_queue(self, queue: str) -> None: ...
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from nmbus.errors import ConfigurationError, QueueNotFound
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.settings import Settings
-from nmbus.store import Outcomes, validate_queue_name
+from nmbus.store import Outcomes, SagaTable, validate_queue_name
 
 if TYPE_CHECKING:
     from nmbus.bus import Bus
@@ -244,6 +244,16 @@ class MemoryStore:
 
     async def ensure_queue(self, queue: str) -> None:
         self.tables.setdefault(validate_queue_name(queue), {})
+
+    async def ensure_sagas(self, endpoint: str) -> None:
+        raise ConfigurationError(
+            "the in-memory store keeps no saga state: test sagas against PostgreSQL"
+        )
+
+    def saga_table(self, endpoint: str) -> SagaTable:
+        raise ConfigurationError(
+            "the in-memory store keeps no saga state: test sagas against PostgreSQL"
+        )
 
     async def drop_queue(self, queue: str) -> None:
         self.tables.pop(validate_queue_name(queue), None)

@@ -144,3 +144,17 @@ async def test_fanout_with_one_publisher_stores_a_copy_per_subscriber(dsn: str) 
     batched = result.figures["batched_published_per_s"]
     assert result.figures["batched_rows_per_s"] == pytest.approx(2 * batched)
     assert result.settings["subscribers"] == 2
+
+
+async def test_saga_compares_a_saga_with_the_same_handler_without(dsn: str) -> None:
+    # The bench checks itself: every message counted once into one of 100 sagas.
+    options = BenchOptions(dsn=dsn, messages=300, batch_size=50)
+    [result] = await asyncio.wait_for(run(["saga"], options), timeout=120)
+    figures = result.figures
+    for name in ("saga_per_s", "plain_per_s", "hand_written_table_per_s"):
+        assert figures[name] > 0
+    assert figures["ratio_saga_to_plain"] == pytest.approx(
+        figures["saga_per_s"] / figures["plain_per_s"]
+    )
+    assert result.settings["sagas"] == 100
+    assert await _schemas(dsn) == []

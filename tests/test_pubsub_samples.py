@@ -10,6 +10,9 @@ from pathlib import Path
 
 import asyncpg
 
+from nmbus import Bus
+from samples.shop.fulfilment import OrderPlaced
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,3 +37,52 @@ async def test_the_shop_sample_ships_every_order(dsn: str, db: asyncpg.Connectio
     for queue, count in (("shipping", 12), ("orders", 6)):
         done = await db.fetchval(f"SELECT count(*) FROM nmbus.{queue} WHERE subqueue = 'X'")
         assert done == count
+    # The fulfilment saga of every order heard of its payment and shipment, and completed.
+    assert "[fulfilment] all 6 orders fulfilled" in result.stdout
+    for order_id in range(1, 7):
+        assert f"[fulfilment] order {order_id} fulfilled" in result.stdout
+    assert await db.fetchval('SELECT count(*) FROM nmbus."fulfilment$saga"') == 0
+    handled = await db.fetch(
+        "SELECT label, count(*) FROM nmbus.fulfilment WHERE subqueue = 'X' GROUP BY 1"
+    )
+    assert {r["label"]: r["count"] for r in handled if r["label"] != "shop.PaymentOverdue"} == {
+        "shop.OrderPlaced": 6,
+        "shop.PaymentTaken": 6,
+        "shop.OrderShipped": 6,
+    }
+    # One payment-overdue timeout per order; those due after completion are ignored (X).
+    assert (
+        await db.fetchval(
+            "SELECT count(*) FROM nmbus.fulfilment WHERE label = 'shop.PaymentOverdue'"
+        )
+        == 6
+    )
+    assert not await db.fetchval("SELECT count(*) FROM nmbus.fulfilment WHERE subqueue = 'F'")
+
+
+async def test_a_payment_overdue_timeout_reminds_the_customer(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    # Fulfilment alone: an order is placed, its payment never comes.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-u", "-m", "samples.shop.fulfilment", "--payment-due", "0.5",
+        cwd=ROOT, env={**os.environ, "NMBUS_DSN": dsn}, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            assert b"ready" in await proc.stdout.readline()
+            async with Bus("orders", dsn=dsn, concurrency=0) as orders:
+                await orders.publish(OrderPlaced(order_id=77, customer="ada"))
+            lines = []
+            while not lines or b"payment overdue" not in lines[-1]:
+                lines.append(await proc.stdout.readline())
+        assert b"order 77: payment overdue, reminding ada" in lines[-1]
+        async with asyncio.timeout(10):  # printed in the handler, committed just after
+            while '"reminded": true' not in await db.fetchval(
+                'SELECT state::text FROM nmbus."fulfilment$saga"'
+            ):
+                await asyncio.sleep(0.05)
+    finally:
+        proc.terminate()
+        await proc.wait()

@@ -32,3 +32,19 @@ def test_quickstart_runs(dsn: str) -> None:
     assert "order 1 paid" in result.stdout
     assert "order 3 paid" in result.stdout
     assert "{'I': 0, 'R': 0, 'X': 4, 'F': 1}" in result.stdout
+
+
+def test_request_reply_sample_runs(dsn: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "samples.request_reply"],
+        cwd=ROOT,
+        env={**os.environ, "NMBUS_DSN": dsn},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for line in ("apple: 0.50", "pear: 1.50", "fig: 3.60", "kiwi: 1.20", "plum: 2.00"):
+        assert f"[storefront] {line}" in result.stdout
+    assert "[pricing] quoting 1 x apple for acme" in result.stdout
+    assert "[storefront] no reply from 'pricing' to pricing.GetQuote within 1s" in result.stdout

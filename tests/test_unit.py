@@ -3,6 +3,7 @@ and the real worker running on the in-memory store."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import re
 
@@ -30,7 +31,9 @@ PUBLIC_API = {
     "UndecodableMessage", "AttemptFailed", "AttemptsExhausted", "HandlerTimeout",
     "HandlerCancelled", "OutcomeNotRecorded", "StoreError", "DatabaseUnavailable",
     "QueueNotFound", "LeaseLost", "SchemaVersionError", "RetentionError", "ToolError",
-    "HandlerSignal", "PermanentError", "RetryLater",
+    "HandlerSignal", "PermanentError", "RetryLater", "SagaNotFound",
+    # The service bus (DESIGN.md section 8).
+    "Saga",
 }  # fmt: skip
 
 
@@ -242,3 +245,19 @@ async def test_the_burst_example_of_the_handlers_page_runs() -> None:
     await bus.store.ensure_queue("billing")
     await bus.send(OrderPlaced(order_id=1, name="x"), to="billing")
     assert await bus.worker.run_burst() == {"X": 1, "R": 0, "F": 0}
+
+
+async def test_request_reply_runs_on_the_memory_store() -> None:
+    store = MemoryStore()
+    pricing = Bus("pricing", store=store, poll_interval=0.05)
+    shop = Bus("shop", store=store, poll_interval=0.05)
+
+    @pricing.handler
+    async def quote(msg: Ping, ctx: Context) -> None:
+        await ctx.reply(Pong(n=msg.n * 2))
+
+    async with pricing, shop:
+        replies = await asyncio.gather(
+            *(shop.request(Ping(n=n), to="pricing", timeout=5.0) for n in range(5))
+        )
+    assert replies == [Pong(n=n * 2) for n in range(5)]

@@ -15,7 +15,10 @@ from rich.table import Table
 
 command = typer.Typer(add_completion=False)
 
-MODES_HELP = "ceiling, drain, transactional, latency, fanout, xrows, or all (every one but xrows)"
+MODES_HELP = (
+    "ceiling, drain, transactional, latency, fanout, xrows, saga, "
+    "or all (every one but xrows and saga)"
+)
 
 
 @command.command()

@@ -26,6 +26,7 @@ from nmbus.postgres.pubsub import (
     publish_args,
     publish_on,
 )
+from nmbus.postgres.sagas import PostgresSagaTable, create_saga_table
 from nmbus.settings import Settings
 from nmbus.sql import QUERIES, render
 from nmbus.store import SCHEMA_VERSION, Outcomes, validate_queue_name, validate_schema_name
@@ -354,6 +355,13 @@ class PostgresStore:
                         async with conn.transaction():
                             await create_queue_on(conn, self.schema, queue)
             self._known_queues.add(queue)
+
+    async def ensure_sagas(self, endpoint: str) -> None:
+        await create_saga_table(self.pool, self.schema, endpoint)
+
+    def saga_table(self, endpoint: str) -> PostgresSagaTable:
+        # The pool is looked up at each load: the table object outlives a restart.
+        return PostgresSagaTable(lambda: self.pool, self.schema, validate_queue_name(endpoint))
 
     async def drop_queue(self, queue: str) -> None:
         validate_queue_name(queue)

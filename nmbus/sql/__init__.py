@@ -47,7 +47,7 @@ MAX_IDENTIFIER_BYTES = 63
 
 
 def own_name(table: str, role: str) -> str:
-    """The name of nmbus's object ``role`` (ready, uid, pkey, id_seq) of ``table``."""
+    """The name of nmbus's object ``role`` (ready, uid, pkey, id_seq, saga) of ``table``."""
     name = f"{table}${role}"
     if len(name.encode()) > MAX_IDENTIFIER_BYTES:
         raise ValueError(f"{name!r} is longer than PostgreSQL's {MAX_IDENTIFIER_BYTES} bytes")
@@ -63,6 +63,10 @@ def fill(sql: str, schema: str, queue: str | None = None) -> str:
         values["unique_index"] = quote_ident(own_name(queue, "uid"))
         values["pkey"] = quote_ident(own_name(queue, "pkey"))
         values["id_seq"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'id_seq'))}"
+        if "{saga" in sql:
+            saga = own_name(queue, "saga")
+            values["saga"] = f"{quote_ident(schema)}.{quote_ident(saga)}"
+            values["saga_pkey"] = quote_ident(own_name(saga, "pkey"))
     return sql.format_map(values)
 
 

@@ -415,6 +415,54 @@ SELECT EXISTS (
     WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
 );
 
+-- ---------------------------------------------------------------------------
+-- Sagas: one table per endpoint, {saga} = "<endpoint>$saga", created when a bus
+-- with sagas starts. A row per (saga name, key); a completed saga's row is
+-- deleted. See docs/sagas.md.
+-- ---------------------------------------------------------------------------
+
+-- saga_table_exists --
+-- Whether the saga table of the endpoint exists. $1: schema, $2: table name (both unquoted).
+SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL;
+
+-- create_saga_table --
+-- Create the endpoint's saga table (idempotent). state is NULL only inside the
+-- transaction of a start message that has just created the row.
+CREATE TABLE IF NOT EXISTS {saga} (
+    saga_type text NOT NULL,
+    saga_key text NOT NULL,
+    state jsonb,
+    version integer NOT NULL DEFAULT 0,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT {saga_pkey} PRIMARY KEY (saga_type, saga_key)
+);
+
+-- saga_lock --
+-- Lock saga $1 with key $2 until the transaction ends; no row when there is none.
+SELECT state::text, version FROM {saga} WHERE saga_type = $1 AND saga_key = $2 FOR UPDATE;
+
+-- saga_lock_or_create --
+-- Lock saga $1 with key $2, creating it (state NULL, version 0) when missing. One
+-- statement: a concurrent creator's row is waited for and then locked, never
+-- inserted twice (ON CONFLICT DO UPDATE locks the row it conflicts with).
+INSERT INTO {saga} AS s (saga_type, saga_key, state, version) VALUES ($1, $2, NULL, 0)
+ON CONFLICT (saga_type, saga_key) DO UPDATE SET version = s.version
+RETURNING s.state::text, s.version;
+
+-- saga_save --
+-- Store state $3 (JSON text) of saga $1 with key $2, locked by this transaction.
+UPDATE {saga} SET state = $3::text::jsonb, version = version + 1, updated_at = now()
+WHERE saga_type = $1 AND saga_key = $2;
+
+-- saga_delete --
+-- Remove completed saga $1 with key $2.
+DELETE FROM {saga} WHERE saga_type = $1 AND saga_key = $2;
+
+-- saga_load --
+-- The committed state of saga $1 with key $2 (no lock), as JSON text.
+SELECT state::text FROM {saga} WHERE saga_type = $1 AND saga_key = $2 AND state IS NOT NULL;
+
 -- ===========================================================================
 -- Publish/subscribe (docs/pubsub.md). The fan-out runs on the server: one
 -- call finds the live subscribers and stores a copy in each one's queue table.

@@ -21,6 +21,8 @@ medians, with the settings they ran under. The modes:
                    messages and stored rows per second.
 ``xrows``          drain on an empty table, then with millions of X rows in the
                    same table, and ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
+``saga``           drain through a saga that updates its state on every message,
+                   against the same handler without a saga (``bench_saga.py``).
 
 Figures are only as good as the machine is quiet: the load average is printed
 with the settings of every run.
@@ -51,7 +53,7 @@ from nmbus.tools.sql import render
 
 __all__ = ["ALL_MODES", "MODES", "BenchOptions", "Result", "run"]
 
-MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows")
+MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows", "saga")
 ALL_MODES = ("ceiling", "drain", "transactional", "latency", "fanout")
 
 
@@ -182,6 +184,13 @@ async def run(
             res.add("ratio_loaded_to_empty", loaded / empty, "x")
             res.notes = [f"EXPLAIN (ANALYZE, BUFFERS) of the claim with {options.x_rows} X rows:"]
             res.notes.append(plan)
+        if "saga" in results:
+            progress(f"saga and the same handler without, run {rep}")
+            from nmbus.tools.bench_saga import measure_saga
+
+            for name, value in (await measure_saga(options, Scratch)).items():
+                unit = "x" if name.startswith("ratio") else "msg/s"
+                results["saga"].add(name, value, unit)
     for mode, result in results.items():
         result.settings = {**_mode_settings(mode, options), **common, "repeat": options.repeat}
     return list(results.values())
@@ -195,6 +204,10 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
         return {**base, "messages": o.messages, "baseline_messages": o.baseline_messages}
     if mode == "latency":
         return {**base, "rate_per_s": o.rate, "seconds": o.seconds, "warmup_s": o.warmup}
+    if mode == "saga":
+        from nmbus.tools.bench_saga import SAGAS
+
+        return {**base, "messages": o.messages, "sagas": SAGAS}
     if mode == "fanout":
         return {
             "messages": o.fanout_messages,

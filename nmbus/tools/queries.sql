@@ -197,3 +197,12 @@ FROM (
 -- seed_analyze --
 -- Refresh the planner's statistics of a queue table after seeding it.
 ANALYZE {queue};
+
+-- bench_create_counters --
+-- The table the saga bench's hand-written handler counts into, one row per key.
+CREATE TABLE IF NOT EXISTS {schema}.bench_counters (k integer PRIMARY KEY, count integer NOT NULL);
+
+-- bench_bump_counter --
+-- Count one message for key $1 (the hand-written equivalent of a saga's load and save).
+INSERT INTO {schema}.bench_counters AS c (k, count) VALUES ($1, 1)
+ON CONFLICT (k) DO UPDATE SET count = c.count + 1;

@@ -2,9 +2,10 @@
 
     NMBUS_DSN=postgresql://... python -m samples.shop.all --orders 10
 
-billing and shipping start first (their subscriptions must exist before orders
-publishes); orders then places the orders and exits once all have shipped;
-the others are stopped with SIGTERM (graceful shutdown).
+billing, shipping and fulfilment start first (their subscriptions must exist
+before orders publishes); orders then places the orders and exits once all
+have shipped, fulfilment once every order's saga has completed; the others are
+stopped with SIGTERM (graceful shutdown).
 """
 
 from __future__ import annotations
@@ -39,13 +40,23 @@ async def start(name: str, *args: str) -> tuple[asyncio.subprocess.Process, asyn
     return proc, task
 
 
-async def main(orders: int, interval: float) -> int:
+async def main(orders: int, interval: float, payment_due: float) -> int:
     started = [await start("billing"), await start("shipping")]
     code = 1
     try:
+        fulfilment = await start(
+            "fulfilment", "--count", str(orders), "--payment-due", str(payment_due)
+        )
+        started.append(fulfilment)
         proc, task = await start("orders", "--count", str(orders), "--interval", str(interval))
         code = await proc.wait()
         await task
+        # The fulfilment sagas complete once they have heard of every shipment.
+        try:
+            async with asyncio.timeout(60):
+                code = await fulfilment[0].wait() or code
+        except TimeoutError:
+            code = 1
     finally:
         for proc, _ in started:
             if proc.returncode is None:
@@ -57,8 +68,11 @@ async def main(orders: int, interval: float) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="run orders, billing and shipping together")
+    parser = argparse.ArgumentParser(
+        description="run orders, billing, shipping and fulfilment together"
+    )
     parser.add_argument("--orders", type=int, default=10)
     parser.add_argument("--interval", type=float, default=0.3)
+    parser.add_argument("--payment-due", type=float, default=5.0)
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.orders, args.interval)))
+    sys.exit(asyncio.run(main(args.orders, args.interval, args.payment_due)))

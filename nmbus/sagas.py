@@ -1,0 +1,278 @@
+"""Sagas: long-running processes whose state is a pydantic model in a table of the endpoint.
+
+``saga = bus.saga(State, key="order_id")`` and ``@saga.handler`` register
+ordinary handlers in the endpoint's registry: each one is wrapped so that,
+in the handler's own transaction (its savepoint, on ``ctx.connection``), the
+saga's row is locked (``SELECT ... FOR UPDATE``, or created by a start
+message), the state is given to the handler, and saved (or deleted, once
+completed) after it returns. The state, what the handler sends and the
+message's move to X commit together, or not at all.
+
+A saga is found by its key: a field of the message (or a callable of the
+message), turned into text with ``str()``; a timeout (``ctx.saga.timeout``)
+carries its saga's name and key in headers instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar, cast, overload
+
+import structlog
+from pydantic import BaseModel, ValidationError
+
+from nmbus.context import Context, SagaControl
+from nmbus.envelopes import SAGA_HEADER, SAGA_KEY_HEADER
+from nmbus.errors import (
+    ConfigurationError,
+    HandlerError,
+    InvalidMessage,
+    PermanentError,
+    SagaNotFound,
+)
+from nmbus.handlers import Registry
+from nmbus.messages import Message, check_text
+from nmbus.retry import RetryPolicy
+from nmbus.store import SagaTable, Store
+
+log = structlog.get_logger("nmbus.saga")
+
+S = TypeVar("S", bound=BaseModel)
+SagaFunc = Callable[[Any, Any, Context], Awaitable[None]]
+SF = TypeVar("SF", bound=SagaFunc)
+
+#: Keys longer than this are refused: a btree index entry must fit in a third of a page.
+MAX_KEY_LENGTH = 1000
+
+
+def key_text(value: object) -> str:
+    """The stored form of a saga key: ``str`` of a str, int or UUID; anything else is refused.
+
+    ``saga.load(42)`` and ``saga.load("42")`` name the same saga. Raises
+    PermanentError (the message goes to F) for a key that can never work.
+    """
+    if isinstance(value, bool) or not isinstance(value, str | int | uuid.UUID):
+        raise PermanentError(
+            f"a saga key must be a str, an int or a UUID, got {type(value).__name__}"
+        )
+    text = str(value)
+    if not text:
+        raise PermanentError("a saga key must not be empty")
+    if len(text) > MAX_KEY_LENGTH:
+        raise PermanentError(f"a saga key is at most {MAX_KEY_LENGTH} characters, got {len(text)}")
+    try:
+        check_text("saga key", text)
+    except InvalidMessage as exc:
+        raise PermanentError(str(exc)) from None
+    return text
+
+
+def _first_annotation(func: SagaFunc, param: inspect.Parameter) -> Any:
+    """The message class of a saga handler: its first parameter's annotation, resolved.
+
+    Only that one is resolved: the state's class may well be local to a function.
+    """
+    try:
+        return typing.get_type_hints(func).get(param.name)
+    except Exception:
+        pass
+    annotation = param.annotation
+    if isinstance(annotation, str):
+        try:
+            return eval(annotation, getattr(func, "__globals__", {}))
+        except Exception as exc:
+            raise HandlerError(
+                f"cannot resolve the annotation {annotation!r} of saga handler "
+                f"{func.__qualname__}: {exc}; pass @saga.handler(SomeMessage)"
+            ) from exc
+    return None if annotation is inspect.Parameter.empty else annotation
+
+
+class Saga(Generic[S]):
+    """A saga type of one endpoint: its state model, how messages find it, its handlers.
+
+    Built by :meth:`nmbus.Bus.saga`. ``on_missing="ignore"`` makes a non-start
+    message for a saga that does not exist go to X instead of F.
+    """
+
+    def __init__(
+        self,
+        model: type[S],
+        key: str | Callable[[Any], object],
+        *,
+        name: str,
+        endpoint: str,
+        registry: Registry,
+        store: Store,
+        on_missing: str = "fail",
+    ) -> None:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise ConfigurationError(f"a saga's state must be a pydantic model, got {model!r}")
+        if issubclass(model, Message):
+            raise ConfigurationError("a saga's state is a plain pydantic BaseModel, not a Message")
+        try:
+            model()
+        except ValidationError as exc:
+            raise ConfigurationError(
+                f"saga state {model.__name__} must be constructible with no arguments "
+                f"(give every field a default): {exc.errors()[0]['msg']}"
+            ) from None
+        if not (isinstance(key, str) and key) and not callable(key):
+            raise ConfigurationError("a saga key is a message field name or a callable")
+        if on_missing not in ("fail", "ignore"):
+            raise ConfigurationError(f"on_missing must be 'fail' or 'ignore', not {on_missing!r}")
+        if not isinstance(name, str) or not 0 < len(name) <= 200:
+            raise ConfigurationError("a saga name is a string of 1-200 characters")
+        self.model = model
+        self.key = key
+        self.name = name
+        self.endpoint = endpoint
+        self.on_missing = on_missing
+        self._registry = registry
+        self._store = store
+        self._table: SagaTable | None = None
+
+    def __repr__(self) -> str:
+        return f"<Saga {self.name!r} of {self.endpoint!r}>"
+
+    @property
+    def table(self) -> SagaTable:
+        if self._table is None:
+            self._table = self._store.saga_table(self.endpoint)
+        return self._table
+
+    async def load(self, key: object) -> S | None:
+        """The committed state of the saga with ``key``; None if never started or completed."""
+        try:
+            text = key_text(key)
+        except PermanentError as exc:
+            raise TypeError(str(exc)) from None
+        found = await self.table.load(self.name, text)
+        return None if found is None else self.model.model_validate_json(found)
+
+    # -- registration ------------------------------------------------------------
+
+    @overload
+    def handler(self, func: SF, /) -> SF: ...
+
+    @overload
+    def handler(
+        self,
+        message: type[Message] | None = None,
+        /,
+        *,
+        start: bool = False,
+        retry: RetryPolicy | int | None = None,
+        timeout: float | None = None,
+    ) -> Callable[[SF], SF]: ...
+
+    def handler(
+        self,
+        target: Any = None,
+        /,
+        *,
+        start: bool = False,
+        retry: RetryPolicy | int | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Register ``async def f(msg, state, ctx)`` for this saga.
+
+        ``start=True``: the message may create the saga (a new state from the
+        model's defaults); otherwise a message for a missing saga goes to F
+        (``SagaNotFound``) or, with ``on_missing="ignore"``, to X.
+        """
+        if target is not None and not isinstance(target, type):
+            self._add(target, None, start, retry, timeout)
+            return target
+        message_type = target
+
+        def register(func: SF) -> SF:
+            self._add(func, message_type, start, retry, timeout)
+            return func
+
+        return register
+
+    def _add(
+        self,
+        func: SagaFunc,
+        message_type: type[Message] | None,
+        start: bool,
+        retry: RetryPolicy | int | None,
+        timeout: float | None,
+    ) -> None:
+        if not inspect.iscoroutinefunction(func):
+            raise HandlerError(f"saga handler {func!r} must be an async function (async def)")
+        params = list(inspect.signature(func).parameters.values())
+        if len(params) != 3 or any(
+            p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
+        ):
+            raise HandlerError(
+                f"saga handler {func.__qualname__} must take exactly (msg, state, ctx), "
+                f"not ({', '.join(p.name for p in params)})"
+            )
+        if message_type is None:
+            message_type = _first_annotation(func, params[0])
+        if not (isinstance(message_type, type) and issubclass(message_type, Message)):
+            raise HandlerError(
+                f"saga handler {func.__qualname__}: annotate its first parameter with the "
+                "Message class it handles, or pass @saga.handler(SomeMessage)"
+            )
+        field = self.key if isinstance(self.key, str) else None
+        if field is not None and field not in message_type.model_fields and start:
+            raise HandlerError(
+                f"saga {self.name!r} is keyed by {field!r}, which start message "
+                f"{message_type.__type_name__} does not have"
+            )
+        self._registry.add(self._wrap(func, start, field), message_type, retry, timeout)
+
+    def _wrap(self, func: SagaFunc, start: bool, field: str | None) -> Callable[..., Any]:
+        saga = self
+
+        async def run(msg: Message, ctx: Context) -> None:
+            headers = ctx.headers
+            is_timeout = bool(headers) and headers.get(SAGA_HEADER) == saga.name
+            if is_timeout:
+                key = key_text(headers.get(SAGA_KEY_HEADER))
+            elif field is not None:
+                if not hasattr(msg, field):
+                    raise PermanentError(
+                        f"{msg.__type_name__} has no field {field!r} to find its "
+                        f"{saga.name} saga by"
+                    )
+                key = key_text(getattr(msg, field))
+            else:
+                key = key_text(cast("Callable[[Any], object]", saga.key)(msg))
+            table = saga.table
+            conn = ctx.connection
+            row = await table.lock(conn, saga.name, key, start)
+            if row is None:
+                if is_timeout:
+                    # A completed saga's timeouts are expected: nothing to do.
+                    log.info("saga_timeout_ignored", saga=saga.name, key=key)
+                    return
+                if saga.on_missing == "ignore":
+                    log.info("saga_not_found_ignored", saga=saga.name, key=key)
+                    return
+                raise SagaNotFound(
+                    f"no {saga.name} saga with key {key!r} for {msg.__type_name__}, "
+                    "and this handler may not start one"
+                )
+            state = saga.model() if row.state is None else saga.model.model_validate_json(row.state)
+            control = SagaControl(ctx, saga.name, key)
+            ctx.use_saga(control)
+            try:
+                await func(msg, state, ctx)
+            finally:
+                ctx.use_saga(None)
+            if control.completed:
+                await table.delete(conn, saga.name, key)
+            else:
+                await table.save(conn, saga.name, key, state.model_dump_json())
+
+        run.__module__ = func.__module__
+        run.__qualname__ = func.__qualname__
+        run.__name__ = func.__name__
+        return run

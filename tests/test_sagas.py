@@ -1,0 +1,481 @@
+"""Sagas on a real PostgreSQL: state in the endpoint's saga table, loaded under a
+row lock and saved in the handler's transaction; timeouts; several processes."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import asyncpg
+import pytest
+from pydantic import BaseModel
+
+from nmbus import Bus, Context, HandlerError, Message, Saga
+from nmbus.errors import ConfigurationError
+from nmbus.testing import MemoryStore, drain
+from tests.procs import Proc
+from tests.saga_workers import Counter, Increment, Open, counter_bus
+
+SAGAS_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "sagas.md").read_text()
+
+
+class OrderPlaced(Message, type_name="test.saga.OrderPlaced"):
+    order_id: int
+
+
+class PaymentTaken(Message, type_name="test.saga.PaymentTaken"):
+    order_id: int
+
+
+class Shipped(Message, type_name="test.saga.Shipped"):
+    order_id: int
+
+
+class Overdue(Message, type_name="test.saga.Overdue"):
+    order_id: int
+
+
+class Nudge(Message, type_name="test.saga.Nudge"):
+    """A timeout message without the key field: it finds its saga by its headers."""
+
+    note: str
+
+
+class AuditOpened(Message, type_name="test.saga.AuditOpened"):
+    name: str
+
+
+class Keyed(Message, type_name="test.saga.Keyed"):
+    key: object
+
+
+class Fulfilment(BaseModel):
+    order_id: int = 0
+    paid: bool = False
+    shipped: bool = False
+    overdue_at: float | None = None
+
+
+def fulfilment_bus(
+    make_bus: Callable[..., Bus], events: list[str], timeout: float = 3600.0
+) -> tuple[Bus, Saga[Fulfilment]]:
+    bus = make_bus("orders", poll_interval=0.2, max_attempts=2, retry_delay=0.1)
+    saga = bus.saga(Fulfilment, key="order_id")
+
+    @saga.handler(start=True)
+    async def placed(msg: OrderPlaced, state: Fulfilment, ctx: Context) -> None:
+        state.order_id = msg.order_id
+        await ctx.saga.timeout(timeout, Overdue(order_id=msg.order_id))
+        events.append(f"placed {msg.order_id} {ctx.saga.name} {ctx.saga.key}")
+
+    @saga.handler
+    async def paid(msg: PaymentTaken, state: Fulfilment, ctx: Context) -> None:
+        state.paid = True
+        events.append(f"paid {msg.order_id}")
+        if state.shipped:
+            ctx.saga.complete()
+
+    @saga.handler
+    async def shipped(msg: Shipped, state: Fulfilment, ctx: Context) -> None:
+        state.shipped = True
+        events.append(f"shipped {msg.order_id}")
+        if state.paid:
+            ctx.saga.complete()
+
+    @saga.handler
+    async def overdue(msg: Overdue, state: Fulfilment, ctx: Context) -> None:
+        state.overdue_at = time.time()
+        events.append(f"overdue {msg.order_id}")
+
+    return bus, saga
+
+
+async def test_start_continue_load_complete(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    events: list[str] = []
+    bus, saga = fulfilment_bus(make_bus, events)
+    async with bus:
+        await bus.send(OrderPlaced(order_id=42), to="orders")
+        await drain(bus)
+        state = await saga.load(42)
+        assert state == Fulfilment(order_id=42)
+        # The key is stored as text: "42" names the same saga.
+        assert await saga.load("42") == state
+        row = await db.fetchrow(
+            'SELECT saga_type, saga_key, state, version FROM nmbus."orders$saga"'
+        )
+        assert (row["saga_type"], row["saga_key"], row["version"]) == ("Fulfilment", "42", 1)
+        assert '"order_id": 42' in row["state"]
+        # The timeout waits in R, correlated to the saga by its headers.
+        timeout_row = await db.fetchrow(
+            "SELECT subqueue, msg_headers FROM nmbus.orders WHERE label = 'test.saga.Overdue'"
+        )
+        assert timeout_row["subqueue"] == "R"
+        assert '"nmbus-saga-key": "42"' in timeout_row["msg_headers"]
+
+        await bus.send(PaymentTaken(order_id=42), to="orders")
+        await drain(bus)
+        assert await saga.load(42) == Fulfilment(order_id=42, paid=True)
+        await bus.send(Shipped(order_id=42), to="orders")
+        await drain(bus)
+        assert await saga.load(42) is None
+        assert await db.fetchval('SELECT count(*) FROM nmbus."orders$saga"') == 0
+    assert events == ["placed 42 Fulfilment 42", "paid 42", "shipped 42"]
+    counts = dict(await db.fetch("SELECT subqueue, count(*) FROM nmbus.orders GROUP BY 1"))
+    assert counts == {"X": 3, "R": 1}
+
+
+async def test_a_timeout_arrives_about_on_time(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    events: list[str] = []
+    bus, saga = fulfilment_bus(make_bus, events, timeout=1.0)
+    async with bus:
+        started = time.time()
+        await bus.send(OrderPlaced(order_id=7), to="orders")
+        async with asyncio.timeout(10):
+            # Committed, not just run.
+            while (state := await saga.load(7)) is None or state.overdue_at is None:
+                await asyncio.sleep(0.02)
+    late = state.overdue_at - started
+    assert 1.0 <= late < 4.0, late
+
+
+async def test_a_timeout_of_a_completed_saga_is_ignored(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    events: list[str] = []
+    bus, _ = fulfilment_bus(make_bus, events, timeout=0.5)
+    async with bus:
+        await bus.send(OrderPlaced(order_id=8), to="orders")
+        await bus.send(PaymentTaken(order_id=8), to="orders")
+        await bus.send(Shipped(order_id=8), to="orders")
+        await drain(bus)
+        await asyncio.sleep(0.8)
+        await drain(bus)
+    assert "overdue 8" not in events
+    assert await db.fetchval("SELECT count(*) FROM nmbus.orders WHERE subqueue <> 'X'") == 0
+
+
+async def test_saga_not_found_goes_to_f_unless_ignored(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    events: list[str] = []
+    bus, _ = fulfilment_bus(make_bus, events)
+    async with bus:
+        await bus.send(PaymentTaken(order_id=99), to="orders")
+        await drain(bus)
+    row = await db.fetchrow("SELECT subqueue, retry_count, error_info FROM nmbus.orders")
+    assert row["subqueue"] == "F"
+    assert row["retry_count"] == 1  # not retried: it can never succeed
+    assert row["error_info"].startswith("SagaNotFound: no Fulfilment saga with key '99'")
+
+    quiet = make_bus("quiet", poll_interval=0.2)
+    saga = quiet.saga(Fulfilment, key="order_id", on_missing="ignore")
+
+    @saga.handler
+    async def paid(msg: PaymentTaken, state: Fulfilment, ctx: Context) -> None:
+        raise AssertionError("never called without a saga")
+
+    async with quiet:
+        await quiet.send(PaymentTaken(order_id=99), to="quiet")
+        await drain(quiet)
+    assert await db.fetchval("SELECT subqueue FROM nmbus.quiet") == "X"
+
+
+async def test_one_message_starts_one_saga_and_continues_another(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    class Audit(BaseModel):
+        orders: list[int] = []
+
+    bus = make_bus("orders", poll_interval=0.2)
+    fulfilment = bus.saga(Fulfilment, key="order_id")
+    audit = bus.saga(Audit, key=lambda msg: "all", name="audit")
+
+    @audit.handler(start=True)
+    async def audit_start(msg: AuditOpened, state: Audit, ctx: Context) -> None:
+        pass
+
+    @audit.handler
+    async def audit_placed(msg: OrderPlaced, state: Audit, ctx: Context) -> None:
+        state.orders.append(msg.order_id)
+
+    @fulfilment.handler(start=True)
+    async def placed(msg: OrderPlaced, state: Fulfilment, ctx: Context) -> None:
+        state.order_id = msg.order_id
+        # The Nudge finds this saga by its headers, having no order_id.
+        await ctx.saga.timeout(0, Nudge(note="hello"))
+
+    @fulfilment.handler
+    async def nudged(msg: Nudge, state: Fulfilment, ctx: Context) -> None:
+        state.paid = True
+
+    async with bus:
+        await bus.send(AuditOpened(name="all"), to="orders")
+        await drain(bus)
+        await bus.send(OrderPlaced(order_id=1), to="orders")
+        await bus.send(OrderPlaced(order_id=2), to="orders")
+        await drain(bus)
+        assert await audit.load("all") == Audit(orders=[1, 2])
+        assert await fulfilment.load(1) == Fulfilment(order_id=1, paid=True)
+        assert await fulfilment.load(2) == Fulfilment(order_id=2, paid=True)
+    # OrderPlaced started a Fulfilment and continued the audit, in one transaction.
+    assert await db.fetchval("SELECT count(*) FROM nmbus.orders WHERE subqueue <> 'X'") == 0
+
+
+async def test_a_failing_handler_saves_nothing(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("counting", poll_interval=0.2, max_attempts=1)
+    saga = bus.saga(Counter, key="counter")
+
+    @saga.handler(start=True)
+    async def increment(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+        await ctx.send(Increment(counter="elsewhere", n=0), to="elsewhere")
+        if msg.n == 2:
+            raise RuntimeError("boom")
+
+    async with bus:
+        for n in range(4):
+            await bus.send(Increment(counter="c", n=n), to="counting")
+        await drain(bus)
+        assert await saga.load("c") == Counter(count=3)
+    assert await db.fetchval("SELECT count(*) FROM nmbus.elsewhere") == 3
+
+
+@pytest.mark.parametrize(
+    ("key", "error"),
+    [
+        ("x" * 1001, "PermanentError: a saga key is at most 1000 characters"),
+        ("a\x00b", "PermanentError: saga key contains a NUL character"),
+        (1.5, "PermanentError: a saga key must be a str, an int or a UUID, got float"),
+        (None, "PermanentError: a saga key must be a str, an int or a UUID, got NoneType"),
+        (True, "PermanentError: a saga key must be a str, an int or a UUID, got bool"),
+        ("", "PermanentError: a saga key must not be empty"),
+    ],
+)
+async def test_hostile_keys_go_to_f_at_once(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, key: object, error: str
+) -> None:
+    bus = make_bus("keyed", poll_interval=0.2)
+    saga = bus.saga(Counter, key="key")
+
+    @saga.handler(start=True)
+    async def keyed(msg: Keyed, state: Counter, ctx: Context) -> None:
+        state.count += 1
+
+    async with bus:
+        await bus.send(Keyed(key=key), to="keyed")
+        await drain(bus)
+    row = await db.fetchrow("SELECT subqueue, error_info FROM nmbus.keyed")
+    assert row["subqueue"] == "F"
+    assert row["error_info"].startswith(error), row["error_info"]
+    assert await db.fetchval('SELECT count(*) FROM nmbus."keyed$saga"') == 0
+
+
+async def test_odd_but_valid_keys_work(make_bus: Callable[..., Bus]) -> None:
+    bus = make_bus("keyed", poll_interval=0.2)
+    saga = bus.saga(Counter, key="key")
+
+    @saga.handler(start=True)
+    async def keyed(msg: Keyed, state: Counter, ctx: Context) -> None:
+        state.count += 1
+
+    keys = ["'; DROP TABLE nmbus.keyed; --", "ключ 🗝", "x" * 1000, -5, 2**70]
+    async with bus:
+        for key in keys:
+            await bus.send(Keyed(key=key), to="keyed")
+            await bus.send(Keyed(key=key), to="keyed")
+        await drain(bus)
+        for key in keys:
+            assert await saga.load(key) == Counter(count=2)
+    with pytest.raises(TypeError):
+        await saga.load(1.5)
+
+
+def test_registration_is_checked_at_once(make_bus: Callable[..., Bus]) -> None:
+    bus = make_bus("orders")
+    saga = bus.saga(Fulfilment, key="order_id")
+    with pytest.raises(HandlerError, match=r"\(msg, state, ctx\)"):
+
+        @saga.handler
+        async def two(msg: OrderPlaced, ctx: Context) -> None: ...
+
+    with pytest.raises(HandlerError, match="does not have"):
+
+        @saga.handler(start=True)
+        async def keyless(msg: Nudge, state: Fulfilment, ctx: Context) -> None: ...
+
+    with pytest.raises(HandlerError, match="annotate"):
+
+        @saga.handler
+        async def bare(msg, state, ctx) -> None:  # type: ignore[no-untyped-def]
+            ...
+
+    with pytest.raises(ConfigurationError, match="already has a saga"):
+        bus.saga(Fulfilment, key="order_id")
+
+    class Required(BaseModel):
+        order_id: int
+
+    with pytest.raises(ConfigurationError, match="no arguments"):
+        bus.saga(Required, key="order_id")
+    with pytest.raises(ConfigurationError, match="not a Message"):
+        bus.saga(OrderPlaced, key="order_id")
+    with pytest.raises(ConfigurationError, match="on_missing"):
+        bus.saga(Counter, key="counter", on_missing="drop")
+
+
+async def test_ctx_saga_outside_a_saga_handler_is_refused(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("plain", poll_interval=0.2, max_attempts=1)
+
+    @bus.handler
+    async def plain(msg: OrderPlaced, ctx: Context) -> None:
+        ctx.saga.complete()
+
+    async with bus:
+        await bus.send(OrderPlaced(order_id=1), to="plain")
+        await drain(bus)
+    info = await db.fetchval("SELECT error_info FROM nmbus.plain")
+    assert info.startswith("ConfigurationError: ctx.saga is only available in a saga handler")
+
+
+async def test_the_memory_store_refuses_sagas_at_start() -> None:
+    bus = Bus("orders", store=MemoryStore())
+    bus.saga(Fulfilment, key="order_id")
+    with pytest.raises(ConfigurationError, match="PostgreSQL"):
+        await bus.start()
+
+
+async def _wait_count(db: asyncpg.Connection, queue: str, total: int, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while await db.fetchval(f"SELECT count(*) FROM nmbus.{queue} WHERE subqueue = 'X'") < total:
+            failed = await db.fetch(f"SELECT error_info FROM nmbus.{queue} WHERE subqueue = 'F'")
+            assert not failed, failed[0]["error_info"]
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+async def test_forty_increments_from_two_processes_give_forty(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    sender = counter_bus(dsn, "counting", concurrency=0)
+    async with sender:  # creates the queue and saga tables
+        pass
+    procs = [Proc("tests.saga_workers", "counter", dsn, "counting", "2", "2", "-1") for _ in "ab"]
+    try:
+        for proc in procs:
+            await proc.wait_for("ready")
+        async with counter_bus(dsn, "counting", concurrency=0) as bus:
+            # Started first: an Increment handled before would find no saga (F).
+            await bus.send(Open(counter="one"), to="counting")
+            await _wait_count(db, "counting", 1, 30)
+            for n in range(40):
+                await bus.send(Increment(counter="one", n=n), to="counting")
+            await _wait_count(db, "counting", 41, 90)
+            state = await bus.sagas["Counter"].load("one")
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert state is not None
+    assert state.count == 40
+    assert sorted(state.seen) == list(range(40))
+    # Both processes took their share (each has two loops on the one saga).
+    assert len(state.pids) == 2, state.pids
+    assert await db.fetchval('SELECT version FROM nmbus."counting$saga"') == 41
+
+
+@pytest.mark.timeout(150)
+async def test_a_worker_killed_between_load_and_save_loses_no_update(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    total, pill = 20, 7
+    async with counter_bus(dsn, "counting", concurrency=0) as bus:
+        await bus.send(Open(counter="one"), to="counting")
+        for n in range(total):
+            await bus.send(Increment(counter="one", n=n), to="counting")
+    lines: list[str] = []
+    deadline = time.monotonic() + 100
+    while await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue IN ('I', 'R')"):
+        assert time.monotonic() < deadline, lines[-20:]
+        proc = Proc("tests.saga_workers", "counter", dsn, "counting", "1", "4", str(pill))
+        try:
+            while proc.popen.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                if not await db.fetchval(
+                    "SELECT count(*) FROM nmbus.counting WHERE subqueue IN ('I', 'R')"
+                ):
+                    break
+        finally:
+            proc.kill()
+            lines.extend(proc.lines)
+    assert f"killing at {pill}" in lines
+    async with counter_bus(dsn, "counting", concurrency=0) as bus:
+        state = await bus.sagas["Counter"].load("one")
+    assert state is not None
+    assert sorted(state.seen) == list(range(total)), state.seen
+    assert state.count == total
+    handled = await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'")
+    assert handled == total + 1
+
+
+async def test_concurrent_start_messages_create_one_saga(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # Four loops, one message per batch: the starts race to create the same row.
+    bus = make_bus("counting", poll_interval=0.2, concurrency=4, batch_size=1)
+    saga = bus.saga(Counter, key="counter")
+
+    @saga.handler(start=True)
+    async def increment(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+        state.seen.append(msg.n)
+        await asyncio.sleep(0.01)
+
+    async with bus:
+        for n in range(20):
+            await bus.send(Increment(counter="raced", n=n), to="counting")
+        await drain(bus, timeout=30)
+        state = await saga.load("raced")
+    assert state is not None and state.count == 20
+    assert sorted(state.seen) == list(range(20))
+    assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+
+
+async def test_the_sql_of_the_sagas_page_runs_as_written(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    blocks = re.findall(r"```sql\n(.*?)```", SAGAS_PAGE, re.DOTALL)
+    statements = [s.strip() for block in blocks for s in block.split(";") if s.strip()]
+    assert len(statements) == 5
+    bus = make_bus("fulfilment", poll_interval=0.2)
+    saga = bus.saga(Fulfilment, key="order_id")
+
+    @saga.handler(start=True)
+    async def placed(msg: OrderPlaced, state: Fulfilment, ctx: Context) -> None:
+        state.order_id = msg.order_id
+        await ctx.saga.timeout(3600, Overdue(order_id=msg.order_id))
+
+    @saga.handler
+    async def paid(msg: PaymentTaken, state: Fulfilment, ctx: Context) -> None:
+        state.paid = True
+
+    async with bus:
+        await bus.send(OrderPlaced(order_id=42), to="fulfilment")
+        await bus.send(PaymentTaken(order_id=7), to="fulfilment")  # no saga: F
+        await drain(bus)
+    results = [await db.fetch(sql) for sql in statements]
+    running, one, waiting, timeouts, not_found = results
+    assert [r["saga_key"] for r in running] == ["42"]
+    assert '"order_id": 42' in one[0]["state"]
+    assert waiting == []  # created just now
+    assert [r["label"] for r in timeouts] == ["test.saga.Overdue"]
+    assert len(not_found) == 1

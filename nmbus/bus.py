@@ -21,7 +21,7 @@ from typing import Any, TypeVar, overload
 import structlog
 
 from nmbus.dispatch import Dispatcher
-from nmbus.envelopes import EnvelopeBuilder, deliver_time
+from nmbus.envelopes import EnvelopeBuilder, deliver_time, delivery
 from nmbus.errors import ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.logs import log_failure
@@ -53,9 +53,12 @@ class Bus:
         settings: Settings | None = None,
         store: Store | None = None,
         retry: RetryPolicy | int | None = None,
+        dead_letter: str | None = None,
         **overrides: Any,
     ) -> None:
         self.endpoint = validate_queue_name(endpoint)
+        # The failure port (docs/delivery.md): a copy of every message that lands in F.
+        self.dead_letter = validate_queue_name(dead_letter) if dead_letter is not None else None
         # Validated in both cases: a value that would break at run time
         # (inf, NaN, a negative age) is refused here, as InvalidSetting.
         if settings is None:
@@ -97,6 +100,7 @@ class Bus:
             ),
             settings=settings,
             client_id=self.client_id,
+            dead_letter=self.dead_letter,
         )
         self._background: list[asyncio.Task[None]] = []
         self._started = False
@@ -256,6 +260,10 @@ class Bus:
         unique_id: str | None = None,
         correlation_id: str | None = None,
         connection: Any = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
     ) -> str:
         """Store ``message`` in queue ``to``; durable when this returns.
 
@@ -263,10 +271,20 @@ class Bus:
         R until then. With ``connection``, an asyncpg connection inside a
         transaction, the message exists exactly when that transaction commits.
         A ``unique_id`` already stored in that queue is not stored again.
+        ``priority`` (-100..100, higher first), ``sequence`` (members of one key
+        are handled one at a time, in send order) and ``ttl`` seconds or
+        ``expires_at`` (never handled after it) are described in docs/delivery.md.
         Returns the message's unique id.
         """
         envelope = self.envelopes.for_send(
-            message, to, correlation_id, headers, unique_id, deliver_at, delay
+            message,
+            to,
+            correlation_id,
+            headers,
+            unique_id,
+            deliver_at,
+            delay,
+            delivery(priority, sequence, ttl, expires_at),
         )
         await self.store.insert(to, self.endpoint, [envelope], connection)
         return envelope.unique_id
@@ -281,6 +299,10 @@ class Bus:
         deliver_at: datetime | None = None,
         delay: float | None = None,
         connection: Any = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
     ) -> list[str]:
         """Store a copy of ``message`` in the queue of every live subscriber, all or none.
 
@@ -289,10 +311,17 @@ class Bus:
         its own unique_id, ``<publish id>/<subscriber>``; the publish id is
         ``unique_id`` when given, so publishing the same id again stores nothing
         new. With ``connection`` (asyncpg, in a transaction) the copies exist
-        exactly when that transaction commits. Returns the subscriber endpoints.
+        exactly when that transaction commits. ``priority``, ``sequence``, ``ttl``
+        and ``expires_at`` apply to every copy; a sequence keeps its order in each
+        subscriber's queue. Returns the subscriber endpoints.
         """
         envelope, chain = self.envelopes.for_publish(
-            message, correlation_id, headers, unique_id, deliver_time(deliver_at, delay)
+            message,
+            correlation_id,
+            headers,
+            unique_id,
+            deliver_time(deliver_at, delay),
+            delivery(priority, sequence, ttl, expires_at),
         )
         copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
         self._log_published(1, copies)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from nmbus.envelopes import EnvelopeBuilder, deliver_time
+from nmbus.envelopes import EnvelopeBuilder, deliver_time, delivery
 from nmbus.messages import Envelope, Message, StoredMessage
 
 if TYPE_CHECKING:
@@ -170,8 +170,15 @@ class Context:
         delay: float | None = None,
         headers: Mapping[str, str] | None = None,
         unique_id: str | None = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
     ) -> str:
-        """Send ``message`` to queue ``to`` when this handler's transaction commits."""
+        """Send ``message`` to queue ``to`` when this handler's transaction commits.
+
+        ``priority``, ``sequence``, ``ttl`` and ``expires_at`` as in ``Bus.send``.
+        """
         envelope = self._builder.for_send(
             message,
             to,
@@ -180,6 +187,7 @@ class Context:
             unique_id,
             deliver_at,
             delay,
+            delivery(priority, sequence, ttl, expires_at),
         )
         self.effects.sends.append((to, envelope))
         return envelope.unique_id
@@ -192,6 +200,10 @@ class Context:
         unique_id: str | None = None,
         deliver_at: datetime | None = None,
         delay: float | None = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
     ) -> str:
         """Publish ``message`` to every subscriber, in this handler's transaction.
 
@@ -206,6 +218,7 @@ class Context:
             headers,
             unique_id,
             deliver_time(deliver_at, delay),
+            delivery(priority, sequence, ttl, expires_at),
         )
         self.effects.publishes.append(envelope)
         return envelope.unique_id

@@ -12,7 +12,8 @@ The whole tree::
     │   ├── InvalidMessage          a body, header or id its receiver could not read (at send)
     │   ├── UnknownMessageType      a label no registered Message class carries   (F)
     │   ├── NoHandler               a known type this endpoint has no handler for (F)
-    │   └── UndecodableMessage      a body that does not parse or validate        (F)
+    │   ├── UndecodableMessage      a body that does not parse or validate        (F)
+    │   └── Expired                 its expires_at passed before a handler got it (F)
     ├── AttemptFailed               why an attempt failed, beside a handler's own error
     │   ├── AttemptsExhausted       its attempts died with their workers          (F)
     │   ├── HandlerTimeout          the handler ran past its timeout              (R/F)
@@ -89,6 +90,10 @@ class NoHandler(MessageError):
 
 class UndecodableMessage(MessageError):
     """The stored body is not valid JSON for its message type."""
+
+
+class Expired(MessageError):
+    """The message's expiry (ttl / expires_at) passed before a worker handed it to a handler."""
 
 
 class AttemptFailed(NmbusError):

@@ -21,7 +21,7 @@ from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.settings import Settings
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Checked with fullmatch: `$` would also match before a final "\n".
 _QUEUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")

@@ -27,6 +27,7 @@ PUBLIC_API = {
     # Every exception nmbus raises or records, as drawn in nmbus/errors.py.
     "NmbusError", "ConfigurationError", "InvalidQueueName", "InvalidSetting", "HandlerError",
     "MessageError", "MessageTooLarge", "InvalidMessage", "UnknownMessageType", "NoHandler",
+    "Expired",
     "UndecodableMessage", "AttemptFailed", "AttemptsExhausted", "HandlerTimeout",
     "HandlerCancelled", "OutcomeNotRecorded", "StoreError", "DatabaseUnavailable",
     "QueueNotFound", "LeaseLost", "SchemaVersionError", "RetentionError", "ToolError",

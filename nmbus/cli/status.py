@@ -18,6 +18,7 @@ from nmbus.cli._common import (
     settings,
     table,
 )
+from nmbus.postgres import blocked_sequences
 from nmbus.settings import Settings
 from nmbus.sql import render
 
@@ -36,7 +37,8 @@ COLUMNS = (
 
 
 async def queue_status(cfg: Settings, window: float) -> list[dict[str, Any]]:
-    """One dict per queue: counts per subqueue, oldest ready age, recent latency, failures."""
+    """One dict per queue: counts per subqueue, oldest ready age, recent latency, failures,
+    and its blocked sequences (docs/delivery.md)."""
     schema = cfg.schema_name
     async with connect(cfg) as conn:
         names = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
@@ -44,7 +46,8 @@ async def queue_status(cfg: Settings, window: float) -> list[dict[str, Any]]:
         for name in names:
             row = await conn.fetchrow(render("ops_queue_status", schema, name), window)
             assert row is not None
-            out.append({"queue": name, **{c: row[c] for c in COLUMNS}})
+            blocked = await blocked_sequences(conn, schema, name, 20)
+            out.append({"queue": name, **{c: row[c] for c in COLUMNS}, "blocked": blocked})
         return out
 
 
@@ -98,3 +101,14 @@ def status(
     )
     if not queues:
         typer.echo("no queues yet")
+    blocked = [(q["queue"], b) for q in queues for b in q["blocked"]]
+    if blocked:
+        table(
+            "blocked sequences (a member in F holds its sequence until requeued or purged)",
+            ["queue", "sequence", "blocking id", "in", "attempts", "waiting", "error"],
+            [
+                [name, b["sequence_key"], b["blocking_id"], b["subqueue"], b["attempts"],
+                 b["waiting"], b["error"]]
+                for name, b in blocked
+            ],
+        )  # fmt: skip

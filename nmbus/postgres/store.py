@@ -39,6 +39,7 @@ MIGRATIONS: dict[int, list[str]] = {
     2: ["migrate_2_fillfactor"],
     3: ["migrate_3_names", "migrate_3_queue"],
     4: ["migrate_4_isolated"],
+    5: ["migrate_5_delivery"],
 }
 
 
@@ -60,6 +61,9 @@ def _insert_args(
         [e.msg_headers for e in envelopes],
         [e.unique_id for e in envelopes],
         channel,
+        [e.priority for e in envelopes],
+        [e.sequence for e in envelopes],
+        [e.expires_at for e in envelopes],
     )
 
 
@@ -67,8 +71,21 @@ def _stored(row: asyncpg.Record) -> StoredMessage:
     return StoredMessage(*row)
 
 
-def _claim_order(message: StoredMessage) -> tuple[Any, int]:
-    return (message.retry_time, message.id)
+def _claim_order(message: StoredMessage) -> tuple[int, Any, int]:
+    return (-message.priority, message.retry_time, message.id)
+
+
+async def blocked_sequences(
+    conn: Any, schema: str, queue: str, limit: int = 100
+) -> list[dict[str, Any]]:
+    """Sequences of ``queue`` held back by a member in F (or R), with the blocking id.
+
+    One dict per sequence: sequence_key, blocking_id, subqueue, attempts,
+    retry_time, waiting (members behind it) and error (first line of error_info).
+    """
+    with wrap_errors(f"blocked sequences of {queue}"):
+        rows = await conn.fetch(render("ops_blocked_sequences", schema, queue), limit)
+    return [dict(r) for r in rows]
 
 
 async def install_schema(conn: Any, schema: str) -> None:
@@ -232,8 +249,8 @@ class PostgresBatch:
                 limit,
                 lease,
             )
-        finished = int(rows[0][11]) if rows else 0
-        claimed = [StoredMessage(*r[:11]) for r in rows if r[0] is not None]
+        finished = int(rows[0][13]) if rows else 0
+        claimed = [StoredMessage(*r[:13]) for r in rows if r[0] is not None]
         claimed.sort(key=_claim_order)
         return finished, claimed
 

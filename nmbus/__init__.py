@@ -36,6 +36,7 @@ from nmbus.errors import (
     UnknownMessageType,
 )
 from nmbus.messages import Message
+from nmbus.periodic import Tick
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
 
@@ -70,6 +71,7 @@ __all__ = [
     "SchemaVersionError",
     "Settings",
     "StoreError",
+    "Tick",
     "ToolError",
     "UndecodableMessage",
     "UnknownMessageType",

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
-from typing import Any, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 import structlog
 
@@ -26,6 +26,7 @@ from nmbus.errors import ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.logs import log_failure
 from nmbus.messages import Message
+from nmbus.periodic import Schedule, Scheduler, Tick, TickHandler, router
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings, build_settings
 from nmbus.store import Store, validate_queue_name
@@ -102,6 +103,7 @@ class Bus:
             client_id=self.client_id,
             dead_letter=self.dead_letter,
         )
+        self._schedules: dict[str, Schedule] = {}
         self._background: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = asyncio.Event()
@@ -148,6 +150,40 @@ class Bus:
 
         return register
 
+    def periodic(
+        self,
+        *,
+        every: float | None = None,
+        cron: str | None = None,
+        name: str | None = None,
+        missed: Literal["last", "skip"] = "last",
+    ) -> Callable[[TickHandler], TickHandler]:
+        """Register ``async def handler(tick: Tick, ctx)``, run once per due time.
+
+        ``every`` seconds (due at multiples of it since the epoch) or ``cron``
+        (five fields, or six with seconds last; UTC). However many processes
+        run this endpoint, each due time's tick is stored once (its unique id is
+        the schedule's ``name``, default the function's name, plus the due time)
+        and handled like any message of the endpoint. After downtime,
+        ``missed="last"`` enqueues the latest missed due time once;
+        ``missed="skip"`` waits for the next one. See docs/delivery.md.
+        """
+
+        def register(func: TickHandler) -> TickHandler:
+            if self._started:
+                raise ConfigurationError("register periodic handlers before the bus starts")
+            schedule = Schedule.of(func, every, cron, name, missed)
+            if schedule.name in self._schedules:
+                raise ConfigurationError(
+                    f"periodic schedule {schedule.name!r} is registered twice; give name=..."
+                )
+            if not self._schedules:
+                self.registry.add(router(self._schedules), Tick)
+            self._schedules[schedule.name] = schedule
+            return func
+
+        return register
+
     def subscribe(
         self, message_type: type[Message], publisher: str, *, permanent: bool = False
     ) -> None:
@@ -189,6 +225,11 @@ class Bus:
             interval = self.settings.retention_interval
             if interval is not None:
                 self._spawn(lambda: self._retention(interval), "retention")
+            if self._schedules:
+                scheduler = Scheduler(
+                    self.endpoint, self.store, self.envelopes, list(self._schedules.values())
+                )
+                self._spawn(scheduler.run, "periodic")
             self.worker.start()
         log.info(
             "bus_started",

@@ -1,5 +1,7 @@
 """Worker processes for the delivery tests (tests/test_sequences.py, tests/test_periodic.py).
 
+python -m tests.delivery_workers periodic DSN SECONDS
+    run endpoint "clock" with @bus.periodic(every=1) for SECONDS; print each tick handled
 python -m tests.delivery_workers sequence DSN FAILS
     handle test.Posted on "ledger" (concurrency 2, batch size 5); the members whose n is
     in FAILS (comma-separated) fail their first two attempts; print each start and finish
@@ -13,8 +15,21 @@ import random
 import sys
 import time
 
-from nmbus import Bus, Context
+from nmbus import Bus, Context, Tick
 from tests.messages import Posted
+
+
+async def periodic(dsn: str, seconds: float) -> None:
+    bus = Bus("clock", dsn=dsn, poll_interval=0.5, lease_seconds=10)
+
+    @bus.periodic(every=1)
+    async def beat(tick: Tick, ctx: Context) -> None:
+        print(f"tick {tick.name} {tick.scheduled_at.isoformat()} {os.getpid()}", flush=True)
+
+    async with bus:
+        print("ready", flush=True)
+        await asyncio.sleep(seconds)
+    print("stopped", flush=True)
 
 
 async def sequence(dsn: str, fails: set[int]) -> None:
@@ -50,7 +65,9 @@ async def sequence(dsn: str, fails: set[int]) -> None:
 
 if __name__ == "__main__":
     mode, dsn = sys.argv[1:3]
-    if mode == "sequence":
+    if mode == "periodic":
+        asyncio.run(periodic(dsn, float(sys.argv[3])))
+    elif mode == "sequence":
         given = sys.argv[3] if len(sys.argv) > 3 else ""
         asyncio.run(sequence(dsn, {int(x) for x in given.split(",") if x}))
     else:

@@ -288,8 +288,11 @@ SELECT count(*) FROM done;
 -- finish (same $1..$6) and, in the same statement and commit, claim the next
 -- batch: up to $7 ready rows for client $6 with a lease of $8 seconds, as claim
 -- does, never one of the rows being finished. Saves a round trip and a commit
--- per batch. One row per claimed message, with the count of finished rows in
--- `finished`; a single row of NULLs beside it when nothing was claimed.
+-- per batch. The statement's snapshot still sees the finished rows as they
+-- were, so a sequence member whose predecessor this statement moves to X is
+-- let through by reading `done` (only rows really changed, i.e. still leased).
+-- One row per claimed message, with the count of finished rows in `finished`;
+-- a single row of NULLs beside it when nothing was claimed.
 WITH done AS (
     UPDATE {queue} AS q
     SET subqueue = coalesce(v.subqueue, q.subqueue),
@@ -305,7 +308,7 @@ WITH done AS (
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
          AS v(id, subqueue, delay, error_info, correction)
     WHERE q.id = v.id AND q.handling_client_id = $6
-    RETURNING 1
+    RETURNING q.id, q.subqueue
 ),
 ready AS (
     SELECT id, CASE WHEN lease_expires IS NULL THEN 0
@@ -317,7 +320,8 @@ ready AS (
       AND (lease_expires IS NULL OR lease_expires < now())
       AND (r.sequence_key IS NULL OR NOT EXISTS (
           SELECT 1 FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.id < r.id AND e.subqueue <> 'X'))
+          WHERE e.sequence_key = r.sequence_key AND e.id < r.id AND e.subqueue <> 'X'
+            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')))
       AND id <> ALL($1::bigint[])
     ORDER BY priority DESC, retry_time, id
     LIMIT $7
@@ -351,7 +355,7 @@ WITH done AS (
     SET subqueue = 'X', last_processed = clock_timestamp(),
         handling_client_id = NULL, lease_expires = NULL
     WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
-    RETURNING 1
+    RETURNING id, subqueue
 ),
 ready AS (
     SELECT id, CASE WHEN lease_expires IS NULL THEN 0
@@ -363,7 +367,8 @@ ready AS (
       AND (lease_expires IS NULL OR lease_expires < now())
       AND (r.sequence_key IS NULL OR NOT EXISTS (
           SELECT 1 FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.id < r.id AND e.subqueue <> 'X'))
+          WHERE e.sequence_key = r.sequence_key AND e.id < r.id AND e.subqueue <> 'X'
+            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')))
       AND id <> ALL($1::bigint[])
     ORDER BY priority DESC, retry_time, id
     LIMIT $3

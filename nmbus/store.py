@@ -169,6 +169,10 @@ class WorkerSession(Protocol):
         """Seconds until the earliest scheduled row is due, None when none is."""
         ...
 
+    async def release_sequences(self, queue: str) -> int:
+        """Make due any sequence head left parked (see insert_messages); how many."""
+        ...
+
     async def isolate(
         self,
         queue: str,

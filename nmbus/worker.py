@@ -26,6 +26,7 @@ client id) and owns its side tasks: the loops, lease renewal and wake-ups.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter, defaultdict
 
 import structlog
@@ -124,6 +125,8 @@ class Worker:
                     self.settings.lease_seconds,
                 )
                 if not batch:
+                    if await session.release_sequences(self.queue):
+                        continue
                     break
                 ahead = await self._run_gated(session, batch)
         done = self.outcomes - before
@@ -229,7 +232,12 @@ class Worker:
         settings = self.settings
         # The next batch, claimed by the statement that finished the previous one.
         ahead: list[StoredMessage] = []
+        released = time.monotonic()
         while ahead or not self._stopping.is_set():
+            if time.monotonic() - released >= settings.poll_interval:
+                # A sequence head a race left parked is released within a poll interval.
+                released = time.monotonic()
+                await session.release_sequences(self.queue)
             self._wakeup.clear()
             if ahead:
                 batch, ahead = ahead, []
@@ -239,6 +247,9 @@ class Worker:
                 )
             if batch:
                 ahead = await self._run_gated(session, batch)
+                continue
+            if await session.release_sequences(self.queue):
+                released = time.monotonic()
                 continue
             wait = settings.poll_interval
             due = await session.next_due(self.queue)

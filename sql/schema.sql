@@ -58,7 +58,7 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     autovacuum_vacuum_cost_delay = 1
 );
 CREATE INDEX IF NOT EXISTS "billing$ready" ON "nmbus"."billing" (priority DESC, retry_time, id)
-    WHERE subqueue IN ('I', 'R');
+    WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
 CREATE UNIQUE INDEX IF NOT EXISTS "billing$uid" ON "nmbus"."billing" (unique_id);
 CREATE INDEX IF NOT EXISTS "billing$seq" ON "nmbus"."billing" (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';

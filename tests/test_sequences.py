@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
 
 from nmbus import Bus, Context, InvalidMessage, PermanentError, RetryLater
-from nmbus.postgres import blocked_sequences
+from nmbus.messages import Envelope
+from nmbus.postgres import PostgresStore, blocked_sequences
+from nmbus.sql import render
 from nmbus.testing import MemoryStore, drain
 from tests import procs
 from tests.messages import Crash, Ping, Posted
@@ -279,3 +283,54 @@ async def test_bad_sequence_keys_are_refused_at_send(
     async with make_bus("sender", concurrency=0) as bus:
         with pytest.raises(InvalidMessage, match=match):
             await bus.send(Ping(n=1), to="ledger", sequence=sequence)  # type: ignore[arg-type]
+
+
+async def test_members_waiting_behind_a_blocked_head_cost_the_claim_nothing(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        members = [member_envelope(n, "stuck") for n in range(20_000)]
+        await store.insert("ledger", "me", members)
+        await store.insert("ledger", "me", [member_envelope(n, None) for n in range(100)])
+    finally:
+        await store.close()
+    # The head failed for good: 19,999 members wait, parked out of the ready index.
+    await db.execute(
+        "UPDATE nmbus.ledger SET subqueue = 'F' WHERE id = (SELECT min(id) FROM nmbus.ledger)"
+    )
+    parked = await db.fetchval(
+        "SELECT count(*) FROM nmbus.ledger WHERE retry_time = 'infinity' AND sequence_key = 'stuck'"
+    )
+    assert parked == 19_999
+    await db.execute("ANALYZE nmbus.ledger")
+    plan = await db.fetchval(
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + render("claim", "nmbus", "ledger"),
+        100,
+        "p",
+        30.0,
+    )
+    text = json.dumps(json.loads(plan))
+    assert '"Index Name": "ledger$ready"' in text
+    assert '"Node Type": "Seq Scan"' not in text
+    claimed = await db.fetch("SELECT sequence_key FROM nmbus.ledger WHERE handling_client_id = 'p'")
+    assert len(claimed) == 100 and {r[0] for r in claimed} == {None}
+    scan = _find(json.loads(plan)[0]["Plan"], "Index Scan")
+    assert scan["Actual Rows"] == 100  # no parked member was even looked at
+    assert scan.get("Rows Removed by Filter", 0) == 0
+
+
+def _find(node: dict[str, Any], kind: str) -> dict[str, Any]:
+    if node.get("Node Type") == kind:
+        return node
+    for child in node.get("Plans", []):
+        found = _find(child, kind)
+        if found:
+            return found
+    return {}
+
+
+def member_envelope(n: int, seq: str | None) -> Envelope:
+    uid = uuid.uuid4().hex
+    return Envelope("test.Posted", f'{{"seq":"{seq}","n":{n}}}', None, uid, uid, None, 0, seq)

@@ -279,6 +279,10 @@ class PostgresSession:
             value: float | None = await self._conn.fetchval(render("next_due", self._schema, queue))
             return value
 
+    async def release_sequences(self, queue: str) -> int:
+        with wrap_errors(f"release sequences of {queue}"):
+            return int(await self._conn.fetchval(render("release_sequences", self._schema, queue)))
+
     async def isolate(
         self,
         queue: str,

@@ -83,7 +83,7 @@ CREATE TABLE IF NOT EXISTS {queue} (
     autovacuum_vacuum_cost_delay = 1
 );
 CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, id)
-    WHERE subqueue IN ('I', 'R');
+    WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
 CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
 CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
@@ -160,15 +160,17 @@ ALTER TABLE {queue} ADD COLUMN IF NOT EXISTS isolated boolean NOT NULL DEFAULT f
 -- The three columns are catalog-only (constant defaults, no table rewrite). The
 -- ready index gains priority as its first key, so the claim still reads it in
 -- order; it is rebuilt under the name it had (this locks the queue table while it
--- builds: a queue of many I/R rows takes as long as CREATE INDEX on them). The
--- sequence index holds only members of a sequence not yet in X.
+-- builds: a queue of many I/R rows takes as long as CREATE INDEX on them). Rows
+-- with retry_time 'infinity' (never due: a sequence member parked behind an
+-- earlier one, or written so by hand) are left out of it. The sequence index
+-- holds only members of a sequence not yet in X.
 ALTER TABLE {queue}
     ADD COLUMN IF NOT EXISTS priority smallint NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS sequence_key text,
     ADD COLUMN IF NOT EXISTS expires_at timestamptz;
 DROP INDEX IF EXISTS {schema}.{ready_index};
 CREATE INDEX {ready_index} ON {queue} (priority DESC, retry_time, id)
-    WHERE subqueue IN ('I', 'R');
+    WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
 CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
 
@@ -201,6 +203,9 @@ DELETE FROM {schema}.queues WHERE name = $1;
 -- $7 msg_headers[] (JSON text), $8 unique_id[], $9 notify channel,
 -- $10 priority[], $11 sequence_key[], $12 expires_at[].
 -- Rows are inserted in array order, so members of a sequence get ids in send order.
+-- A member behind an earlier member not in X is parked: retry_time 'infinity',
+-- out of the ready index, until the finish that moves its predecessor to X (or
+-- release_sequences) makes it due. Its deliver_at is then not kept.
 -- Returns how many rows were inserted.
 WITH ins AS (
     INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, retry_time,
@@ -208,7 +213,12 @@ WITH ins AS (
                          priority, sequence_key, expires_at)
     SELECT $1, $2,
            CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
-           greatest(coalesce(v.deliver_at, now()), now()),
+           CASE WHEN v.sequence_key IS NOT NULL AND (
+                    row_number() OVER (PARTITION BY v.sequence_key ORDER BY v.ord) > 1
+                    OR EXISTS (SELECT 1 FROM {queue} AS e
+                               WHERE e.sequence_key = v.sequence_key AND e.subqueue <> 'X'))
+                THEN 'infinity'::timestamptz
+                ELSE greatest(coalesce(v.deliver_at, now()), now()) END,
            v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb, v.unique_id,
            v.priority, v.sequence_key, v.expires_at
     FROM unnest($3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
@@ -228,22 +238,25 @@ SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
 -- 1 let go by `isolate` to be tried alone, 2 the holder's lease ran out with
 -- the row in a batch, 3 it ran out with the row isolated (the holder died on it).
 -- Highest priority first, then ready-time order. A member of a sequence is
--- ready only when every earlier member (lower id, same sequence_key) is in X:
--- so at most one member of a sequence is ever held, and R and F members hold
--- the rest back (the NOT EXISTS is only evaluated for rows with a sequence_key,
--- through the sequence index). `expired`: the row's expires_at has passed; the
--- worker records it without running a handler.
+-- ready only when every earlier member (lower id, same sequence_key) is in X,
+-- i.e. it is the lowest member not in X: so at most one member of a sequence is
+-- ever held, and R and F members hold the rest back. That is checked only for
+-- rows with a sequence_key, by one probe of the sequence index; the members
+-- behind a head are parked out of the ready index anyway (see insert_messages).
+-- `expired`: the row's expires_at has passed; the worker records it without
+-- running a handler.
 WITH ready AS (
     SELECT id, CASE WHEN lease_expires IS NULL THEN 0
                     WHEN handling_client_id IS NULL THEN 1
                     WHEN isolated THEN 3
                     ELSE 2 END AS recovered
     FROM {queue} AS r
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
       AND (lease_expires IS NULL OR lease_expires < now())
-      AND (r.sequence_key IS NULL OR NOT EXISTS (
-          SELECT 1 FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.id < r.id AND e.subqueue <> 'X'))
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+          ORDER BY e.sequence_key, e.id LIMIT 1))
     ORDER BY priority DESC, retry_time, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -264,7 +277,8 @@ RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
 -- $1 id[], $2 new subqueue[] (X, R, F, or NULL to release it unchanged),
 -- $3 retry delay seconds[] (for R), $4 error_info[] (NULL keeps the old one),
 -- $5 attempt correction[] (-1 when the attempt must not count). $6 client id.
--- Only rows still leased by $6 change; returns how many did.
+-- Only rows still leased by $6 change; returns how many did. A sequence member
+-- moved to X unparks the next member of its sequence (see insert_messages).
 WITH done AS (
     UPDATE {queue} AS q
     SET subqueue = coalesce(v.subqueue, q.subqueue),
@@ -280,6 +294,20 @@ WITH done AS (
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
          AS v(id, subqueue, delay, error_info, correction)
     WHERE q.id = v.id AND q.handling_client_id = $6
+    RETURNING q.id, q.subqueue, q.sequence_key
+),
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM (
+        SELECT DISTINCT ON (d.sequence_key) n.id
+        FROM done AS d
+        JOIN {queue} AS n
+          ON n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+        WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+        ORDER BY d.sequence_key, n.id
+    ) AS nxt
+    WHERE s.id = nxt.id AND s.retry_time = 'infinity'
     RETURNING 1
 )
 SELECT count(*) FROM done;
@@ -308,7 +336,21 @@ WITH done AS (
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
          AS v(id, subqueue, delay, error_info, correction)
     WHERE q.id = v.id AND q.handling_client_id = $6
-    RETURNING q.id, q.subqueue
+    RETURNING q.id, q.subqueue, q.sequence_key
+),
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM (
+        SELECT DISTINCT ON (d.sequence_key) n.id
+        FROM done AS d
+        JOIN {queue} AS n
+          ON n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+        WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+        ORDER BY d.sequence_key, n.id
+    ) AS nxt
+    WHERE s.id = nxt.id AND s.retry_time = 'infinity'
+    RETURNING 1
 ),
 ready AS (
     SELECT id, CASE WHEN lease_expires IS NULL THEN 0
@@ -316,12 +358,13 @@ ready AS (
                     WHEN isolated THEN 3
                     ELSE 2 END AS recovered
     FROM {queue} AS r
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
       AND (lease_expires IS NULL OR lease_expires < now())
-      AND (r.sequence_key IS NULL OR NOT EXISTS (
-          SELECT 1 FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.id < r.id AND e.subqueue <> 'X'
-            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')))
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
+          ORDER BY e.sequence_key, e.id LIMIT 1))
       AND id <> ALL($1::bigint[])
     ORDER BY priority DESC, retry_time, id
     LIMIT $7
@@ -355,7 +398,21 @@ WITH done AS (
     SET subqueue = 'X', last_processed = clock_timestamp(),
         handling_client_id = NULL, lease_expires = NULL
     WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
-    RETURNING id, subqueue
+    RETURNING id, subqueue, sequence_key
+),
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM (
+        SELECT DISTINCT ON (d.sequence_key) n.id
+        FROM done AS d
+        JOIN {queue} AS n
+          ON n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+        WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+        ORDER BY d.sequence_key, n.id
+    ) AS nxt
+    WHERE s.id = nxt.id AND s.retry_time = 'infinity'
+    RETURNING 1
 ),
 ready AS (
     SELECT id, CASE WHEN lease_expires IS NULL THEN 0
@@ -363,12 +420,13 @@ ready AS (
                     WHEN isolated THEN 3
                     ELSE 2 END AS recovered
     FROM {queue} AS r
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
       AND (lease_expires IS NULL OR lease_expires < now())
-      AND (r.sequence_key IS NULL OR NOT EXISTS (
-          SELECT 1 FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.id < r.id AND e.subqueue <> 'X'
-            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')))
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
+          ORDER BY e.sequence_key, e.id LIMIT 1))
       AND id <> ALL($1::bigint[])
     ORDER BY priority DESC, retry_time, id
     LIMIT $3
@@ -423,6 +481,29 @@ WITH done AS (
 )
 SELECT count(*) FROM done;
 
+-- release_sequences --
+-- Make due every parked sequence head (retry_time 'infinity' though no earlier
+-- member is left outside X): a race between a send and the finish of its
+-- predecessor, or a purged/deleted member, can leave one so. Walks the sequence
+-- index one key at a time (a loose index scan). Returns how many it released.
+WITH RECURSIVE heads AS (
+    (SELECT sequence_key, id FROM {queue}
+     WHERE sequence_key IS NOT NULL AND subqueue <> 'X'
+     ORDER BY sequence_key, id LIMIT 1)
+    UNION ALL
+    SELECT n.sequence_key, n.id
+    FROM heads AS h,
+         LATERAL (SELECT sequence_key, id FROM {queue}
+                  WHERE sequence_key > h.sequence_key AND subqueue <> 'X'
+                  ORDER BY sequence_key, id LIMIT 1) AS n
+), released AS (
+    UPDATE {queue} AS q SET retry_time = now()
+    FROM heads
+    WHERE q.id = heads.id AND q.retry_time = 'infinity' AND q.subqueue IN ('I', 'R')
+    RETURNING 1
+)
+SELECT count(*) FROM released;
+
 -- next_due --
 -- Seconds until the earliest scheduled row is due, or NULL when none is; a
 -- retry_time of 'infinity' (written by hand) means never.
@@ -464,9 +545,10 @@ ORDER BY subscriber_endpoint;
 SELECT EXISTS (
     SELECT 1 FROM {queue} AS r
     WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
-      AND (r.sequence_key IS NULL OR NOT EXISTS (
-          SELECT 1 FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.id < r.id AND e.subqueue <> 'X'))
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+          ORDER BY e.sequence_key, e.id LIMIT 1))
 );
 
 -- ---------------------------------------------------------------------------
@@ -490,10 +572,13 @@ FROM generate_series(1, $1::int) AS g;
 -- bench_preload_delivery --
 -- Insert $1 ready rows of type $2 with unique ids $3 || k; priority k*7 mod $4
 -- (0..$4-1; $4 = 1: all 0) and, when $5 > 0, sequence 'seq-' || (k mod $5), so the
--- members of the $5 sequences are interleaved, each in id order.
+-- members of the $5 sequences are interleaved, each in id order; all but the first
+-- member of each are parked, as insert_messages would.
 INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, retry_time, label,
                      msg_text, unique_id, priority, sequence_key)
-SELECT 'bench', 'bench', 'I', now(), now(), $2::text, '{{"n":' || g || '}}', $3::text || g,
+SELECT 'bench', 'bench', 'I', now(),
+       CASE WHEN $5::int > 0 AND g > $5::int THEN 'infinity'::timestamptz ELSE now() END,
+       $2::text, '{{"n":' || g || '}}', $3::text || g,
        ((g * 7) % $4::int)::smallint,
        CASE WHEN $5::int > 0 THEN 'seq-' || (g % $5::int) END
 FROM generate_series(1, $1::int) AS g;
@@ -621,12 +706,18 @@ BEGIN
         subscriber := v_subs[i];
         EXECUTE format($q$
             WITH ins AS (
-                INSERT INTO %I.%I (from_endpoint, to_endpoint, subqueue, retry_time,
+                INSERT INTO %1$I.%2$I (from_endpoint, to_endpoint, subqueue, retry_time,
                                    correlation_id, label, msg_text, msg_headers, unique_id,
                                    priority, sequence_key, expires_at)
                 SELECT $1, $2,
                        CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
-                       greatest(coalesce(v.deliver_at, now()), now()),
+                       CASE WHEN v.sequence_key IS NOT NULL AND (
+                                row_number() OVER (PARTITION BY v.sequence_key ORDER BY v.ord) > 1
+                                OR EXISTS (SELECT 1 FROM %1$I.%2$I AS e
+                                           WHERE e.sequence_key = v.sequence_key
+                                             AND e.subqueue <> 'X'))
+                            THEN 'infinity'::timestamptz
+                            ELSE greatest(coalesce(v.deliver_at, now()), now()) END,
                        v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb,
                        v.publish_id || '/' || $2, coalesce(v.priority, 0), v.sequence_key,
                        v.expires_at

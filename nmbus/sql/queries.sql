@@ -299,15 +299,12 @@ WITH done AS (
 unparked AS (
     -- The next member of each sequence a row of `done` moved to X becomes due now.
     UPDATE {queue} AS s SET retry_time = now()
-    FROM (
-        SELECT DISTINCT ON (d.sequence_key) n.id
-        FROM done AS d
-        JOIN {queue} AS n
-          ON n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
-        WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
-        ORDER BY d.sequence_key, n.id
-    ) AS nxt
-    WHERE s.id = nxt.id AND s.retry_time = 'infinity'
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
     RETURNING 1
 )
 SELECT count(*) FROM done;
@@ -341,15 +338,12 @@ WITH done AS (
 unparked AS (
     -- The next member of each sequence a row of `done` moved to X becomes due now.
     UPDATE {queue} AS s SET retry_time = now()
-    FROM (
-        SELECT DISTINCT ON (d.sequence_key) n.id
-        FROM done AS d
-        JOIN {queue} AS n
-          ON n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
-        WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
-        ORDER BY d.sequence_key, n.id
-    ) AS nxt
-    WHERE s.id = nxt.id AND s.retry_time = 'infinity'
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
     RETURNING 1
 ),
 ready AS (
@@ -403,15 +397,12 @@ WITH done AS (
 unparked AS (
     -- The next member of each sequence a row of `done` moved to X becomes due now.
     UPDATE {queue} AS s SET retry_time = now()
-    FROM (
-        SELECT DISTINCT ON (d.sequence_key) n.id
-        FROM done AS d
-        JOIN {queue} AS n
-          ON n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
-        WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
-        ORDER BY d.sequence_key, n.id
-    ) AS nxt
-    WHERE s.id = nxt.id AND s.retry_time = 'infinity'
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
     RETURNING 1
 ),
 ready AS (
@@ -599,7 +590,7 @@ UPDATE {queue} AS q
 SET subqueue = 'X', last_processed = clock_timestamp()
 WHERE q.id IN (
     SELECT id FROM {queue}
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
     ORDER BY priority DESC, retry_time, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -610,7 +601,7 @@ RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
 -- bench_claim_one --
 -- The one-message-per-transaction baseline: lock one ready row.
 SELECT id, label, msg_text FROM {queue}
-WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
 ORDER BY priority DESC, retry_time, id
 LIMIT 1
 FOR UPDATE SKIP LOCKED;

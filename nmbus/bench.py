@@ -19,6 +19,9 @@ at. The modes:
                    messages and stored rows per second.
 ``xrows``          drain on an empty table, then with millions of X rows in the
                    same table, and ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
+``delivery``       in one run: a plain drain, a drain with priorities mixed 0-9,
+                   and a drain of ``sequences`` sequences of ``sequence_members``
+                   each (interleaved), as rates and ratios to the plain drain.
 
 Figures are only as good as the machine is quiet: the load average is printed
 with the settings of every run.
@@ -47,7 +50,7 @@ from nmbus.postgres.store import install_schema
 from nmbus.settings import Settings
 from nmbus.sql import render
 
-MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows")
+MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows", "delivery")
 ALL_MODES = ("ceiling", "drain", "transactional", "latency", "fanout")
 QUEUE = "bench"
 
@@ -79,6 +82,8 @@ class BenchOptions:
     fanout_messages: int = 10_000
     fanout_batch: int = 500
     x_rows: int = 5_000_000
+    sequences: int = 50
+    sequence_members: int = 1_000
     repeat: int = 1
 
     def bus_settings(self, schema: str, **extra: Any) -> Settings:
@@ -467,6 +472,64 @@ async def explain_claim(options: BenchOptions, scratch: _Scratch) -> str:
 # -- the runner -------------------------------------------------------------------------
 
 
+# -- delivery: priority and sequences (self-contained: moves as one block) -------------
+
+
+async def measure_delivery_drain(
+    options: BenchOptions, scratch: _Scratch, *, priorities: int = 1, sequences: int = 0
+) -> float:
+    """Messages per second of a worker draining rows with priorities 0..``priorities``-1
+    and, when ``sequences`` > 0, all in that many interleaved sequences."""
+    total = sequences * options.sequence_members if sequences else options.messages
+    await scratch.create_queue()
+    prefix = f"d{uuid.uuid4().hex[:8]}-"
+    await scratch.c.execute(
+        render("bench_preload_delivery", scratch.schema, QUEUE),
+        total,
+        TICK,
+        prefix,
+        priorities,
+        sequences,
+    )
+    await scratch.c.execute(render("bench_vacuum", scratch.schema, QUEUE))
+    await scratch.checkpoint()
+    bus = Bus(QUEUE, settings=options.bus_settings(scratch.schema))
+    first: list[float] = []
+
+    @bus.handler
+    async def noop(msg: Tick, ctx: Context) -> None:
+        if not first:
+            first.append(time.perf_counter())
+
+    async with bus:
+        await _wait_until(lambda: bus.worker.handled >= total, _deadline(total) * 4)
+        elapsed = time.perf_counter() - first[0]
+    processed = await scratch.count("X")
+    if processed != total:
+        raise RuntimeError(f"delivery drain processed {processed} messages, expected {total}")
+    return total / elapsed
+
+
+async def measure_delivery(options: BenchOptions, progress: Progress) -> dict[str, float]:
+    """Plain, priority-mix and sequence drains in one run, with ratios to the plain one."""
+    dsn = options.dsn
+    progress("delivery: plain drain")
+    plain = await _scratch_run(dsn, lambda s: measure_delivery_drain(options, s))
+    progress("delivery: priorities 0-9")
+    mixed = await _scratch_run(dsn, lambda s: measure_delivery_drain(options, s, priorities=10))
+    progress(f"delivery: {options.sequences} sequences x {options.sequence_members}")
+    seqs = await _scratch_run(
+        dsn, lambda s: measure_delivery_drain(options, s, sequences=options.sequences)
+    )
+    return {
+        "plain_messages_per_s": plain,
+        "priority_mix_messages_per_s": mixed,
+        "priority_ratio_to_plain": mixed / plain,
+        "sequences_messages_per_s": seqs,
+        "sequences_ratio_to_plain": seqs / plain,
+    }
+
+
 async def _server_settings(dsn: str) -> dict[str, Any]:
     conn = await asyncpg.connect(dsn)
     try:
@@ -550,6 +613,11 @@ async def run(
                 "batched_published_per_s", figures["batched_published_per_s"], "msg/s"
             )
             results["fanout"].add("batched_rows_per_s", figures["batched_rows_per_s"], "rows/s")
+        if "delivery" in results:
+            figures = await measure_delivery(options, progress)
+            for name, value in figures.items():
+                unit = "x" if "ratio" in name else "msg/s"
+                results["delivery"].add(name, value, unit)
         if "xrows" in results:
             progress(f"drain on an empty table, run {rep}")
             empty = await _scratch_run(dsn, lambda s: measure_drain(options, s))
@@ -586,5 +654,12 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
             "subscribers": o.subscribers,
             "publishers": o.publishers,
             "publish_many_batch": o.fanout_batch,
+        }
+    if mode == "delivery":
+        return {
+            **base,
+            "messages": o.messages,
+            "sequences": o.sequences,
+            "sequence_members": o.sequence_members,
         }
     return {**base, "messages": o.messages, "x_rows": o.x_rows}

@@ -334,3 +334,25 @@ def _find(node: dict[str, Any], kind: str) -> dict[str, Any]:
 def member_envelope(n: int, seq: str | None) -> Envelope:
     uid = uuid.uuid4().hex
     return Envelope("test.Posted", f'{{"seq":"{seq}","n":{n}}}', None, uid, uid, None, 0, seq)
+
+
+async def test_a_head_left_parked_by_a_race_is_released(dsn: str, db: asyncpg.Connection) -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        await store.insert("ledger", "me", [member_envelope(n, "s") for n in range(3)])
+        parked = await db.fetch("SELECT id, retry_time = 'infinity' AS parked FROM nmbus.ledger")
+        assert [r["parked"] for r in sorted(parked, key=lambda r: r["id"])] == [False, True, True]
+        # The head reaches X without its finish unparking the next one (as when a send
+        # and its predecessor's finish commit at the same time, or a head is deleted).
+        await db.execute(
+            "UPDATE nmbus.ledger SET subqueue = 'X' WHERE id = (SELECT min(id) FROM nmbus.ledger)"
+        )
+        async with store.worker_session() as session:
+            assert await session.claim("ledger", 10, "c1", 30.0) == []
+            assert await session.release_sequences("ledger") == 1
+            assert await session.release_sequences("ledger") == 0
+            (nxt,) = await session.claim("ledger", 10, "c1", 30.0)
+        assert nxt.msg_text == '{"seq":"s","n":1}'
+    finally:
+        await store.close()

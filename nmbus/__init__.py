@@ -11,6 +11,7 @@ from nmbus.errors import (
     AttemptsExhausted,
     ConfigurationError,
     DatabaseUnavailable,
+    Expired,
     HandlerCancelled,
     HandlerError,
     HandlerSignal,
@@ -36,6 +37,7 @@ from nmbus.errors import (
     UnknownMessageType,
 )
 from nmbus.messages import Message
+from nmbus.periodic import Tick
 from nmbus.retry import RetryPolicy
 from nmbus.sagas import Saga
 from nmbus.settings import Settings
@@ -48,6 +50,7 @@ __all__ = [
     "Context",
     "DatabaseUnavailable",
     "Effects",
+    "Expired",
     "HandlerCancelled",
     "HandlerError",
     "HandlerSignal",
@@ -72,6 +75,7 @@ __all__ = [
     "SchemaVersionError",
     "Settings",
     "StoreError",
+    "Tick",
     "ToolError",
     "UndecodableMessage",
     "UnknownMessageType",

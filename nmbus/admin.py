@@ -42,6 +42,19 @@ FAILED_BATCH = 1000
 
 
 @dataclass(frozen=True, slots=True)
+class BlockedSequence:
+    """A sequence held back by its head: in F until requeued or purged, or in R."""
+
+    sequence_key: str
+    blocking_id: int
+    subqueue: str
+    attempts: int
+    retry_time: datetime
+    waiting: int  # members behind it, not yet processed
+    error: str  # first line of the head's error_info
+
+
+@dataclass(frozen=True, slots=True)
 class QueueStatus:
     """One queue at a glance: rows per subqueue, and what happened in the recent window."""
 
@@ -56,6 +69,7 @@ class QueueStatus:
     recent_avg_ms: float | None  # queue latency (last_processed - retry_time) of those
     recent_p99_ms: float | None
     recent_failed: int
+    blocked: tuple[BlockedSequence, ...] = ()  # at most 20, F first
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +180,9 @@ class Admin:
             found = []
             for name in await self._queues(conn):
                 row = await conn.fetchrow(render("ops_queue_status", self.schema, name), window)
-                found.append(QueueStatus(name, **dict(row)))
+                heads = await conn.fetch(render("ops_blocked_sequences", self.schema, name), 20)
+                blocked = tuple(BlockedSequence(**dict(h)) for h in heads)
+                found.append(QueueStatus(name, **dict(row), blocked=blocked))
             return found
 
     async def failed_messages(

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Any, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 import structlog
 
@@ -28,11 +28,13 @@ from nmbus.envelopes import (
     REQUESTER_HEADER,
     EnvelopeBuilder,
     deliver_time,
+    delivery,
 )
 from nmbus.errors import MAX_SECONDS, ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.logs import log_failure
 from nmbus.messages import Message
+from nmbus.periodic import Schedule, Scheduler, Tick, TickHandler, router
 from nmbus.replies import Replies
 from nmbus.retry import RetryPolicy
 from nmbus.sagas import S, Saga
@@ -62,9 +64,12 @@ class Bus:
         settings: Settings | None = None,
         store: Store | None = None,
         retry: RetryPolicy | int | None = None,
+        dead_letter: str | None = None,
         **overrides: Any,
     ) -> None:
         self.endpoint = validate_queue_name(endpoint)
+        # The failure port (docs/delivery.md): a copy of every message that lands in F.
+        self.dead_letter = validate_queue_name(dead_letter) if dead_letter is not None else None
         # Validated in both cases: a value that would break at run time
         # (inf, NaN, a negative age) is refused here, as InvalidSetting.
         if settings is None:
@@ -107,8 +112,10 @@ class Bus:
             ),
             settings=settings,
             client_id=self.client_id,
+            dead_letter=self.dead_letter,
         )
         self.sagas: dict[str, Saga[Any]] = {}
+        self._schedules: dict[str, Schedule] = {}
         self._background: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = asyncio.Event()
@@ -189,6 +196,40 @@ class Bus:
         self.sagas[saga_name] = saga
         return saga
 
+    def periodic(
+        self,
+        *,
+        every: float | None = None,
+        cron: str | None = None,
+        name: str | None = None,
+        missed: Literal["last", "skip"] = "last",
+    ) -> Callable[[TickHandler], TickHandler]:
+        """Register ``async def handler(tick: Tick, ctx)``, run once per due time.
+
+        ``every`` seconds (due at multiples of it since the epoch) or ``cron``
+        (five fields, or six with seconds last; UTC). However many processes
+        run this endpoint, each due time's tick is stored once (its unique id is
+        the schedule's ``name``, default the function's name, plus the due time)
+        and handled like any message of the endpoint. After downtime,
+        ``missed="last"`` enqueues the latest missed due time once;
+        ``missed="skip"`` waits for the next one. See docs/delivery.md.
+        """
+
+        def register(func: TickHandler) -> TickHandler:
+            if self._started:
+                raise ConfigurationError("register periodic handlers before the bus starts")
+            schedule = Schedule.of(func, every, cron, name, missed)
+            if schedule.name in self._schedules:
+                raise ConfigurationError(
+                    f"periodic schedule {schedule.name!r} is registered twice; give name=..."
+                )
+            if not self._schedules:
+                self.registry.add(router(self._schedules), Tick)
+            self._schedules[schedule.name] = schedule
+            return func
+
+        return register
+
     def subscribe(
         self, message_type: type[Message], publisher: str, *, permanent: bool = False
     ) -> None:
@@ -232,6 +273,11 @@ class Bus:
             interval = self.settings.retention_interval
             if interval is not None:
                 self._spawn(lambda: self._retention(interval), "retention")
+            if self._schedules:
+                scheduler = Scheduler(
+                    self.endpoint, self.store, self.envelopes, list(self._schedules.values())
+                )
+                self._spawn(scheduler.run, "periodic")
             self.worker.start()
         log.info(
             "bus_started",
@@ -304,6 +350,10 @@ class Bus:
         correlation_id: str | None = None,
         connection: Any = None,
         reply_to: str | None = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
     ) -> str:
         """Store ``message`` in queue ``to``; durable when this returns.
 
@@ -312,13 +362,23 @@ class Bus:
         transaction, the message exists exactly when that transaction commits.
         A ``unique_id`` already stored in that queue is not stored again.
         ``reply_to`` names the endpoint the receiver's ``ctx.reply`` answers
-        to (default: this one). Returns the message's unique id.
+        to (default: this one). ``priority`` (-100..100, higher first),
+        ``sequence`` (members of one key are handled one at a time, in send
+        order) and ``ttl`` seconds or ``expires_at`` (never handled after it)
+        are described in docs/delivery.md. Returns the message's unique id.
         """
         if reply_to is not None:
             validate_queue_name(reply_to)
             headers = {**(headers or {}), REPLY_TO_HEADER: reply_to}
         envelope = self.envelopes.for_send(
-            message, to, correlation_id, headers, unique_id, deliver_at, delay
+            message,
+            to,
+            correlation_id,
+            headers,
+            unique_id,
+            deliver_at,
+            delay,
+            delivery(priority, sequence, ttl, expires_at),
         )
         await self.store.insert(to, self.endpoint, [envelope], connection)
         return envelope.unique_id
@@ -384,6 +444,10 @@ class Bus:
         deliver_at: datetime | None = None,
         delay: float | None = None,
         connection: Any = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
     ) -> list[str]:
         """Store a copy of ``message`` in the queue of every live subscriber, all or none.
 
@@ -392,10 +456,17 @@ class Bus:
         its own unique_id, ``<publish id>/<subscriber>``; the publish id is
         ``unique_id`` when given, so publishing the same id again stores nothing
         new. With ``connection`` (asyncpg, in a transaction) the copies exist
-        exactly when that transaction commits. Returns the subscriber endpoints.
+        exactly when that transaction commits. ``priority``, ``sequence``, ``ttl``
+        and ``expires_at`` apply to every copy; a sequence keeps its order in each
+        subscriber's queue. Returns the subscriber endpoints.
         """
         envelope, chain = self.envelopes.for_publish(
-            message, correlation_id, headers, unique_id, deliver_time(deliver_at, delay)
+            message,
+            correlation_id,
+            headers,
+            unique_id,
+            deliver_time(deliver_at, delay),
+            delivery(priority, sequence, ttl, expires_at),
         )
         copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
         self._log_published(1, copies)

@@ -24,6 +24,7 @@ from nmbus.envelopes import (
     SAGA_KEY_HEADER,
     EnvelopeBuilder,
     deliver_time,
+    delivery,
     travelling,
 )
 from nmbus.errors import ConfigurationError
@@ -253,12 +254,17 @@ class Context:
         unique_id: str | None = None,
         correlation_id: str | None = None,
         reply_to: str | None = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
     ) -> str:
         """Send ``message`` to queue ``to`` when this handler's transaction commits.
 
         It carries this message's correlation id and travelling headers unless
         ``correlation_id`` / ``headers`` say otherwise; ``reply_to`` names the
-        endpoint its receiver's ``ctx.reply`` answers to.
+        endpoint its receiver's ``ctx.reply`` answers to. ``priority``,
+        ``sequence``, ``ttl`` and ``expires_at`` as in ``Bus.send``.
         """
         outgoing = self.outgoing_headers(headers)
         if reply_to is not None:
@@ -271,6 +277,7 @@ class Context:
             unique_id,
             deliver_at,
             delay,
+            delivery(priority, sequence, ttl, expires_at),
         )
         self.effects.sends.append((to, envelope))
         return envelope.unique_id
@@ -284,6 +291,10 @@ class Context:
         deliver_at: datetime | None = None,
         delay: float | None = None,
         correlation_id: str | None = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
     ) -> str:
         """Publish ``message`` to every subscriber, in this handler's transaction.
 
@@ -299,6 +310,7 @@ class Context:
             self.outgoing_headers(headers),
             unique_id,
             deliver_time(deliver_at, delay),
+            delivery(priority, sequence, ttl, expires_at),
         )
         self.effects.publishes.append(envelope)
         return envelope.unique_id

@@ -34,6 +34,7 @@ from nmbus.envelopes import (
 from nmbus.errors import (
     AttemptFailed,
     AttemptsExhausted,
+    Expired,
     HandlerCancelled,
     HandlerTimeout,
     MessageError,
@@ -251,6 +252,7 @@ class Dispatcher:
         self.registry = registry
         self.retry = retry
         self.on_unknown = settings.on_unknown
+        self.on_expired = settings.on_expired
         self.default_timeout = settings.handler_timeout
         self.builder = builder
 
@@ -264,6 +266,9 @@ class Dispatcher:
         lock: asyncio.Lock | None = None,
     ) -> None:
         """Handle ``row`` in batch ``tx``; on success its effects are appended to ``done``."""
+        if row.expired:
+            self.expired(row, outcomes)
+            return
         cls = decode_type(row.label, row.msg_headers)
         text = row.msg_headers
         if (
@@ -406,6 +411,20 @@ class Dispatcher:
         if per_message_logs():
             log.info("late_reply", correlation_id=row.correlation_id)
         return True
+
+    def expired(self, row: StoredMessage, outcomes: Outcomes) -> None:
+        """Record an expired row without running a handler: F, or X with ``on_expired="drop"``."""
+        reason = error_info(
+            Expired(f"{row.label} expired before a handler took it (attempt {row.retry_count})")
+        )
+        if self.on_expired == "drop":
+            outcomes.add(row.id, "X", error_info=f"dropped: {reason}")
+        else:
+            outcomes.add(row.id, "F", error_info=reason)
+        if per_message_logs():
+            log.warning(
+                "message_expired", queue=self.queue, message_id=row.id, action=self.on_expired
+            )
 
     def policy(self, row: StoredMessage) -> RetryPolicy:
         """The retry policy of the first handler of ``row``'s type, else the endpoint's."""

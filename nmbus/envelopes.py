@@ -14,6 +14,7 @@ import json
 import math
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from nmbus.errors import MAX_SECONDS, InvalidMessage, MessageTooLarge
@@ -107,6 +108,114 @@ def deliver_time(deliver_at: datetime | None, delay: float | None) -> datetime |
     return deliver_at
 
 
+#: Headers of a failure port's copy (``Bus(dead_letter=...)``): where the original
+#: is (queue and row id: it stays there, in F), its unique id and why it failed.
+FAILED_QUEUE_HEADER = "nmbus-failed-queue"
+FAILED_ID_HEADER = "nmbus-failed-id"
+FAILED_UNIQUE_ID_HEADER = "nmbus-failed-unique-id"
+FAILED_ERROR_HEADER = "nmbus-failed-error"
+
+
+def dead_letter_copy(
+    queue: str,
+    id: int,
+    unique_id: str,
+    label: str | None,
+    msg_text: str | None,
+    msg_headers: str | None,
+    correlation_id: str | None,
+    error: str | None,
+) -> Envelope:
+    """The copy of a row that landed in F, for the failure port: same body, type and
+    headers, plus the FAILED_* headers (the error is its first line, as error_info's)."""
+    headers: dict[str, str] = {}
+    if msg_headers:
+        try:
+            loaded = json.loads(msg_headers)
+        except ValueError:
+            loaded = {}
+        if isinstance(loaded, dict):
+            headers = {str(k): str(v) for k, v in loaded.items()}
+    headers[FAILED_QUEUE_HEADER] = queue
+    headers[FAILED_ID_HEADER] = str(id)
+    headers[FAILED_UNIQUE_ID_HEADER] = unique_id
+    headers[FAILED_ERROR_HEADER] = (error or "").split("\n", 1)[0]
+    return Envelope(
+        label=label or "",
+        msg_text=msg_text or "",
+        msg_headers=json.dumps(headers, ensure_ascii=False),
+        unique_id=uuid.uuid4().hex,
+        correlation_id=correlation_id,
+        deliver_at=None,
+    )
+
+
+#: Priorities a message may have: higher is claimed first, 0 by default.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+#: The longest sequence key, in characters (it is a key of the sequence index).
+MAX_SEQUENCE_KEY = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Checked delivery controls of one message (docs/delivery.md)."""
+
+    priority: int = 0
+    sequence: str | None = None
+    expires_at: datetime | None = None
+
+
+PLAIN = Delivery()
+
+
+def delivery(
+    priority: int = 0,
+    sequence: str | None = None,
+    ttl: float | None = None,
+    expires_at: datetime | None = None,
+) -> Delivery:
+    """Check ``priority``, ``sequence`` and the expiry (``ttl`` seconds or ``expires_at``).
+
+    Refused with :class:`InvalidMessage`: a priority that is not an int in
+    MIN_PRIORITY..MAX_PRIORITY, an empty or over-long sequence key, a ttl that is
+    not a finite number of seconds > 0 (at most 10 years), a naive expires_at, or
+    both ttl and expires_at.
+    """
+    if priority == 0 and sequence is None and ttl is None and expires_at is None:
+        return PLAIN
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidMessage(f"priority must be an int, got {type(priority).__name__}")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidMessage(
+            f"priority must be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority}"
+        )
+    if sequence is not None:
+        if not isinstance(sequence, str) or not sequence:
+            raise InvalidMessage("sequence must be a non-empty string")
+        if len(sequence) > MAX_SEQUENCE_KEY:
+            raise InvalidMessage(
+                f"sequence key is {len(sequence)} characters, over the limit of "
+                f"{MAX_SEQUENCE_KEY}; use a short key (an account id, an order id)"
+            )
+        check_text("sequence", sequence)
+    if ttl is not None and expires_at is not None:
+        raise InvalidMessage("give ttl or expires_at, not both")
+    if ttl is not None:
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+            raise InvalidMessage(f"ttl must be a number of seconds, got {type(ttl).__name__}")
+        if not (math.isfinite(ttl) and 0 < ttl <= MAX_SECONDS):
+            raise InvalidMessage(
+                f"ttl must be > 0 seconds and finite, at most {MAX_SECONDS} (10 years), "
+                f"got {ttl}; leave it out for a message that never expires"
+            )
+        expires_at = datetime.now(UTC) + timedelta(seconds=ttl)
+    elif expires_at is not None and (
+        not isinstance(expires_at, datetime) or expires_at.tzinfo is None
+    ):
+        raise InvalidMessage("expires_at must be a timezone-aware datetime")
+    return Delivery(priority, sequence, expires_at)
+
+
 class EnvelopeBuilder:
     """Builds checked envelopes for one endpoint's sends and publishes."""
 
@@ -124,11 +233,12 @@ class EnvelopeBuilder:
         unique_id: str | None,
         deliver_at: datetime | None,
         delay: float | None,
+        controls: Delivery = PLAIN,
     ) -> Envelope:
         """The envelope of a message sent to queue ``to`` (by the bus or a handler)."""
         validate_queue_name(to)
         return self.build(
-            message, correlation_id, headers, unique_id, deliver_time(deliver_at, delay)
+            message, correlation_id, headers, unique_id, deliver_time(deliver_at, delay), controls
         )
 
     def for_publish(
@@ -138,6 +248,7 @@ class EnvelopeBuilder:
         headers: Mapping[str, str] | None,
         unique_id: str | None,
         deliver_at: datetime | None,
+        controls: Delivery = PLAIN,
     ) -> tuple[Envelope, str]:
         """The envelope of a published message and its type chain (comma-separated)."""
         if not isinstance(message, Message):
@@ -145,7 +256,7 @@ class EnvelopeBuilder:
         chain = chain_header(type(message))
         if chain is not None:
             headers = {**(headers or {}), TYPE_CHAIN_HEADER: chain}
-        envelope = self.build(message, correlation_id, headers, unique_id, deliver_at)
+        envelope = self.build(message, correlation_id, headers, unique_id, deliver_at, controls)
         return envelope, chain or envelope.label
 
     def build(
@@ -155,6 +266,7 @@ class EnvelopeBuilder:
         headers: Mapping[str, str] | None,
         unique_id: str | None,
         deliver_at: datetime | None = None,
+        controls: Delivery = PLAIN,
     ) -> Envelope:
         if not isinstance(message, Message):
             raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
@@ -189,4 +301,7 @@ class EnvelopeBuilder:
             unique_id=uid,
             correlation_id=correlation_id or uid,
             deliver_at=deliver_at,
+            priority=controls.priority,
+            sequence=controls.sequence,
+            expires_at=controls.expires_at,
         )

@@ -13,7 +13,8 @@ The whole tree::
     │   ├── UnknownMessageType      a label no registered Message class carries   (F)
     │   ├── NoHandler               a known type this endpoint has no handler for (F)
     │   ├── UndecodableMessage      a body that does not parse or validate        (F)
-    │   └── SagaNotFound            a saga's non-start message found no saga      (F)
+    │   ├── SagaNotFound            a saga's non-start message found no saga      (F)
+    │   └── Expired                 its expires_at passed before a handler got it (F)
     ├── AttemptFailed               why an attempt failed, beside a handler's own error
     │   ├── AttemptsExhausted       its attempts died with their workers          (F)
     │   ├── HandlerTimeout          the handler ran past its timeout              (R/F)
@@ -94,6 +95,10 @@ class UndecodableMessage(MessageError):
 
 class SagaNotFound(MessageError):
     """A saga handler that may not start its saga got a message for a saga that does not exist."""
+
+
+class Expired(MessageError):
+    """The message's expiry (ttl / expires_at) passed before a worker handed it to a handler."""
 
 
 class AttemptFailed(NmbusError):

@@ -179,6 +179,12 @@ class Envelope:
     unique_id: str
     correlation_id: str | None
     deliver_at: datetime | None
+    # Delivery controls (docs/delivery.md): higher priority is claimed first; members
+    # of one sequence are handled one at a time in send order; past expires_at the
+    # message is never handed to a handler.
+    priority: int = 0
+    sequence: str | None = None
+    expires_at: datetime | None = None
 
 
 @dataclass(slots=True)
@@ -197,3 +203,6 @@ class StoredMessage:
     unique_id: str
     # How the row came back (Recovery): 0 fresh; non-zero after a crash.
     recovered: int = 0
+    priority: int = 0
+    # Its expires_at had passed when it was claimed: no handler may see it.
+    expired: bool = False

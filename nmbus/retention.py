@@ -148,6 +148,11 @@ async def clean_queue(
     try:
         if policy.archive_dir is not None:
             result.recovered_files = await recover(conn, schema, queue, policy.archive_dir)
+        # I/R rows that expired long ago and no worker took would stay forever.
+        while await conn.fetchval(
+            render("retention_expire", schema, queue), policy.max_age, policy.batch_size
+        ):
+            pass
         passes: list[tuple[str, timedelta]] = [("X", policy.max_age)]
         if policy.failed_max_age is not None:
             passes.append(("F", policy.failed_max_age))

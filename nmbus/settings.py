@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     on_unknown: Literal["fail", "skip"] = Field(
         default="fail", description="unknown types / no handler: move to F, or skip to X"
     )
+    on_expired: Literal["fail", "drop"] = Field(
+        default="fail", description="expired messages: move to F, or drop to X unhandled"
+    )
     subscription_ttl: float | None = Field(
         default=3600.0, gt=0, description="subscription lifetime, renewed while running"
     )

@@ -21,7 +21,7 @@ from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.settings import Settings
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Checked with fullmatch: `$` would also match before a final "\n".
 _QUEUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
@@ -199,6 +199,10 @@ class WorkerSession(Protocol):
 
     async def next_due(self, queue: str) -> float | None:
         """Seconds until the earliest scheduled row is due, None when none is."""
+        ...
+
+    async def release_sequences(self, queue: str) -> int:
+        """Make due any sequence head left parked (see insert_messages); how many."""
         ...
 
     async def isolate(

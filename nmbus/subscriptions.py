@@ -18,7 +18,7 @@ subscriber_endpoint, message_type, created_date, expiration_date): "copy every
 5. ``await bus.unsubscribe(T, publisher=...)`` deletes the rows at once.
 
 There is no subscriber cache on the publishing side: the lookup is part of the
-one statement that stores the copies (``nmbus_publish_v1``, installed by the
+one statement that stores the copies (``nmbus_publish_v2``, installed by the
 PostgreSQL store), so a publish sees every subscription committed before that
 statement began. A type-chain header lets a subscriber that only knows a base
 class decode a subclass it has never heard of.

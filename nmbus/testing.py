@@ -50,6 +50,9 @@ class Row:
     handling_client_id: str | None = None
     lease_expires: datetime | None = None
     isolated: bool = False
+    priority: int = 0
+    sequence_key: str | None = None
+    expires_at: datetime | None = None
 
 
 _LONG_AGO = datetime(1970, 1, 1, tzinfo=UTC)
@@ -62,6 +65,18 @@ def _recovery(row: Row) -> int:
     if row.handling_client_id is None:
         return 1
     return 3 if row.isolated else 2
+
+
+def _sequence_heads(table: dict[int, Row]) -> set[int]:
+    """Ids of the members that may run: the lowest not in X of each sequence (see `claim`)."""
+    seen: set[str] = set()
+    heads: set[int] = set()
+    for r in sorted(table.values(), key=lambda r: r.id):
+        if r.sequence_key is not None and r.subqueue != "X":
+            if r.sequence_key not in seen:
+                heads.add(r.id)
+            seen.add(r.sequence_key)
+    return heads
 
 
 class MemoryBatch:
@@ -144,6 +159,7 @@ class MemorySession:
     ) -> list[StoredMessage]:
         now = _now()
         table = self._store._require(queue)
+        heads = _sequence_heads(table)
         ready = sorted(
             (
                 r
@@ -151,8 +167,9 @@ class MemorySession:
                 if r.subqueue in "IR"
                 and r.retry_time <= now
                 and (r.lease_expires is None or r.lease_expires < now)
+                and (r.sequence_key is None or r.id in heads)
             ),
-            key=lambda r: (r.retry_time, r.id),
+            key=lambda r: (-r.priority, r.retry_time, r.id),
         )[:limit]
         claimed = []
         for row in ready:
@@ -174,6 +191,8 @@ class MemorySession:
                     row.msg_headers,
                     row.unique_id,
                     recovered,
+                    row.priority,
+                    row.expires_at is not None and row.expires_at <= now,
                 )
             )
         return claimed
@@ -186,6 +205,9 @@ class MemorySession:
             if r.subqueue in "IR" and r.retry_time > now
         ]
         return (min(future) - now).total_seconds() if future else None
+
+    async def release_sequences(self, queue: str) -> int:
+        return 0  # the in-memory claim finds sequence heads itself: nothing is parked
 
     async def isolate(
         self,
@@ -303,6 +325,9 @@ class MemoryStore:
                 msg_text=e.msg_text,
                 msg_headers=e.msg_headers,
                 unique_id=e.unique_id,
+                priority=e.priority,
+                sequence_key=e.sequence,
+                expires_at=e.expires_at,
             )
             inserted += 1
         for listener in self._listeners:
@@ -393,8 +418,11 @@ class MemoryStore:
 
     async def has_ready(self, queue: str) -> bool:
         now = _now()
+        heads = _sequence_heads(self._require(queue))
         return any(
-            r.subqueue in "IR" and (r.retry_time <= now or r.handling_client_id is not None)
+            r.subqueue in "IR"
+            and (r.retry_time <= now or r.handling_client_id is not None)
+            and (r.sequence_key is None or r.id in heads)
             for r in self._require(queue).values()
         )
 
@@ -404,6 +432,13 @@ class MemoryStore:
         table = self._require(queue)
         for row_id, row in list(table.items()):
             age = ages.get(row.subqueue)
+            held = row.lease_expires is not None and row.lease_expires >= now
+            expired_long_ago = (
+                row.expires_at is not None and row.expires_at < now - settings.retention_max_age
+            )
+            if row.subqueue in "IR" and expired_long_ago and not held:
+                del table[row_id]  # as retention_expire then the X pass
+                continue
             if (
                 age is not None
                 and row.last_processed is not None

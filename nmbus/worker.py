@@ -26,6 +26,7 @@ client id) and owns its side tasks: the loops, lease renewal and wake-ups.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter, defaultdict
 
 import structlog
@@ -39,7 +40,7 @@ from nmbus.dispatch import (
     describe,
     per_message_logs,
 )
-from nmbus.envelopes import chain_of
+from nmbus.envelopes import chain_of, dead_letter_copy
 from nmbus.errors import DatabaseUnavailable, LeaseLost, OutcomeNotRecorded, StoreError
 from nmbus.logs import log_failure
 from nmbus.messages import Envelope, StoredMessage
@@ -62,8 +63,12 @@ class Worker:
         dispatcher: Dispatcher,
         settings: Settings,
         client_id: str,
+        dead_letter: str | None = None,
     ) -> None:
         self.queue = queue
+        # The failure port: a copy of every row this worker moves to F goes there,
+        # in the same transaction (never from the port's own queue: no loop).
+        self.dead_letter = dead_letter if dead_letter != queue else None
         self.store = store
         self.dispatcher = dispatcher
         self.settings = settings
@@ -120,6 +125,8 @@ class Worker:
                     self.settings.lease_seconds,
                 )
                 if not batch:
+                    if await session.release_sequences(self.queue):
+                        continue
                     break
                 ahead = await self._run_gated(session, batch)
         done = self.outcomes - before
@@ -225,7 +232,12 @@ class Worker:
         settings = self.settings
         # The next batch, claimed by the statement that finished the previous one.
         ahead: list[StoredMessage] = []
+        released = time.monotonic()
         while ahead or not self._stopping.is_set():
+            if time.monotonic() - released >= settings.poll_interval:
+                # A sequence head a race left parked is released within a poll interval.
+                released = time.monotonic()
+                await session.release_sequences(self.queue)
             self._wakeup.clear()
             if ahead:
                 batch, ahead = ahead, []
@@ -235,6 +247,9 @@ class Worker:
                 )
             if batch:
                 ahead = await self._run_gated(session, batch)
+                continue
+            if await session.release_sequences(self.queue):
+                released = time.monotonic()
                 continue
             wait = settings.poll_interval
             due = await session.next_due(self.queue)
@@ -326,6 +341,8 @@ class Worker:
         self.dispatcher.failed(row, failure, self.dispatcher.policy(row), outcomes)
         try:
             async with session.batch() as tx:
+                if self.dead_letter is not None:
+                    await self._copy_failed(tx, [row], outcomes)
                 await tx.finish(self.queue, outcomes, self.client_id)
         except DatabaseUnavailable:
             raise
@@ -356,6 +373,8 @@ class Worker:
                     await self.dispatcher.handle(tx, message, outcomes, done, debug)
             if done:
                 await self._flush(tx, done)
+            if self.dead_letter is not None and not outcomes.all_processed:
+                await self._copy_failed(tx, batch, outcomes)
             ahead: list[StoredMessage] = []
             # The next batch is claimed by the finish's own statement.
             if claim_ahead and not self._stopping.is_set():
@@ -421,6 +440,27 @@ class Worker:
         async with asyncio.TaskGroup() as group:
             for message in batch:
                 group.create_task(one(message))
+
+    async def _copy_failed(self, tx: Batch, batch: list[StoredMessage], outcomes: Outcomes) -> None:
+        """Store a copy of every row going to F in the failure port, in ``tx``."""
+        assert self.dead_letter is not None
+        rows = {m.id: m for m in batch}
+        copies = [
+            dead_letter_copy(
+                self.queue,
+                m.id,
+                m.unique_id,
+                m.label,
+                m.msg_text,
+                m.msg_headers,
+                m.correlation_id,
+                outcomes.error_info[i],
+            )
+            for i, id in enumerate(outcomes.ids)
+            if outcomes.subqueue[i] == "F" and (m := rows.get(id)) is not None
+        ]
+        if copies:
+            await tx.insert(self.dead_letter, self.queue, copies)
 
     async def _flush(self, tx: Batch, done: list[Effects]) -> None:
         """Store what the batch's handlers sent and published, in the batch's transaction."""

@@ -25,7 +25,7 @@ CREATE TABLE IF NOT EXISTS "nmbus".subscriptions (
         PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
 );
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('4') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('5') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")
@@ -45,7 +45,10 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
     handling_client_id text,
     lease_expires timestamptz,
-    isolated boolean NOT NULL DEFAULT false
+    isolated boolean NOT NULL DEFAULT false,
+    priority smallint NOT NULL DEFAULT 0,
+    sequence_key text,
+    expires_at timestamptz
 ) WITH (
     fillfactor = 50,
     autovacuum_vacuum_scale_factor = 0.02,
@@ -54,9 +57,11 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     autovacuum_analyze_scale_factor = 0.02,
     autovacuum_vacuum_cost_delay = 1
 );
-CREATE INDEX IF NOT EXISTS "billing$ready" ON "nmbus"."billing" (retry_time, id)
-    WHERE subqueue IN ('I', 'R');
+CREATE INDEX IF NOT EXISTS "billing$ready" ON "nmbus"."billing" (priority DESC, retry_time, id)
+    WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
 CREATE UNIQUE INDEX IF NOT EXISTS "billing$uid" ON "nmbus"."billing" (unique_id);
+CREATE INDEX IF NOT EXISTS "billing$seq" ON "nmbus"."billing" (sequence_key, id)
+    WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
 
 INSERT INTO "nmbus".queues (name) VALUES ('billing') ON CONFLICT DO NOTHING;
 

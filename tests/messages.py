@@ -31,3 +31,10 @@ class Slow(Message, type_name="test.Slow"):
     """In tests/workers.py its handler announces itself and then hangs."""
 
     n: int
+
+
+class Posted(Message, type_name="test.Posted"):
+    """A member of an ordered sequence (tests/test_sequences.py)."""
+
+    seq: str
+    n: int

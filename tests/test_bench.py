@@ -122,6 +122,20 @@ async def test_xrows_compares_an_empty_and_a_loaded_table_and_explains_the_claim
     assert await _schemas(dsn) == []
 
 
+async def test_delivery_measures_plain_priority_and_sequence_drains_in_one_run(
+    dsn: str,
+) -> None:
+    options = BenchOptions(dsn=dsn, messages=300, batch_size=50, sequences=5, sequence_members=20)
+    [result] = await run(["delivery"], options)
+    figures = result.figures
+    for name in ("plain", "priority_mix", "sequences"):
+        assert figures[f"{name}_messages_per_s"] > 0
+    assert figures["priority_ratio_to_plain"] > 0
+    assert figures["sequences_ratio_to_plain"] > 0
+    assert result.settings["sequences"] == 5
+    assert await _schemas(dsn) == []
+
+
 async def test_the_bench_leaves_the_users_queues_alone(dsn: str, db: asyncpg.Connection) -> None:
     # A user's endpoint called "bench" in the default schema, with a message waiting.
     async with Bus("bench", dsn=dsn, concurrency=0) as bus:

@@ -32,6 +32,7 @@ TESTED = {
     "held_too_long.sql",
     "subscriptions.sql",
     "inject_message.sql",
+    "blocked_sequences.sql",
 }
 
 
@@ -208,6 +209,41 @@ async def test_requeue_all_by_type_then_all(dsn: str, facts: Facts, db: asyncpg.
         facts.failed_ids,
     )
     assert tuple(counts) == (0, 3)
+
+
+async def test_blocked_sequences_name_the_blocking_message(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    async with Bus("sender", dsn=dsn, concurrency=0) as bus:
+        for seq in ("acct-1", "acct-2", "acct-3"):
+            for n in range(3):
+                await bus.send(Ping(n=n), to="ledger", sequence=seq)
+    ids = {
+        r["sequence_key"]: r["id"]
+        for r in await db.fetch(
+            "SELECT DISTINCT ON (sequence_key) sequence_key, id FROM nmbus.ledger "
+            "ORDER BY sequence_key, id"
+        )
+    }
+    # acct-1: its head failed; acct-2: its head waits for a retry; acct-3 flows.
+    await db.execute(
+        "UPDATE nmbus.ledger SET subqueue = 'F', retry_count = 5, "
+        "error_info = E'RuntimeError: no such account\\ntrace' WHERE id = $1",
+        ids["acct-1"],
+    )
+    await db.execute(
+        "UPDATE nmbus.ledger SET subqueue = 'R', retry_count = 1, "
+        "retry_time = now() + interval '1 hour' WHERE id = $1",
+        ids["acct-2"],
+    )
+    got = await psql(dsn, "blocked_sequences.sql", queue="ledger")
+    keys = ("sequence_key", "blocking_id", "subqueue", "attempts", "waiting", "error")
+    assert [{k: r[k] for k in keys} for r in got] == [
+        {"sequence_key": "acct-1", "blocking_id": str(ids["acct-1"]), "subqueue": "F",
+         "attempts": "5", "waiting": "2", "error": "RuntimeError: no such account"},
+        {"sequence_key": "acct-2", "blocking_id": str(ids["acct-2"]), "subqueue": "R",
+         "attempts": "1", "waiting": "2", "error": ""},
+    ]  # fmt: skip
 
 
 async def test_processed_per_day(dsn: str, facts: Facts) -> None:

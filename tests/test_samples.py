@@ -48,3 +48,25 @@ def test_request_reply_sample_runs(dsn: str) -> None:
         assert f"[storefront] {line}" in result.stdout
     assert "[pricing] quoting 1 x apple for acme" in result.stdout
     assert "[storefront] no reply from 'pricing' to pricing.GetQuote within 1s" in result.stdout
+
+
+def test_delivery_sample_runs(dsn: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "samples.delivery"],
+        cwd=ROOT,
+        env={**os.environ, "NMBUS_DSN": dsn},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0] == "audit of acct-2 (priority first)"
+    acct1 = [line for line in lines if line.startswith("acct-1 entry")]
+    assert acct1 == ["acct-1 entry 0: balance 100.00", "acct-1 entry 1: balance 70.00"]
+    assert "acct-2 entry 1: balance 30.00" in lines
+    assert "never printed" not in result.stdout
+    assert any(line.startswith("failure port: ledger #1: Expired:") for line in lines)
+    assert any("PermanentError: entry 2 of acct-1" in line for line in lines)
+    assert any(line.startswith("tick heartbeat due at") for line in lines)
+    assert lines[-1].startswith("ledger: {'I': 1, 'R': 0, 'X': ")

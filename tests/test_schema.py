@@ -19,6 +19,7 @@ COLUMNS = [
     "id", "from_endpoint", "to_endpoint", "subqueue", "insert_time", "last_processed",
     "retry_count", "retry_time", "error_info", "correlation_id", "label", "msg_text",
     "msg_headers", "unique_id", "handling_client_id", "lease_expires", "isolated",
+    "priority", "sequence_key", "expires_at",
 ]  # fmt: skip
 
 
@@ -180,7 +181,7 @@ async def own_objects(db: asyncpg.Connection, schema: str, table: str) -> dict[s
 
 def expected_objects(queue: str) -> dict[str, object]:
     return {
-        "indexes": sorted([f"{queue}$pkey", f"{queue}$ready", f"{queue}$uid"]),
+        "indexes": sorted([f"{queue}$pkey", f"{queue}$ready", f"{queue}$seq", f"{queue}$uid"]),
         "pkey": f"{queue}$pkey",
         "sequence": f"{queue}$id_seq",
     }
@@ -306,6 +307,7 @@ async def test_a_version_2_schema_is_migrated_to_names_no_queue_can_take(
     assert '"Index Name": "billing$ready"' in json.dumps(json.loads(plan))
     insert = render("insert_messages", "nmbus", "billing")
     args = ("x", "billing", [None], [None], ["test.Ping"], ['{"n":1}'], ["{}"], ["i1"], "c")
+    args += ([0], [None], [None])
     plan = json.dumps(json.loads(await db.fetchval("EXPLAIN (FORMAT JSON) " + insert, *args)))
     assert '"Conflict Arbiter Indexes": ["billing$uid"]' in plan
 
@@ -324,3 +326,46 @@ async def test_a_version_2_schema_is_migrated_to_names_no_queue_can_take(
     for queue in V2_QUEUES[1:]:
         rows = await db.fetch(f'SELECT msg_text FROM nmbus."{queue}" ORDER BY id')
         assert [r[0] and json.loads(r[0]) for r in rows] == [{"n": 1}, None]
+
+
+async def test_a_version_4_queue_gets_priority_sequence_and_expiry_without_a_rewrite(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        await store.ensure_queue("billing")
+    finally:
+        await store.close()
+    # What version 4 had: no delivery columns, the ready index on (retry_time, id).
+    await db.execute(
+        """DROP INDEX nmbus."billing$ready"; DROP INDEX nmbus."billing$seq";
+           ALTER TABLE nmbus.billing DROP COLUMN priority, DROP COLUMN sequence_key,
+                                     DROP COLUMN expires_at;
+           CREATE INDEX "billing$ready" ON nmbus.billing (retry_time, id)
+               WHERE subqueue IN ('I', 'R');
+           DELETE FROM nmbus.schema_version;
+           INSERT INTO nmbus.schema_version (version) VALUES (4)"""
+    )
+    await db.execute(
+        """INSERT INTO nmbus.billing (from_endpoint, to_endpoint, label, msg_text, unique_id)
+           SELECT 'x', 'billing', 'test.Ping', '{"n":0}', 'i' || g FROM generate_series(1, 10) g"""
+    )
+    before = await db.fetchval("SELECT pg_relation_filenode('nmbus.billing')")
+
+    await install_schema(db, "nmbus")
+
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 5
+    # ADD COLUMN with a constant default is catalog-only: the table was not rewritten.
+    assert await db.fetchval("SELECT pg_relation_filenode('nmbus.billing')") == before
+    assert (
+        await db.fetchval(
+            "SELECT count(*) FROM nmbus.billing WHERE priority = 0 AND sequence_key IS NULL "
+            "AND expires_at IS NULL"
+        )
+        == 10
+    )
+    ready = await db.fetchval("SELECT pg_get_indexdef('nmbus.\"billing$ready\"'::regclass)")
+    assert "(priority DESC, retry_time, id)" in ready
+    assert "WHERE ((subqueue = ANY" in ready and "(retry_time < 'infinity'" in ready
+    assert await own_objects(db, "nmbus", "billing") == expected_objects("billing")

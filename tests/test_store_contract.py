@@ -162,3 +162,58 @@ async def test_queues_are_listed_and_dropped(store: Store) -> None:
     assert {"alpha", "beta"} <= set(await store.list_queues())
     await store.drop_queue("alpha")
     assert "alpha" not in await store.list_queues()
+
+
+# -- delivery controls (docs/delivery.md) ---------------------------------------------
+
+
+def member(n: int, seq: str | None, priority: int = 0) -> Envelope:
+    uid = uuid.uuid4().hex
+    return Envelope("test.Ping", f'{{"n":{n}}}', None, uid, uid, None, priority, seq)
+
+
+async def test_the_claim_takes_higher_priorities_first(store: Store) -> None:
+    await store.insert("q", "me", [member(0, None), member(1, None, 5), member(2, None, -1)])
+    got = await claim(store, limit=10)
+    assert [m.msg_text for m in got] == ['{"n":1}', '{"n":0}', '{"n":2}']
+    assert [m.priority for m in got] == [5, 0, -1]
+
+
+async def test_only_the_head_of_a_sequence_is_claimed_until_it_is_in_x(store: Store) -> None:
+    await store.insert("q", "me", [member(0, "a"), member(1, "a"), member(2, "b"), member(3, None)])
+    first = await claim(store, limit=10)
+    assert [m.msg_text for m in first] == ['{"n":0}', '{"n":2}', '{"n":3}']
+    assert await claim(store, client="c2") == []  # "a"'s next member waits for its head
+    outcomes = Outcomes()
+    outcomes.add(first[0].id, "R", delay=0.0, error_info="RuntimeError: again")
+    await finish(store, outcomes)
+    (again,) = await claim(store, client="c2")  # the head again: R holds the sequence
+    assert again.id == first[0].id
+    outcomes = Outcomes()
+    outcomes.add(again.id, "X")
+    await finish(store, outcomes, client="c2")
+    (nxt,) = await claim(store, client="c3")
+    assert nxt.msg_text == '{"n":1}'
+
+
+async def test_finishing_a_head_can_claim_its_successor_in_the_same_statement(
+    store: Store,
+) -> None:
+    await store.insert("q", "me", [member(0, "a"), member(1, "a"), member(2, "a")])
+    (head,) = await claim(store, limit=10)
+    async with store.worker_session() as session, session.batch() as tx:
+        failed = Outcomes()
+        failed.add(head.id, "F", error_info="PermanentError: no")
+        finished, ahead = await tx.finish_and_claim("q", failed, "c1", 10, 30.0)
+    assert finished == 1 and ahead == []  # F blocks the sequence
+    assert await claim(store) == []
+    await store.insert("q", "me", [member(10, "b"), member(11, "b")])
+    (head,) = await claim(store)
+    async with store.worker_session() as session, session.batch() as tx:
+        done = Outcomes()
+        done.add(head.id, "X")
+        finished, ahead = await tx.finish_and_claim("q", done, "c1", 10, 30.0)
+    # PostgreSQL lets the successor through in the finishing statement; a store
+    # that claims nothing ahead hands it to the next claim.
+    nxt = ahead or await claim(store)
+    assert finished == 1 and [m.msg_text for m in nxt] == ['{"n":11}']

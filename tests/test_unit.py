@@ -25,9 +25,12 @@ def memory_bus(endpoint: str = "billing", **settings: object) -> Bus:
 PUBLIC_API = {
     # The contract of DESIGN.md section 3, and the context's typed effects.
     "Bus", "Context", "Effects", "Message", "RetryPolicy", "Settings",
+    # Delivery controls (DESIGN.md section 8).
+    "Tick",
     # Every exception nmbus raises or records, as drawn in nmbus/errors.py.
     "NmbusError", "ConfigurationError", "InvalidQueueName", "InvalidSetting", "HandlerError",
     "MessageError", "MessageTooLarge", "InvalidMessage", "UnknownMessageType", "NoHandler",
+    "Expired",
     "UndecodableMessage", "AttemptFailed", "AttemptsExhausted", "HandlerTimeout",
     "HandlerCancelled", "OutcomeNotRecorded", "StoreError", "DatabaseUnavailable",
     "QueueNotFound", "LeaseLost", "SchemaVersionError", "RetentionError", "ToolError",

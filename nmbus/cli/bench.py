@@ -16,8 +16,8 @@ from rich.table import Table
 command = typer.Typer(add_completion=False)
 
 MODES_HELP = (
-    "ceiling, drain, transactional, latency, fanout, xrows, saga, "
-    "or all (every one but xrows and saga)"
+    "ceiling, drain, transactional, latency, fanout, xrows, saga, delivery, "
+    "or all (every one but xrows, saga and delivery)"
 )
 
 
@@ -45,6 +45,10 @@ def bench(
     x_rows: Annotated[int, typer.Option(min=0, help="xrows: processed rows pre-loaded")] = (
         5_000_000
     ),
+    sequences: Annotated[int, typer.Option(min=1, help="delivery: sequences")] = 50,
+    sequence_members: Annotated[
+        int, typer.Option(min=1, help="delivery: members of each sequence")
+    ] = 1_000,
     repeat: Annotated[int, typer.Option(min=1, help="runs per mode; figures are medians")] = 1,
     unconfigured_logging: Annotated[
         bool,
@@ -83,6 +87,8 @@ def bench(
         fanout_messages=fanout_messages,
         fanout_batch=fanout_batch,
         x_rows=x_rows,
+        sequences=sequences,
+        sequence_members=sequence_members,
         repeat=repeat,
     )
     err = Console(stderr=True)

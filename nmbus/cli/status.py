@@ -70,3 +70,13 @@ def status(
     )
     if not queues:
         typer.echo("no queues yet")
+    blocked = [(q.queue, b) for q in queues for b in q.blocked]
+    if blocked:
+        table(
+            "blocked sequences (a member in F holds its sequence until requeued or purged)",
+            ["queue", "sequence", "blocking id", "in", "attempts", "waiting", "error"],
+            [
+                [name, b.sequence_key, b.blocking_id, b.subqueue, b.attempts, b.waiting, b.error]
+                for name, b in blocked
+            ],
+        )

@@ -1,6 +1,6 @@
 """Publishing on PostgreSQL: one server-side call per fan-out.
 
-``nmbus_publish_v1`` (nmbus/sql/queries.sql) looks up the live subscribers and
+``nmbus_publish_v2`` (nmbus/sql/queries.sql) looks up the live subscribers and
 inserts the copies into every subscriber's queue table in the same statement,
 so a publish is one round trip whatever the number of subscribers, and it sees
 every subscription committed before it began (there is no cache to go stale).
@@ -33,7 +33,7 @@ MAX_ROUNDS = 5
 
 
 async def install_publish_function(conn: Any, schema: str) -> None:
-    """Create nmbus_publish_v1 in ``schema`` unless it exists (serialised by the schema lock)."""
+    """Create nmbus_publish_v2 in ``schema`` unless it exists (serialised by the schema lock)."""
     if await conn.fetchval(render("publish_function_exists", schema), schema):
         return
     async with conn.transaction():
@@ -61,6 +61,9 @@ def publish_args(
         [e.unique_id for e in envelopes],
         [e.deliver_at for e in envelopes],
         channel,
+        [e.priority for e in envelopes],
+        [e.sequence for e in envelopes],
+        [e.expires_at for e in envelopes],
     )
 
 

@@ -40,6 +40,7 @@ MIGRATIONS: dict[int, list[str]] = {
     2: ["migrate_2_fillfactor"],
     3: ["migrate_3_names", "migrate_3_queue"],
     4: ["migrate_4_isolated"],
+    5: ["migrate_5_delivery"],
 }
 
 
@@ -61,6 +62,9 @@ def _insert_args(
         [e.msg_headers for e in envelopes],
         [e.unique_id for e in envelopes],
         channel,
+        [e.priority for e in envelopes],
+        [e.sequence for e in envelopes],
+        [e.expires_at for e in envelopes],
     )
 
 
@@ -68,8 +72,8 @@ def _stored(row: asyncpg.Record) -> StoredMessage:
     return StoredMessage(*row)
 
 
-def _claim_order(message: StoredMessage) -> tuple[Any, int]:
-    return (message.retry_time, message.id)
+def _claim_order(message: StoredMessage) -> tuple[int, Any, int]:
+    return (-message.priority, message.retry_time, message.id)
 
 
 async def install_schema(conn: Any, schema: str) -> None:
@@ -233,8 +237,8 @@ class PostgresBatch:
                 limit,
                 lease,
             )
-        finished = int(rows[0][11]) if rows else 0
-        claimed = [StoredMessage(*r[:11]) for r in rows if r[0] is not None]
+        finished = int(rows[0][13]) if rows else 0
+        claimed = [StoredMessage(*r[:13]) for r in rows if r[0] is not None]
         claimed.sort(key=_claim_order)
         return finished, claimed
 
@@ -262,6 +266,10 @@ class PostgresSession:
         with wrap_errors(f"next due in {queue}"):
             value: float | None = await self._conn.fetchval(render("next_due", self._schema, queue))
             return value
+
+    async def release_sequences(self, queue: str) -> int:
+        with wrap_errors(f"release sequences of {queue}"):
+            return int(await self._conn.fetchval(render("release_sequences", self._schema, queue)))
 
     async def isolate(
         self,

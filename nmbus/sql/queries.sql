@@ -3,7 +3,8 @@
 -- A block starts with a line `-- name --`, then one comment line saying what
 -- it does and what $1..$n are. Identifiers are the only dynamic part: {schema}
 -- is the quoted schema, {queue} the quoted schema-qualified queue table,
--- {ready_index} / {unique_index} / {pkey} its quoted index and constraint names
+-- {ready_index} / {unique_index} / {sequence_index} / {pkey} its quoted index and
+-- constraint names
 -- and {id_seq} its quoted schema-qualified identity sequence. They are filled in
 -- by nmbus.sql.render(), which quotes every one; no other text is ever pasted in.
 -- nmbus's own objects are named "<table>$<role>": no queue name contains '$', so
@@ -69,7 +70,10 @@ CREATE TABLE IF NOT EXISTS {queue} (
     unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
     handling_client_id text,
     lease_expires timestamptz,
-    isolated boolean NOT NULL DEFAULT false
+    isolated boolean NOT NULL DEFAULT false,
+    priority smallint NOT NULL DEFAULT 0,
+    sequence_key text,
+    expires_at timestamptz
 ) WITH (
     fillfactor = 50,
     autovacuum_vacuum_scale_factor = 0.02,
@@ -78,9 +82,11 @@ CREATE TABLE IF NOT EXISTS {queue} (
     autovacuum_analyze_scale_factor = 0.02,
     autovacuum_vacuum_cost_delay = 1
 );
-CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (retry_time, id)
-    WHERE subqueue IN ('I', 'R');
+CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, id)
+    WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
 CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
+CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
+    WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
 
 -- migrate_2_fillfactor --
 -- Schema version 2: queue tables leave half of each page free (was 80 % full),
@@ -149,6 +155,25 @@ CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
 -- crash, so that the next crash is blamed on that row only (no table rewrite).
 ALTER TABLE {queue} ADD COLUMN IF NOT EXISTS isolated boolean NOT NULL DEFAULT false;
 
+-- migrate_5_delivery --
+-- Schema version 5 (docs/delivery.md): priority, ordered sequences and expiry.
+-- The three columns are catalog-only (constant defaults, no table rewrite). The
+-- ready index gains priority as its first key, so the claim still reads it in
+-- order; it is rebuilt under the name it had (this locks the queue table while it
+-- builds: a queue of many I/R rows takes as long as CREATE INDEX on them). Rows
+-- with retry_time 'infinity' (never due: a sequence member parked behind an
+-- earlier one, or written so by hand) are left out of it. The sequence index
+-- holds only members of a sequence not yet in X.
+ALTER TABLE {queue}
+    ADD COLUMN IF NOT EXISTS priority smallint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS sequence_key text,
+    ADD COLUMN IF NOT EXISTS expires_at timestamptz;
+DROP INDEX IF EXISTS {schema}.{ready_index};
+CREATE INDEX {ready_index} ON {queue} (priority DESC, retry_time, id)
+    WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
+CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
+    WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
+
 -- register_queue --
 -- Remember that queue $1 exists, so tools can list every queue.
 INSERT INTO {schema}.queues (name) VALUES ($1) ON CONFLICT DO NOTHING;
@@ -175,17 +200,32 @@ DELETE FROM {schema}.queues WHERE name = $1;
 -- Insert messages given as parallel arrays, skipping unique_ids already stored,
 -- and wake the queue's workers once. $1 from_endpoint, $2 to_endpoint,
 -- $3 deliver_at[], $4 correlation_id[], $5 label[], $6 msg_text[],
--- $7 msg_headers[] (JSON text), $8 unique_id[], $9 notify channel.
+-- $7 msg_headers[] (JSON text), $8 unique_id[], $9 notify channel,
+-- $10 priority[], $11 sequence_key[], $12 expires_at[].
+-- Rows are inserted in array order, so members of a sequence get ids in send order.
+-- A member behind an earlier member not in X is parked: retry_time 'infinity',
+-- out of the ready index, until the finish that moves its predecessor to X (or
+-- release_sequences) makes it due. Its deliver_at is then not kept.
 -- Returns how many rows were inserted.
 WITH ins AS (
     INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, retry_time,
-                         correlation_id, label, msg_text, msg_headers, unique_id)
+                         correlation_id, label, msg_text, msg_headers, unique_id,
+                         priority, sequence_key, expires_at)
     SELECT $1, $2,
            CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
-           greatest(coalesce(v.deliver_at, now()), now()),
-           v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb, v.unique_id
-    FROM unnest($3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
-         AS v(deliver_at, correlation_id, label, msg_text, msg_headers, unique_id)
+           CASE WHEN v.sequence_key IS NOT NULL AND (
+                    row_number() OVER (PARTITION BY v.sequence_key ORDER BY v.ord) > 1
+                    OR EXISTS (SELECT 1 FROM {queue} AS e
+                               WHERE e.sequence_key = v.sequence_key AND e.subqueue <> 'X'))
+                THEN 'infinity'::timestamptz
+                ELSE greatest(coalesce(v.deliver_at, now()), now()) END,
+           v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb, v.unique_id,
+           v.priority, v.sequence_key, v.expires_at
+    FROM unnest($3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
+                $10::smallint[], $11::text[], $12::timestamptz[]) WITH ORDINALITY
+         AS v(deliver_at, correlation_id, label, msg_text, msg_headers, unique_id,
+              priority, sequence_key, expires_at, ord)
+    ORDER BY v.ord
     ON CONFLICT (unique_id) DO NOTHING
     RETURNING 1
 )
@@ -197,15 +237,27 @@ SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
 -- a hand-written retry_count cannot overflow the claim). `recovered`: 0 fresh,
 -- 1 let go by `isolate` to be tried alone, 2 the holder's lease ran out with
 -- the row in a batch, 3 it ran out with the row isolated (the holder died on it).
+-- Highest priority first, then ready-time order. A member of a sequence is
+-- ready only when every earlier member (lower id, same sequence_key) is in X,
+-- i.e. it is the lowest member not in X: so at most one member of a sequence is
+-- ever held, and R and F members hold the rest back. That is checked only for
+-- rows with a sequence_key, by one probe of the sequence index; the members
+-- behind a head are parked out of the ready index anyway (see insert_messages).
+-- `expired`: the row's expires_at has passed; the worker records it without
+-- running a handler.
 WITH ready AS (
     SELECT id, CASE WHEN lease_expires IS NULL THEN 0
                     WHEN handling_client_id IS NULL THEN 1
                     WHEN isolated THEN 3
                     ELSE 2 END AS recovered
-    FROM {queue}
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+    FROM {queue} AS r
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
       AND (lease_expires IS NULL OR lease_expires < now())
-    ORDER BY retry_time, id
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+          ORDER BY e.sequence_key, e.id LIMIT 1))
+    ORDER BY priority DESC, retry_time, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
@@ -218,14 +270,15 @@ FROM ready
 WHERE q.id = ready.id
 RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
           q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
-          ready.recovered;
+          ready.recovered, q.priority, coalesce(q.expires_at <= now(), false);
 
 -- finish --
 -- Record the outcome of a claimed batch in one statement. Per row:
 -- $1 id[], $2 new subqueue[] (X, R, F, or NULL to release it unchanged),
 -- $3 retry delay seconds[] (for R), $4 error_info[] (NULL keeps the old one),
 -- $5 attempt correction[] (-1 when the attempt must not count). $6 client id.
--- Only rows still leased by $6 change; returns how many did.
+-- Only rows still leased by $6 change; returns how many did. A sequence member
+-- moved to X unparks the next member of its sequence (see insert_messages).
 WITH done AS (
     UPDATE {queue} AS q
     SET subqueue = coalesce(v.subqueue, q.subqueue),
@@ -241,6 +294,17 @@ WITH done AS (
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
          AS v(id, subqueue, delay, error_info, correction)
     WHERE q.id = v.id AND q.handling_client_id = $6
+    RETURNING q.id, q.subqueue, q.sequence_key
+),
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
     RETURNING 1
 )
 SELECT count(*) FROM done;
@@ -249,8 +313,11 @@ SELECT count(*) FROM done;
 -- finish (same $1..$6) and, in the same statement and commit, claim the next
 -- batch: up to $7 ready rows for client $6 with a lease of $8 seconds, as claim
 -- does, never one of the rows being finished. Saves a round trip and a commit
--- per batch. One row per claimed message, with the count of finished rows in
--- `finished`; a single row of NULLs beside it when nothing was claimed.
+-- per batch. The statement's snapshot still sees the finished rows as they
+-- were, so a sequence member whose predecessor this statement moves to X is
+-- let through by reading `done` (only rows really changed, i.e. still leased).
+-- One row per claimed message, with the count of finished rows in `finished`;
+-- a single row of NULLs beside it when nothing was claimed.
 WITH done AS (
     UPDATE {queue} AS q
     SET subqueue = coalesce(v.subqueue, q.subqueue),
@@ -266,6 +333,17 @@ WITH done AS (
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
          AS v(id, subqueue, delay, error_info, correction)
     WHERE q.id = v.id AND q.handling_client_id = $6
+    RETURNING q.id, q.subqueue, q.sequence_key
+),
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
     RETURNING 1
 ),
 ready AS (
@@ -273,11 +351,16 @@ ready AS (
                     WHEN handling_client_id IS NULL THEN 1
                     WHEN isolated THEN 3
                     ELSE 2 END AS recovered
-    FROM {queue}
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+    FROM {queue} AS r
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
       AND (lease_expires IS NULL OR lease_expires < now())
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
+          ORDER BY e.sequence_key, e.id LIMIT 1))
       AND id <> ALL($1::bigint[])
-    ORDER BY retry_time, id
+    ORDER BY priority DESC, retry_time, id
     LIMIT $7
     FOR UPDATE SKIP LOCKED
 ),
@@ -291,11 +374,11 @@ claimed AS (
     WHERE q.id = ready.id
     RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
               q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
-              ready.recovered
+              ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired
 )
 SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
        c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
-       d.finished
+       c.priority, c.expired, d.finished
 FROM (SELECT count(*) AS finished FROM done) AS d
 LEFT JOIN claimed AS c ON true;
 
@@ -309,6 +392,17 @@ WITH done AS (
     SET subqueue = 'X', last_processed = clock_timestamp(),
         handling_client_id = NULL, lease_expires = NULL
     WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
+    RETURNING id, subqueue, sequence_key
+),
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
     RETURNING 1
 ),
 ready AS (
@@ -316,11 +410,16 @@ ready AS (
                     WHEN handling_client_id IS NULL THEN 1
                     WHEN isolated THEN 3
                     ELSE 2 END AS recovered
-    FROM {queue}
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
+    FROM {queue} AS r
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
       AND (lease_expires IS NULL OR lease_expires < now())
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
+          ORDER BY e.sequence_key, e.id LIMIT 1))
       AND id <> ALL($1::bigint[])
-    ORDER BY retry_time, id
+    ORDER BY priority DESC, retry_time, id
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ),
@@ -334,11 +433,11 @@ claimed AS (
     WHERE q.id = ready.id
     RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
               q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
-              ready.recovered
+              ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired
 )
 SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
        c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
-       d.finished
+       c.priority, c.expired, d.finished
 FROM (SELECT count(*) AS finished FROM done) AS d
 LEFT JOIN claimed AS c ON true;
 -- renew_leases --
@@ -372,6 +471,29 @@ WITH done AS (
     RETURNING 1
 )
 SELECT count(*) FROM done;
+
+-- release_sequences --
+-- Make due every parked sequence head (retry_time 'infinity' though no earlier
+-- member is left outside X): a race between a send and the finish of its
+-- predecessor, or a purged/deleted member, can leave one so. Walks the sequence
+-- index one key at a time (a loose index scan). Returns how many it released.
+WITH RECURSIVE heads AS (
+    (SELECT sequence_key, id FROM {queue}
+     WHERE sequence_key IS NOT NULL AND subqueue <> 'X'
+     ORDER BY sequence_key, id LIMIT 1)
+    UNION ALL
+    SELECT n.sequence_key, n.id
+    FROM heads AS h,
+         LATERAL (SELECT sequence_key, id FROM {queue}
+                  WHERE sequence_key > h.sequence_key AND subqueue <> 'X'
+                  ORDER BY sequence_key, id LIMIT 1) AS n
+), released AS (
+    UPDATE {queue} AS q SET retry_time = now()
+    FROM heads
+    WHERE q.id = heads.id AND q.retry_time = 'infinity' AND q.subqueue IN ('I', 'R')
+    RETURNING 1
+)
+SELECT count(*) FROM released;
 
 -- next_due --
 -- Seconds until the earliest scheduled row is due, or NULL when none is; a
@@ -409,10 +531,15 @@ WHERE publisher_endpoint = $1 AND message_type = ANY($2::text[])
 ORDER BY subscriber_endpoint;
 
 -- has_ready --
--- Whether any row is ready now or held by a worker (used to drain a queue in tests).
+-- Whether any row is ready now or held by a worker (used to drain a queue in tests);
+-- a sequence member waiting behind an earlier member is not ready.
 SELECT EXISTS (
-    SELECT 1 FROM {queue}
+    SELECT 1 FROM {queue} AS r
     WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+          ORDER BY e.sequence_key, e.id LIMIT 1))
 );
 
 -- ---------------------------------------------------------------------------
@@ -471,23 +598,27 @@ SELECT state::text FROM {saga} WHERE saga_type = $1 AND saga_key = $2 AND state 
 -- publish_function_exists --
 -- Whether the fan-out function of this version is installed. $1: schema name (unquoted).
 SELECT to_regprocedure(format(
-    '%I.nmbus_publish_v1(text,text,text[],text[],text[],text[],text[],text[],timestamptz[],text)',
+    '%I.nmbus_publish_v2(text,text,text[],text[],text[],text[],text[],text[],timestamptz[],text,smallint[],text[],timestamptz[])',
     $1::text)) IS NOT NULL;
 
 -- create_publish_function --
--- Install nmbus_publish_v1 (the version is in its name, so processes of an older
--- nmbus keep calling the function they know). Per message it takes its type
--- chain ("a.Sub,a.Base", most specific first), label, body, headers (JSON text),
--- correlation id, publish id and delivery time; each copy's unique_id is
+-- Install nmbus_publish_v2 (the version is in its name, so processes of an older
+-- nmbus keep calling the function they know: v1 had no priority, sequence or
+-- expiry). Per message it takes its type chain ("a.Sub,a.Base", most specific
+-- first), label, body, headers (JSON text), correlation id, publish id, delivery
+-- time, priority, sequence key and expiry; copies go into each subscriber's table
+-- in array order, so a sequence keeps its order in every subscriber's queue.
+-- Each copy's unique_id is
 -- "<publish id>/<subscriber>", so a re-published id is stored once per queue.
 -- Returns one row per live subscriber: (subscriber, copies inserted, missing).
 -- If any subscriber's queue table is missing it inserts nothing and returns only
 -- the missing ones (missing = true), so the caller can create them in its own
 -- transaction and call again. Wakes each subscriber with one NOTIFY.
-CREATE OR REPLACE FUNCTION {schema}.nmbus_publish_v1(
+CREATE OR REPLACE FUNCTION {schema}.nmbus_publish_v2(
     p_schema text, p_publisher text, p_chains text[], p_labels text[], p_texts text[],
     p_headers text[], p_correlations text[], p_publish_ids text[],
-    p_deliver_at timestamptz[], p_channel text
+    p_deliver_at timestamptz[], p_channel text, p_priorities smallint[],
+    p_sequences text[], p_expires timestamptz[]
 ) RETURNS TABLE (subscriber text, inserted bigint, missing boolean)
 LANGUAGE plpgsql AS $fn$
 #variable_conflict use_column
@@ -522,17 +653,26 @@ BEGIN
         subscriber := v_subs[i];
         EXECUTE format($q$
             WITH ins AS (
-                INSERT INTO %I.%I (from_endpoint, to_endpoint, subqueue, retry_time,
-                                   correlation_id, label, msg_text, msg_headers, unique_id)
+                INSERT INTO %1$I.%2$I (from_endpoint, to_endpoint, subqueue, retry_time,
+                                   correlation_id, label, msg_text, msg_headers, unique_id,
+                                   priority, sequence_key, expires_at)
                 SELECT $1, $2,
                        CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
-                       greatest(coalesce(v.deliver_at, now()), now()),
+                       CASE WHEN v.sequence_key IS NOT NULL AND (
+                                row_number() OVER (PARTITION BY v.sequence_key ORDER BY v.ord) > 1
+                                OR EXISTS (SELECT 1 FROM %1$I.%2$I AS e
+                                           WHERE e.sequence_key = v.sequence_key
+                                             AND e.subqueue <> 'X'))
+                            THEN 'infinity'::timestamptz
+                            ELSE greatest(coalesce(v.deliver_at, now()), now()) END,
                        v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb,
-                       v.publish_id || '/' || $2
+                       v.publish_id || '/' || $2, coalesce(v.priority, 0), v.sequence_key,
+                       v.expires_at
                 FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
-                            $8::text[], $9::timestamptz[]) WITH ORDINALITY
+                            $8::text[], $9::timestamptz[], $11::smallint[], $12::text[],
+                            $13::timestamptz[]) WITH ORDINALITY
                      AS v(chain, label, msg_text, msg_headers, correlation_id, publish_id,
-                          deliver_at, ord)
+                          deliver_at, priority, sequence_key, expires_at, ord)
                 WHERE string_to_array(v.chain, ',') && $10::text[]
                 ORDER BY v.ord
                 ON CONFLICT (unique_id) DO NOTHING
@@ -543,7 +683,7 @@ BEGIN
         INTO inserted
         USING p_publisher, subscriber, p_chains, p_labels, p_texts, p_headers,
               p_correlations, p_publish_ids, p_deliver_at,
-              string_to_array(v_sub_types[i], ',');
+              string_to_array(v_sub_types[i], ','), p_priorities, p_sequences, p_expires;
         IF inserted > 0 THEN
             PERFORM pg_notify(p_channel, subscriber);
         END IF;
@@ -555,9 +695,9 @@ $fn$;
 
 -- publish --
 -- Fan messages out to every live subscriber of publisher $2 (see
--- create_publish_function for $1..$10). One row per subscriber.
+-- create_publish_function for $1..$13). One row per subscriber.
 SELECT subscriber, inserted, missing
-FROM {schema}.nmbus_publish_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
+FROM {schema}.nmbus_publish_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13);
 
 -- purge_expired_subscriptions --
 -- Delete subscriptions that expired more than $1 seconds ago (their subscriber is gone).
@@ -593,6 +733,23 @@ SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
        count(*) FILTER (WHERE subqueue = 'F' AND last_processed > now() - make_interval(secs => $1))
            AS recent_failed
 FROM {queue};
+
+-- ops_blocked_sequences --
+-- Sequences of a queue held back by their head (the lowest id not in X): in F (blocked until an operator requeues or purges it) or in R (waiting for a retry or a deferred time). Per sequence: key, blocking_id, its subqueue, attempts, retry_time, members waiting behind it, error (first line of error_info). F first, then oldest head; at most $1 rows. Walks the sequence index only.
+SELECT h.sequence_key, h.id AS blocking_id, h.subqueue, h.retry_count AS attempts, h.retry_time,
+       (SELECT count(*) FROM {queue} AS w
+        WHERE w.sequence_key = h.sequence_key AND w.id > h.id AND w.subqueue <> 'X') AS waiting,
+       split_part(coalesce(h.error_info, ''), E'\n', 1) AS error
+FROM (
+    SELECT DISTINCT ON (sequence_key) sequence_key, id, subqueue, retry_count, retry_time,
+           error_info
+    FROM {queue}
+    WHERE sequence_key IS NOT NULL AND subqueue <> 'X'
+    ORDER BY sequence_key, id
+) AS h
+WHERE h.subqueue = 'F' OR (h.subqueue = 'R' AND h.retry_time > now())
+ORDER BY h.subqueue = 'F' DESC, h.id
+LIMIT $1;
 
 -- ops_failed_list --
 -- Failed rows of a queue, oldest first, optionally only type $1 (NULL: all), at most $2 rows; error is the first line of error_info.
@@ -666,6 +823,29 @@ SELECT pg_try_advisory_lock(hashtext($1));
 -- retention_unlock --
 -- Give up the retention lock taken by retention_lock. $1: lock key text.
 SELECT pg_advisory_unlock(hashtext($1));
+
+-- retention_expire --
+-- Rows no worker took before they expired, long ago: up to $2 rows of I/R (not
+-- held by a live lease) whose expires_at is more than $1 (interval) in the past
+-- go to X, unhandled, with error_info "dropped: Expired: ..." and last_processed =
+-- expires_at, so the X pass of the same run removes (or archives) them. Returns how many.
+WITH picked AS (
+    SELECT id FROM {queue}
+    WHERE subqueue IN ('I', 'R') AND expires_at < now() - $1::interval
+      AND (lease_expires IS NULL OR lease_expires < now())
+    ORDER BY id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE {queue} AS q
+    SET subqueue = 'X', last_processed = q.expires_at,
+        error_info = 'dropped: Expired: ' || coalesce(q.label, '?')
+                     || ' expired and no worker took it (removed by retention)',
+        handling_client_id = NULL, lease_expires = NULL
+    FROM picked WHERE q.id = picked.id
+    RETURNING 1
+)
+SELECT count(*) FROM moved;
 
 -- retention_count --
 -- How many rows retention would remove: X processed more than $1 ago, F more than $2 ago ($2 NULL: none).

@@ -23,6 +23,10 @@ medians, with the settings they ran under. The modes:
                    same table, and ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
 ``saga``           drain through a saga that updates its state on every message,
                    against the same handler without a saga (``bench_saga.py``).
+``delivery``       in one run: a plain drain, a drain with priorities mixed 0-9,
+                   and a drain of ``sequences`` sequences of ``sequence_members``
+                   each (interleaved), as rates and ratios to the plain drain
+                   (``bench_delivery.py``).
 
 Figures are only as good as the machine is quiet: the load average is printed
 with the settings of every run.
@@ -53,7 +57,7 @@ from nmbus.tools.sql import render
 
 __all__ = ["ALL_MODES", "MODES", "BenchOptions", "Result", "run"]
 
-MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows", "saga")
+MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows", "saga", "delivery")
 ALL_MODES = ("ceiling", "drain", "transactional", "latency", "fanout")
 
 
@@ -184,6 +188,13 @@ async def run(
             res.add("ratio_loaded_to_empty", loaded / empty, "x")
             res.notes = [f"EXPLAIN (ANALYZE, BUFFERS) of the claim with {options.x_rows} X rows:"]
             res.notes.append(plan)
+        if "delivery" in results:
+            from nmbus.tools.bench_delivery import measure_delivery
+
+            figures = await measure_delivery(options, _scratch_run, progress)
+            for name, value in figures.items():
+                unit = "x" if "ratio" in name else "msg/s"
+                results["delivery"].add(name, value, unit)
         if "saga" in results:
             progress(f"saga and the same handler without, run {rep}")
             from nmbus.tools.bench_saga import measure_saga
@@ -204,6 +215,13 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
         return {**base, "messages": o.messages, "baseline_messages": o.baseline_messages}
     if mode == "latency":
         return {**base, "rate_per_s": o.rate, "seconds": o.seconds, "warmup_s": o.warmup}
+    if mode == "delivery":
+        return {
+            **base,
+            "messages": o.messages,
+            "sequences": o.sequences,
+            "sequence_members": o.sequence_members,
+        }
     if mode == "saga":
         from nmbus.tools.bench_saga import SAGAS
 

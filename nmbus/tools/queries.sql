@@ -23,6 +23,20 @@ SELECT 'bench', 'bench', $2::char(1), now(),
        '{{"n":' || g || '}}', $4::text || g
 FROM generate_series(1, $1::int) AS g;
 
+-- bench_preload_delivery --
+-- Insert $1 ready rows of type $2 with unique ids $3 || k; priority k*7 mod $4
+-- (0..$4-1; $4 = 1: all 0) and, when $5 > 0, sequence 'seq-' || (k mod $5), so the
+-- members of the $5 sequences are interleaved, each in id order; all but the first
+-- member of each are parked, as insert_messages would.
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, retry_time, label,
+                     msg_text, unique_id, priority, sequence_key)
+SELECT 'bench', 'bench', 'I', now(),
+       CASE WHEN $5::int > 0 AND g > $5::int THEN 'infinity'::timestamptz ELSE now() END,
+       $2::text, '{{"n":' || g || '}}', $3::text || g,
+       ((g * 7) % $4::int)::smallint,
+       CASE WHEN $5::int > 0 THEN 'seq-' || (g % $5::int) END
+FROM generate_series(1, $1::int) AS g;
+
 -- bench_vacuum --
 -- Vacuum and analyze a queue table after a bulk load, as autovacuum would.
 VACUUM (ANALYZE) {queue};
@@ -39,8 +53,8 @@ UPDATE {queue} AS q
 SET subqueue = 'X', last_processed = clock_timestamp()
 WHERE q.id IN (
     SELECT id FROM {queue}
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now()
-    ORDER BY retry_time, id
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
+    ORDER BY priority DESC, retry_time, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
@@ -50,8 +64,8 @@ RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
 -- bench_claim_one --
 -- The one-message-per-transaction baseline: lock one ready row.
 SELECT id, label, msg_text FROM {queue}
-WHERE subqueue IN ('I', 'R') AND retry_time <= now()
-ORDER BY retry_time, id
+WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
+ORDER BY priority DESC, retry_time, id
 LIMIT 1
 FOR UPDATE SKIP LOCKED;
 

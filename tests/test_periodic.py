@@ -1,0 +1,157 @@
+"""Periodic messages (docs/delivery.md): one tick per due time across processes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+
+from nmbus import Bus, ConfigurationError, Context, HandlerError, Tick
+from nmbus.envelopes import EnvelopeBuilder
+from nmbus.periodic import Schedule, Scheduler
+from nmbus.testing import MemoryStore
+from tests import procs
+
+
+async def noop(tick: Tick, ctx: Context) -> None:
+    pass
+
+
+def at(text: str) -> datetime:
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
+
+
+def test_every_is_due_at_multiples_of_its_period_since_the_epoch() -> None:
+    s = Schedule.of(noop, 60.0, None, None, "last")
+    assert s.latest(at("2026-11-23 13:05:42.5")) == at("2026-11-23 13:05:00")
+    assert s.after(at("2026-11-23 13:05:42.5")) == at("2026-11-23 13:06:00")
+    assert s.after(at("2026-11-23 13:06:00")) == at("2026-11-23 13:07:00")
+    assert s.name == "noop"
+    assert s.unique_id(at("2026-11-23 13:05:00")) == "nmbus.tick:noop:2026-11-23T13:05:00+00:00"
+
+
+def test_a_cron_schedule_is_parsed_and_due_at_its_next_time() -> None:
+    s = Schedule.of(noop, None, "*/5 * * * *", "sweep", "last")
+    assert s.latest(at("2026-11-23 13:07:10")) == at("2026-11-23 13:05:00")
+    assert s.latest(at("2026-11-23 13:10:00")) == at("2026-11-23 13:10:00")
+    assert s.after(at("2026-11-23 13:07:10")) == at("2026-11-23 13:10:00")
+    seconds = Schedule.of(noop, None, "* * * * * */2", "fast", "last")
+    assert seconds.after(at("2026-11-23 13:07:11")) == at("2026-11-23 13:07:12")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({}, "exactly one"),
+        ({"every": 1, "cron": "* * * * *"}, "exactly one"),
+        ({"every": 0}, "at least 0.1"),
+        ({"every": -5}, "at least 0.1"),
+        ({"every": float("inf")}, "at least 0.1"),
+        ({"every": float("nan")}, "at least 0.1"),
+        ({"every": "60"}, "must be seconds"),
+        ({"cron": "every five minutes"}, "not a valid cron"),
+        ({"cron": "61 * * * *"}, "not a valid cron"),
+        ({"every": 1, "missed": "all"}, "'last' or 'skip'"),
+        ({"every": 1, "name": ""}, "1-100 characters"),
+    ],
+)
+def test_bad_schedules_are_refused_when_the_decorator_runs(
+    kwargs: dict[str, object], error: str
+) -> None:
+    bus = Bus("clock", store=MemoryStore())
+    with pytest.raises(ConfigurationError, match=error):
+        bus.periodic(**kwargs)(noop)  # type: ignore[arg-type]
+
+
+def test_a_periodic_handler_must_be_async_and_take_tick_and_ctx() -> None:
+    bus = Bus("clock", store=MemoryStore())
+
+    def sync(tick: Tick, ctx: Context) -> None:
+        pass
+
+    async def one(tick: Tick) -> None:
+        pass
+
+    with pytest.raises(HandlerError, match="async"):
+        bus.periodic(every=1)(sync)  # type: ignore[arg-type]
+    with pytest.raises(HandlerError, match=r"\(tick, ctx\)"):
+        bus.periodic(every=1)(one)  # type: ignore[arg-type]
+    bus.periodic(every=1)(noop)
+    with pytest.raises(ConfigurationError, match="twice"):
+        bus.periodic(every=5)(noop)
+
+
+async def test_after_downtime_only_the_last_missed_tick_is_enqueued() -> None:
+    store = MemoryStore()
+    await store.ensure_queue("clock")
+    now = [at("2026-11-23 13:05:42")]
+    last = Schedule.of(noop, 60.0, None, "last", "last")
+    skip = Schedule.of(noop, 60.0, None, "skip", "skip")
+    scheduler = Scheduler("clock", store, EnvelopeBuilder(10_000), [last, skip], lambda: now[0])
+    task = asyncio.create_task(scheduler.run())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    ids = [r.unique_id for r in store.rows("clock")]
+    assert ids == ["nmbus.tick:last:2026-11-23T13:05:00+00:00"]
+    # A second process (or a restart) in the same minute adds nothing.
+    task = asyncio.create_task(scheduler.run())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert len(store.rows("clock")) == 1
+
+
+async def test_a_one_second_cron_schedule_fires_and_its_handler_gets_the_tick(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("clock", poll_interval=0.2)
+    seen: list[Tick] = []
+
+    @bus.periodic(cron="* * * * * *", missed="skip")
+    async def every_second(tick: Tick, ctx: Context) -> None:
+        seen.append(tick)
+
+    async with bus:
+        async with asyncio.timeout(10):
+            while len(seen) < 2:
+                await asyncio.sleep(0.05)
+    first = seen[0]
+    assert first.name == "every_second"
+    assert first.scheduled_at.microsecond == 0
+    assert seen[1].scheduled_at - first.scheduled_at == timedelta(seconds=1)
+    row = await db.fetchrow(
+        "SELECT label, unique_id, subqueue FROM nmbus.clock ORDER BY id LIMIT 1"
+    )
+    assert row["label"] == "nmbus.Tick"
+    assert row["unique_id"] == f"nmbus.tick:every_second:{first.scheduled_at.isoformat()}"
+
+
+async def test_two_processes_give_one_tick_per_second_none_twice(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    workers = [procs.Proc("tests.delivery_workers", "periodic", dsn, "5.5") for _ in range(2)]
+    try:
+        for w in workers:
+            await w.wait_for("ready")
+        for w in workers:
+            await w.wait_for("stopped", timeout=30)
+    finally:
+        for w in workers:
+            w.kill()
+    handled = [line.split()[2] for w in workers for line in w.lines if line.startswith("tick ")]
+    counts = Counter(handled)
+    assert counts and max(counts.values()) == 1, counts
+    times = sorted(datetime.fromisoformat(t) for t in counts)
+    assert len(times) >= 4
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(times))
+    rows = await db.fetch("SELECT unique_id, subqueue FROM nmbus.clock")
+    assert len(rows) == len({r["unique_id"] for r in rows})
+    # Every stored tick was handled once (the last may still be waiting at shutdown).
+    assert {r["subqueue"] for r in rows} <= {"X", "I"}
+    assert sum(r["subqueue"] == "X" for r in rows) == len(handled)

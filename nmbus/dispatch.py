@@ -265,7 +265,7 @@ class Dispatcher:
         debug: bool,
         lock: asyncio.Lock | None = None,
     ) -> None:
-        """Handle ``row`` in batch ``tx``; on success its effects are appended to ``done``."""
+        """Handle ``row`` in batch ``tx``; on success, what it sent is appended to ``done``."""
         if row.expired:
             self.expired(row, outcomes)
             return
@@ -353,7 +353,8 @@ class Dispatcher:
                 self.failed(row, exc, policy, outcomes)
                 return
             outcomes.add(row.id, "X")
-            done.append(effects)
+            if effects.sends or effects.publishes:
+                done.append(effects)
             if debug:
                 log.debug("message_handled", ms=round((time.perf_counter() - started) * 1000, 3))
         finally:

@@ -90,13 +90,17 @@ async def isolate(
 
     A suspect that already died alone is taken first (it is likely failed at
     once, without running). The rows let go get this claim's attempt back, in
-    a statement committed before the suspect runs; those that came back from
-    the crash keep a mark so that they too are tried alone.
+    a statement committed before the suspect runs (and the crash's, when they
+    died in a batch); those that came back from the crash keep a mark so that
+    they too are tried alone.
     """
     suspect = next((m for m in batch if m.recovered == DIED_ALONE), None)
     if suspect is None:
         suspect = next(m for m in batch if m.recovered)
     ids = [m.id for m in batch]
     marks = [m is not suspect and bool(m.recovered) for m in batch]
-    await session.isolate(queue, ids, suspect.id, marks, client_id)
+    # A row let go gets this claim's attempt back, and the crash's when it died in
+    # a batch: nothing says it killed the worker. The suspect keeps its count.
+    refunds = [1 + (m.recovered == DIED_IN_BATCH) for m in batch]
+    await session.isolate(queue, ids, suspect.id, marks, client_id, refunds)
     return suspect

@@ -212,12 +212,13 @@ class WorkerSession(Protocol):
         suspect: int,
         marks: Sequence[bool],
         client_id: str,
+        refunds: Sequence[int],
     ) -> int:
         """After a crash: keep ``suspect`` alone (marked isolated), let the rest go.
 
-        Committed at once. The rows let go get this claim's attempt back;
-        ``marks[i]`` keeps row ``ids[i]`` recognisable as one still to be tried
-        alone. Returns how many rows changed.
+        Committed at once. ``refunds[i]`` attempts are given back to row
+        ``ids[i]`` when it is let go; ``marks[i]`` keeps it recognisable as one
+        still to be tried alone. Returns how many rows changed.
         """
         ...
 

@@ -216,17 +216,18 @@ class MemorySession:
         suspect: int,
         marks: Sequence[bool],
         client_id: str,
+        refunds: Sequence[int],
     ) -> int:
         table = self._store._require(queue)
         changed = 0
-        for row_id, mark in zip(ids, marks, strict=True):
+        for row_id, mark, refund in zip(ids, marks, refunds, strict=True):
             row = table.get(row_id)
             if row is None or row.handling_client_id != client_id:
                 continue
             changed += 1
             row.isolated = row_id == suspect
             if row_id != suspect:
-                row.retry_count = max(0, row.retry_count - 1)
+                row.retry_count = max(0, row.retry_count - refund)
                 row.handling_client_id = None
                 row.lease_expires = _LONG_AGO if mark else None
         return changed

@@ -278,6 +278,7 @@ class PostgresSession:
         suspect: int,
         marks: Sequence[bool],
         client_id: str,
+        refunds: Sequence[int],
     ) -> int:
         with wrap_errors(f"isolate a message of {queue}"):
             changed = await self._conn.fetchval(
@@ -286,6 +287,7 @@ class PostgresSession:
                 suspect,
                 client_id,
                 list(marks),
+                list(refunds),
             )
         return int(changed)
 

@@ -441,9 +441,18 @@ SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
 FROM (SELECT count(*) AS finished FROM done) AS d
 LEFT JOIN claimed AS c ON true;
 -- renew_leases --
--- Extend the lease of rows $1 held by client $2 to $3 seconds from now.
-UPDATE {queue} SET lease_expires = now() + make_interval(secs => $3)
-WHERE id = ANY($1::bigint[]) AND handling_client_id = $2;
+-- Extend the lease of rows $1 held by client $2 to $3 seconds from now. Rows
+-- locked right now are skipped, never waited for: they are being finished (or
+-- isolated) by this very process, whose statements lock them in another order,
+-- so waiting could deadlock with it and fail its batch.
+WITH held AS (
+    SELECT id FROM {queue}
+    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {queue} AS q SET lease_expires = now() + make_interval(secs => $3)
+FROM held
+WHERE q.id = held.id;
 
 -- abandon_leases --
 -- Let rows $1 held by client $2 be claimed again at once. $3: how much to take
@@ -454,19 +463,21 @@ WHERE id = ANY($1::bigint[]) AND handling_client_id = $2;
 
 -- isolate --
 -- After a crash, run one suspect alone. Of rows $1 held by client $3, row $2
--- stays held and is marked isolated; the others are let go at once with this
--- claim's attempt taken back (they have not started). $4 per row: whether a
--- row let go must still be tried alone; its mark is a lease that ran out long
--- ago. Returns how many rows changed.
+-- stays held and is marked isolated; the others are let go at once. $4 per
+-- row: whether a row let go must still be tried alone (its mark is a lease
+-- that ran out long ago). $5 per row: attempts given back to a row let go:
+-- this claim's (it has not started), plus the crash's when it died in a batch
+-- (nothing says it was the one that killed the worker). Returns how many rows
+-- changed.
 WITH done AS (
     UPDATE {queue} AS q
     SET isolated = (q.id = $2),
         retry_count = CASE WHEN q.id = $2 THEN q.retry_count
-                           ELSE greatest(0, q.retry_count - 1) END,
+                           ELSE greatest(0, q.retry_count - v.refund) END,
         handling_client_id = CASE WHEN q.id = $2 THEN q.handling_client_id END,
         lease_expires = CASE WHEN q.id = $2 THEN q.lease_expires
                              WHEN v.mark THEN 'epoch'::timestamptz END
-    FROM unnest($1::bigint[], $4::bool[]) AS v(id, mark)
+    FROM unnest($1::bigint[], $4::bool[], $5::int[]) AS v(id, mark, refund)
     WHERE q.id = v.id AND q.handling_client_id = $3
     RETURNING 1
 )

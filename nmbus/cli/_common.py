@@ -22,6 +22,7 @@ from rich.table import Table
 
 from nmbus.admin import Admin
 from nmbus.errors import NmbusError
+from nmbus.logs import scrub
 from nmbus.settings import Settings
 from nmbus.store import validate_queue_name
 
@@ -119,18 +120,9 @@ def settings(dsn: str | None, schema: str | None, **extra: Any) -> Settings:
     return built
 
 
-_DSN_PASSWORD = re.compile(r"(://[^:@/\s]*):[^@\s]*@")
-_PARAM_PASSWORD = re.compile(r"(?i)\b(password=)[^&\s]*")
-
-
-def redact(text: str) -> str:
-    """``text`` with the password of any DSN in it replaced by ``***``."""
-    return _PARAM_PASSWORD.sub(r"\1***", _DSN_PASSWORD.sub(r"\1:***@", text))
-
-
 def one_line(text: str) -> str:
     """What an error says, on one line, without passwords."""
-    return redact(" ".join(part.strip() for part in text.splitlines() if part.strip()))
+    return scrub(" ".join(part.strip() for part in text.splitlines() if part.strip()))
 
 
 def print_error(message: str) -> None:

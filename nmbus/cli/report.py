@@ -11,10 +11,19 @@ from typing import Annotated, Any
 import typer
 
 from nmbus.cli import app
-from nmbus.cli._common import CommandError
+from nmbus.cli._common import CommandError, operate, settings
+from nmbus.errors import NmbusError
+from nmbus.stats.progress import Progress, jvm_output_to
+
+
+class Source(StrEnum):
+    auto = "auto"
+    jdbc = "jdbc"
+    copy = "copy"
 
 
 class Window(StrEnum):
+    auto = "auto"
     second = "second"
     minute = "minute"
     hour = "hour"
@@ -33,6 +42,14 @@ def _job() -> Any:
         ) from exc
 
 
+def _check_database(dsn: str, schema: str) -> None:
+    """One connection: the database and its nmbus schema exist (exit 2, as the job's errors)."""
+    try:
+        operate(settings(dsn, schema), lambda admin: admin.schema_exists())
+    except (CommandError, NmbusError) as exc:
+        raise CommandError(str(exc), code=2) from exc
+
+
 @app.command()
 def report(
     dsn: Annotated[
@@ -40,7 +57,9 @@ def report(
     ] = None,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("nmbus-report"),
     schema: Annotated[str, typer.Option(envvar="NMBUS_SCHEMA_NAME", help="schema")] = "nmbus",
-    window: Annotated[Window, typer.Option(help="time window of the series")] = Window.hour,
+    window: Annotated[
+        Window, typer.Option(help="time window of the series; auto: from the data's time span")
+    ] = Window.auto,
     since: Annotated[
         str | None, typer.Option(help="from this time (ISO 8601, or a span back: 2h, 7d)")
     ] = None,
@@ -50,21 +69,43 @@ def report(
         str | None, typer.Option(help="retention's Parquet archive (queue=/day= folders)")
     ] = None,
     partitions: Annotated[int, typer.Option(help="JDBC partitions per queue, at most")] = 8,
-    accuracy: Annotated[int, typer.Option(help="percentile accuracy (rank error n/A)")] = 10_000,
+    accuracy: Annotated[
+        int,
+        typer.Option(
+            metavar="A",
+            help="percentile accuracy, 100 to 10000000: in a group of n messages, a "
+            "percentile is at most ceil(n/A) + 1 ranks from the exact one",
+        ),
+    ] = 10_000,
     top_errors: Annotated[int, typer.Option(help="errors listed in the summary")] = 10,
     write_table: Annotated[
-        bool, typer.Option(help="also write <schema>.stats_windows / stats_queues")
+        bool,
+        typer.Option(
+            "--write-table", help="also write the tables stats_windows and stats_queues of --schema"
+        ),
     ] = False,
+    source: Annotated[
+        Source,
+        typer.Option(
+            help="how rows reach Spark: jdbc (partitioned reads by id; needs the JDBC jar), "
+            "copy (exported with COPY into Parquet on this machine; no jar), "
+            "auto (copy on a local master, else jdbc)"
+        ),
+    ] = Source.auto,
     master: Annotated[str, typer.Option(help="Spark master")] = "local[*]",
     jdbc_jar: Annotated[
         str | None, typer.Option(envvar="NMBUS_JDBC_JAR", help="PostgreSQL JDBC jar")
     ] = None,
     driver_memory: Annotated[str, typer.Option(help="Spark driver memory")] = "2g",
+    conf: Annotated[
+        list[str] | None,
+        typer.Option(help="a Spark setting KEY=VALUE, as spark-submit's --conf (repeatable)"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
     """Latency and failure report of every queue: Parquet, summary.json and report.html."""
     job = _job()
-    if not dsn:
+    if not dsn and not archive_dir:
         raise CommandError("no database: pass --dsn or set NMBUS_DSN", code=2)
     spark = borrowed = None
     try:
@@ -81,15 +122,37 @@ def report(
             accuracy=accuracy,
             top_errors=top_errors,
             write_table=write_table,
+            source=source.value,
         )
         opts.validate()
-        # Fail before the JVM starts when the server is not there at all.
-        job.check_reachable(job.jdbc_from_dsn(dsn))
-        if not as_json:
-            typer.echo(f"starting Spark ({master}) ...", err=True)
+        # Fail before the JVM starts when the server is not there at all, or the
+        # database or its schema does not exist.
+        if dsn:
+            job.check_reachable(job.jdbc_from_dsn(dsn))
+            if dsn.startswith(("postgresql:", "postgres:")):
+                _check_database(dsn, schema)
+        extra: dict[str, str] = {}
+        for item in conf or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise CommandError(f"--conf takes KEY=VALUE, not {item!r}", code=2)
+            extra[key.strip()] = value
+        # The archive alone needs no JDBC; else a cluster does, and a local master not.
+        need_jdbc = (source is Source.jdbc or write_table or None) if dsn else False
         borrowed = job.active_session()
-        spark = borrowed or job.build_session(master, jdbc_jar, driver_memory)
-        result = job.run(spark, opts)
+        log = out / "spark.log"
+        if not as_json and borrowed is None:
+            typer.echo(f"starting Spark ({master}); its own log goes to {log}", err=True)
+        with Progress() as progress:
+            if borrowed is None:
+                with jvm_output_to(str(log)):
+                    spark = job.build_session(
+                        master, jdbc_jar, driver_memory, need_jdbc=need_jdbc, extra_conf=extra
+                    )
+            else:
+                spark = borrowed
+            progress.attach(spark)
+            result = job.run(spark, opts)
     except job.StatsError as exc:
         raise CommandError(str(exc), code=2) from exc
     finally:
@@ -103,32 +166,45 @@ def report(
 
 def _print_summary(result: Any) -> None:
     from rich.console import Console
-    from rich.table import Table
+
+    from nmbus.cli._table import Column, Grid
 
     summary = result.summary
-    table = Table(title=f"nmbus queues, by {summary['window']}")
-    for column in ("queue", "processed", "failed", "failure rate", "p50", "p95", "p99", "max"):
-        table.add_column(column, justify="left" if column == "queue" else "right")
 
     def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:,.1f} ms"
+        return "-" if value is None else f"{value:,.1f}"
 
+    rows = []
     for q in [*summary["queues"], {"queue": "all", **summary["overall"]}]:
         lat = q["queue_latency_ms"]
         rate = q["failure_rate"]
-        table.add_row(
-            q["queue"],
-            f"{q['processed']:,}",
-            f"{q['failed']:,}",
-            "-" if rate is None else f"{rate:.2%}",
-            ms(lat["p50"]),
-            ms(lat["p95"]),
-            ms(lat["p99"]),
-            ms(lat["max"]),
+        rows.append(
+            [
+                q["queue"],
+                q["processed"],
+                q["failed"],
+                "-" if rate is None else f"{rate:.2%}",
+                *(ms(lat[p]) for p in ("p50", "p95", "p99", "max")),
+            ]
         )
+    latency = "latency"
     console = Console()
-    console.print(table)
+    console.print(
+        Grid(
+            f"nmbus queues, by {summary['window']} (queue latency in ms)",
+            [
+                Column("queue", key=True),
+                "processed",
+                "failed",
+                Column("failure rate", align="right"),
+                *(Column(f"{p} ms", align="right", group=latency) for p in ("p50", "p95", "p99")),
+                Column("max ms", align="right", group=latency),
+            ],
+            rows,
+        )
+    )
     console.print(
         f"{result.rows:,} rows in {result.seconds:.1f}s; report: {result.html_path}, "
-        f"summary: {result.json_path}, tables: {result.out}/parquet/"
+        f"summary: {result.json_path}, tables: {result.out}/parquet/",
+        highlight=False,
     )

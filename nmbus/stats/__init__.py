@@ -2,7 +2,7 @@
 
 ``job.py`` is the PySpark job's entry point (run it with ``spark-submit`` or
 ``nmbus report``); its siblings do the work, one concern each: ``options.py``,
-``jdbc.py``, ``session.py``, ``source.py`` (reading), ``aggregate.py`` (the
+``jdbc.py``, ``session.py``, ``source.py`` and ``pgcopy.py`` (reading), ``aggregate.py`` (the
 figures), ``outputs.py`` (writing) and ``report_html.py`` (the summary as one
 self-contained HTML page). They import only pyspark, the standard library and
 each other (and nmbus's error tree when it is installed), so they also run as

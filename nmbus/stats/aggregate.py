@@ -10,7 +10,16 @@ Definitions:
   ``--until`` (exclusive) filter on; windows are UTC;
 * percentiles come from ``percentile_approx`` with accuracy A: the value
   reported for percentile p of n values is one of those values whose rank is
-  within ceil(n/A) + 1 of the rank p*(n-1)+1 that ``percentile_cont`` uses.
+  within ceil(n/A) + 1 of the rank p*(n-1)+1 that ``percentile_cont`` uses;
+* errors are grouped by their first line with numbers, UUIDs and long hex
+  strings masked (``mask_error``), so ``order 1234 not found`` and
+  ``order 5678 not found`` are one row, ``order <n> not found``; each group
+  keeps one example line and id;
+* attempts are ``retry_count``, the handler runs the bus counted. A
+  ``RetryLater`` is not an attempt (the bus gives the count back), so a
+  message whose last recorded outcome before it finished is a deferral
+  (its ``error_info`` is a ``RetryLater``) is counted as ``deferred``, and
+  such a row is not an error.
 """
 
 from __future__ import annotations
@@ -28,9 +37,53 @@ PERCENTILES = (0.5, 0.95, 0.99)
 NO_LABEL = "(none)"
 NO_ERROR = "(no error recorded)"
 
+# What mask_error replaces, in order (Java regular expressions, as Spark runs them).
+MASKS = (
+    (r"(?i)\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", "<uuid>"),
+    (r"(?i)\b0x[0-9a-f]+\b", "<hex>"),
+    (r"(?i)\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{8,}\b", "<hex>"),
+    (r"(?<![A-Za-z_])[0-9]+(?:\.[0-9]+)?", "<n>"),
+)
+# The first line of a RetryLater's error_info (dispatch.error_info: "Type: reason").
+RETRY_LATER = r"^(?:[A-Za-z_][A-Za-z0-9_]*\.)*RetryLater(?::|$)"
 
-def prepare(df: Any, window: str) -> Any:
-    """Add the row's time, window and latencies (microseconds, processed rows only)."""
+# A span of data is drawn with at most this many windows of the chosen size.
+MAX_POINTS = 300
+
+
+def choose_window(first: Any, last: Any) -> str:
+    """The smallest window that draws ``first`` .. ``last`` in at most MAX_POINTS points."""
+    if first is None or last is None:
+        return "hour"
+    span = max(0.0, (last - first).total_seconds())
+    for name, seconds in sorted(WINDOWS.items(), key=lambda kv: kv[1]):
+        if span / seconds <= MAX_POINTS:
+            return name
+    return max(WINDOWS, key=lambda k: WINDOWS[k])
+
+
+def mask_error(col: Any) -> Any:
+    """``col`` with numbers, UUIDs and hex strings masked: what errors are grouped by."""
+    from pyspark.sql import functions as F
+
+    for pattern, replacement in MASKS:
+        col = F.regexp_replace(col, pattern, replacement)
+    return col
+
+
+def time_span(rows: Any) -> tuple[Any, Any]:
+    """(first, last) row time of prepared ``rows``: one small job."""
+    from pyspark.sql import functions as F
+
+    got = rows.agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi")).collect()[0]
+    return got["lo"], got["hi"]
+
+
+def prepare(df: Any, window: str | None = None) -> Any:
+    """Add the row's time and latencies (microseconds, processed rows only).
+
+    The window is chosen later (``aggregate``), once the time span is known.
+    """
     from pyspark.sql import functions as F
 
     event = F.coalesce("last_processed", "retry_time", "insert_time")
@@ -40,6 +93,8 @@ def prepare(df: Any, window: str) -> Any:
     e2e = F.when(processed, micros("last_processed") - micros("insert_time"))
     error = F.when(F.col("error").isNotNull() & (F.col("error") != ""), F.col("error"))
     error = F.when(error.isNull() & (F.col("subqueue") == "F"), F.lit(NO_ERROR)).otherwise(error)
+    # A processed message whose last recorded outcome was a RetryLater was deferred, not failed.
+    deferred = (F.col("subqueue") == "X") & F.coalesce(error.rlike(RETRY_LATER), F.lit(False))
     return df.select(
         "queue",
         "id",
@@ -47,10 +102,10 @@ def prepare(df: Any, window: str) -> Any:
         F.coalesce("label", F.lit(NO_LABEL)).alias("label"),
         F.col("retry_count").cast("int").alias("retry_count"),
         event.alias("event_time"),
-        F.date_trunc(window, event).alias("window_start"),
         qlat.alias("qlat"),
         e2e.alias("e2e"),
-        error.alias("error"),
+        F.when(~deferred, error).alias("error"),
+        deferred.alias("deferred"),
     )
 
 
@@ -77,6 +132,9 @@ def aggregate(spark: Any, rows: Any, opts: Options) -> Any:
             f"percentile_approx({name}, array({pct}), {opts.accuracy}) AS {prefix}_pct, "
             f"max({name}) / 1000D AS {prefix}_max_ms"
         )
+    window = opts.window
+    if window not in WINDOWS:  # never user text in SQL
+        raise ValueError(f"unknown window {window!r}")
     return spark.sql(
         f"""
             SELECT grouping_id(queue, label, window_start) AS gid,
@@ -88,7 +146,7 @@ def aggregate(spark: Any, rows: Any, opts: Options) -> Any:
                    {", ".join(lat)},
                    min(event_time) AS first_time,
                    max(event_time) AS last_time
-            FROM {view}
+            FROM (SELECT *, date_trunc('{window}', event_time) AS window_start FROM {view})
             GROUP BY GROUPING SETS (
                 (queue, label, window_start), (queue, window_start),
                 (queue, label), (queue), ())
@@ -136,45 +194,99 @@ def finish_level(df: Any, level: str, opts: Options) -> Any:
             )
         cols.append(f"{prefix}_max_ms")
     cols += ["first_time", "last_time"]
-    order = [c for c in ("queue", "label", "window_start") if any(c is x for x in cols)]
-    return df.select(*cols).orderBy(*order) if order else df.select(*cols)
+    return df.select(*cols)
 
 
 def retries(rows: Any) -> Any:
-    """How many attempts messages took, by queue, type and outcome."""
+    """How many attempts messages took, by queue, type and outcome; and how many were deferred."""
     from pyspark.sql import functions as F
 
     return (
         rows.groupBy("queue", "label", "subqueue", "retry_count")
-        .agg(F.count(F.lit(1)).alias("messages"))
+        .agg(
+            F.count(F.lit(1)).alias("messages"),
+            F.count_if(F.col("deferred")).alias("deferred"),
+        )
         .withColumn("outcome", F.when(F.col("subqueue") == "X", "processed").otherwise("failed"))
         .drop("subqueue")
-        .select("queue", "label", "outcome", "retry_count", "messages")
-        .orderBy("queue", "label", "outcome", "retry_count")
+        .select("queue", "label", "outcome", "retry_count", "messages", "deferred")
     )
 
 
 def errors(rows: Any) -> Any:
-    """Errors by first line: failed rows, processed rows that failed before, an example id."""
+    """Errors by masked first line: failed rows, processed rows that failed before, an example."""
     from pyspark.sql import functions as F
 
     failed = F.col("subqueue") == "F"
     return (
         rows.where(F.col("error").isNotNull())
-        .groupBy("queue", "label", "error")
+        .withColumn("pattern", mask_error(F.col("error")))
+        .groupBy("queue", "label", "pattern")
         .agg(
             F.count_if(failed).alias("failed"),
             F.count_if(~failed).alias("recovered"),
             F.coalesce(F.min(F.when(failed, F.col("id"))), F.min("id")).alias("example_id"),
+            F.coalesce(
+                F.min_by("error", F.when(failed, F.col("id"))), F.min_by("error", "id")
+            ).alias("example"),
             F.min("event_time").alias("first_time"),
             F.max("event_time").alias("last_time"),
         )
-        .orderBy(F.desc("failed"), F.desc("recovered"), "queue", "label", "error")
+        .withColumnRenamed("pattern", "error")
+        .select(
+            "queue",
+            "label",
+            "error",
+            "failed",
+            "recovered",
+            "example_id",
+            "example",
+            "first_time",
+            "last_time",
+        )
     )
 
 
+# How each table is sorted: in its Parquet file and in the summary.
+ORDER: dict[str, list[tuple[str, bool]]] = {
+    "windows": [("queue", False), ("label", False), ("window_start", False)],
+    "queue_windows": [("queue", False), ("window_start", False)],
+    "labels": [("queue", False), ("label", False)],
+    "queues": [("queue", False)],
+    "overall": [],
+    "retries": [("queue", False), ("label", False), ("outcome", False), ("retry_count", False)],
+    "errors": [
+        ("failed", True),
+        ("recovered", True),
+        ("queue", False),
+        ("label", False),
+        ("error", False),
+    ],
+}
+
+
+def sort_columns(name: str) -> list[Any]:
+    from pyspark.sql import functions as F
+
+    return [F.desc(c) if desc else F.asc(c) for c, desc in ORDER[name]]
+
+
+def sort_records(name: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` in the table's order, as Spark sorts (NULLs first ascending, last descending)."""
+    for column, desc in reversed(ORDER[name]):
+        present = [r for r in records if r.get(column) is not None]
+        missing = [r for r in records if r.get(column) is None]
+        present.sort(key=lambda r: r[column], reverse=desc)
+        records = present + missing if desc else missing + present
+    return records
+
+
 def figures(agg: Any, rows: Any, opts: Options) -> dict[str, Any]:
-    """Every table of the report: the five levels of ``agg``, then retries and errors."""
+    """Every table of the report: the five levels of ``agg``, then retries and errors.
+
+    They are not sorted here: ``outputs`` sorts each within its one file, and
+    the summary on the driver (``ORDER``), which spares a shuffle per table.
+    """
     tables = {level: finish_level(agg, level, opts) for level in GROUPING.values()}
     tables["retries"] = retries(rows)
     tables["errors"] = errors(rows)

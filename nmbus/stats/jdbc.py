@@ -94,13 +94,19 @@ def check_reachable(jdbc: Jdbc, timeout: float = 5.0) -> None:
         ) from exc
 
 
-def find_jdbc_jar(explicit: str | None = None) -> str:
-    """The PostgreSQL JDBC jar: ``explicit``, ``$NMBUS_JDBC_JAR`` or Debian's package."""
+def find_jdbc_jar(explicit: str | None = None, required: bool = True) -> str | None:
+    """The PostgreSQL JDBC jar: ``explicit``, ``$NMBUS_JDBC_JAR`` or Debian's package.
+
+    A jar named explicitly (argument or variable) must exist. When none is found,
+    StatsError with the install line, or None when not ``required``.
+    """
     for candidate in (explicit, os.environ.get("NMBUS_JDBC_JAR"), *JDBC_JAR_CANDIDATES):
         if candidate and os.path.isfile(candidate):
             return candidate
         if candidate and candidate in (explicit, os.environ.get("NMBUS_JDBC_JAR")):
             raise StatsError(f"JDBC jar {candidate!r} does not exist.\n{INSTALL_HINT}")
+    if not required:
+        return None
     raise StatsError(INSTALL_HINT)
 
 

@@ -1,7 +1,8 @@
 """nmbus statistics job: latency and failure figures of every queue, on Spark.
 
 Reads the processed (``X``) and failed (``F``) rows of every queue table over
-JDBC, split into ranges of ``id`` so every executor reads its own slice, plus
+JDBC, split into ranges of ``id`` so every executor reads its own slice (or,
+on a local master, exported by the driver with COPY into Parquet), plus
 the Parquet files retention archived (``<archive>/queue=<q>/day=<d>/*.parquet``),
 counting each (queue, id) once. It writes:
 
@@ -21,8 +22,9 @@ library and each other, so they run where nmbus is not installed:
 
 * ``options.py``: ``Options``, their checks, ``StatsError``;
 * ``jdbc.py``: DSN to JDBC settings, the driver jar, reachability, quoting;
-* ``session.py``: the SparkSession of a local run;
+* ``session.py``: the SparkSession of a local run, and the Java it runs on;
 * ``source.py``: reading queue tables (partitioned by id) and the archive;
+* ``pgcopy.py``: the non-JDBC reader (COPY into Parquet, local masters);
 * ``aggregate.py``: the figures, and what they mean;
 * ``outputs.py``: Parquet, ``summary.json``, ``report.html`` (``report_html.py``).
 """
@@ -30,22 +32,38 @@ library and each other, so they run where nmbus is not installed:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 from typing import Any
 
 try:  # modules of the nmbus package
-    from nmbus.stats import outputs, source
-    from nmbus.stats.aggregate import aggregate, figures, prepare
+    from nmbus.stats import outputs, pgcopy, source
+    from nmbus.stats.aggregate import aggregate, choose_window, figures, prepare, time_span
     from nmbus.stats.jdbc import check_driver, check_reachable, find_jdbc_jar, jdbc_from_dsn
-    from nmbus.stats.options import DEFAULT_ACCURACY, WINDOWS, Options, StatsError, parse_time
+    from nmbus.stats.options import (
+        AUTO_WINDOW,
+        DEFAULT_ACCURACY,
+        SOURCES,
+        WINDOWS,
+        Options,
+        StatsError,
+        parse_time,
+    )
     from nmbus.stats.outputs import Result
     from nmbus.stats.session import active_session, build_session, command_line_session
 except ImportError:  # plain files under spark-submit: the siblings are on sys.path
     import outputs  # type: ignore[no-redef]
+    import pgcopy  # type: ignore[no-redef]
     import source  # type: ignore[no-redef]
-    from aggregate import aggregate, figures, prepare  # type: ignore[no-redef]
+    from aggregate import (  # type: ignore[no-redef]
+        aggregate,
+        choose_window,
+        figures,
+        prepare,
+        time_span,
+    )
     from jdbc import (  # type: ignore[no-redef]
         check_driver,
         check_reachable,
@@ -53,7 +71,9 @@ except ImportError:  # plain files under spark-submit: the siblings are on sys.p
         jdbc_from_dsn,
     )
     from options import (  # type: ignore[no-redef]
+        AUTO_WINDOW,
         DEFAULT_ACCURACY,
+        SOURCES,
         WINDOWS,
         Options,
         StatsError,
@@ -84,34 +104,75 @@ __all__ = [
 
 def run(spark: Any, opts: Options) -> Result:
     """Read, compute and write everything; returns the summary."""
-    from pyspark import StorageLevel
-
     opts.validate()
     started = time.perf_counter()
-    jdbc = jdbc_from_dsn(opts.dsn)
-    check_reachable(jdbc)
-    check_driver(spark)
     spark.conf.set("spark.sql.session.timeZone", "UTC")
-    queues = source.list_queues(spark, jdbc, opts)
-    rows = source.read_rows(spark, jdbc, opts, queues)
+    _size_shuffles(spark)
+    reader = source.choose_reader(opts, spark.sparkContext.master)
+    jdbc = jdbc_from_dsn(opts.dsn) if opts.dsn else None
+    staged = None
+    try:
+        if jdbc is None:  # the archive alone, no database
+            queues: list[str] = []
+            rows = source.read_archive_only(spark, opts)
+        elif reader == "copy":
+            check_reachable(jdbc)
+            staged = pgcopy.export(opts, jdbc)
+            queues = staged.queues
+            rows = source.read_copied(spark, opts, staged.files, queues)
+        else:
+            check_reachable(jdbc)
+            check_driver(spark)
+            queues = source.list_queues(spark, jdbc, opts)
+            rows = source.read_rows(spark, jdbc, opts, queues)
+        return _compute(spark, opts, jdbc, reader, queues, rows, started)
+    finally:
+        if staged is not None:
+            staged.remove()
+
+
+def _compute(
+    spark: Any,
+    opts: Options,
+    jdbc: Any,
+    reader: str,
+    queues: list[str],
+    rows: Any,
+    started: float,
+) -> Result:
+    from pyspark import StorageLevel
 
     tables: dict[str, Any] = {}
     written: dict[str, str] = {}
+    auto = opts.window == AUTO_WINDOW
     if rows is None:
+        opts = dataclasses.replace(opts, window="hour" if auto else opts.window)
         summary = outputs.summary(tables, opts, queues, jdbc)
     else:
-        rows = prepare(rows, opts.window).persist(StorageLevel.MEMORY_AND_DISK)
+        # Read once (the first job below), then every figure from memory.
+        rows = prepare(rows).persist(StorageLevel.MEMORY_AND_DISK)
+        cached = [rows]
         try:
+            if auto:
+                opts = dataclasses.replace(opts, window=choose_window(*time_span(rows)))
             agg = aggregate(spark, rows, opts).persist(StorageLevel.MEMORY_AND_DISK)
             tables = figures(agg, rows, opts)
-            written = outputs.write_tables(tables, opts)
+            # The small tables are computed once, by the summary's one collect, and
+            # written from memory after it.
+            for name in ("retries", "errors"):
+                tables[name] = tables[name].persist(StorageLevel.MEMORY_AND_DISK)
+            cached += [agg, tables["retries"], tables["errors"]]
             summary = outputs.summary(tables, opts, queues, jdbc)
-            agg.unpersist()
+            written = outputs.write_tables(tables, opts)
         finally:
-            rows.unpersist()
+            for df in reversed(cached):
+                df.unpersist()
+        if auto:
+            summary["window_chosen"] = "from the data's time span"
 
     if opts.write_table and tables:
         outputs.write_back(tables, jdbc, opts)
+    summary["source"]["reader"] = reader
     elapsed = time.perf_counter() - started
     row_count = int(summary["overall"]["total"])
     summary["run"] = {
@@ -120,9 +181,32 @@ def run(spark: Any, opts: Options) -> Result:
         "rows_per_second": round(row_count / elapsed, 1) if elapsed > 0 else None,
         "spark_master": spark.sparkContext.master,
         "spark_version": spark.version,
+        "java": _java(spark),
     }
     outputs.write_report(spark, summary, written, opts.out)
     return Result(summary, opts.out, elapsed, row_count, written)
+
+
+def _size_shuffles(spark: Any) -> None:
+    """Shuffle tasks: twice the cores, unless the submitter chose (Spark's default is 200).
+
+    The job's shuffles carry partial aggregates, so they are small whatever the
+    rows; on a two-core standalone cluster 200 tasks per shuffle stage made
+    2,154 tasks of a run and most of its time (see docs/statistics.md).
+    """
+    sc = spark.sparkContext
+    if sc.getConf().contains("spark.sql.shuffle.partitions"):
+        return
+    spark.conf.set("spark.sql.shuffle.partitions", str(max(4, 2 * sc.defaultParallelism)))
+
+
+def _java(spark: Any) -> dict[str, str] | None:
+    """The driver JVM's version and home (None under Spark Connect)."""
+    jvm = getattr(spark, "_jvm", None)
+    if jvm is None:
+        return None
+    system = jvm.java.lang.System
+    return {"version": system.getProperty("java.version"), "home": system.getProperty("java.home")}
 
 
 # --------------------------------------------------------------------------- command line
@@ -136,7 +220,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dsn", default=os.environ.get("NMBUS_DSN"), help="postgresql://... DSN")
     p.add_argument("--out", default="nmbus-report", help="output directory (any Hadoop path)")
     p.add_argument("--schema", default=os.environ.get("NMBUS_SCHEMA_NAME", "nmbus"))
-    p.add_argument("--window", default="hour", choices=sorted(WINDOWS))
+    p.add_argument(
+        "--window",
+        default=AUTO_WINDOW,
+        choices=[AUTO_WINDOW, *sorted(WINDOWS)],
+        help="time window of the series; auto: from the data's time span",
+    )
     p.add_argument("--since", type=parse_time, help="ISO time or span back (2h, 7d); inclusive")
     p.add_argument("--until", type=parse_time, help="ISO time or span back; exclusive")
     p.add_argument("--partitions", type=int, default=8, help="JDBC partitions per queue (max)")
@@ -146,13 +235,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-errors", type=int, default=10)
     p.add_argument("--write-table", action="store_true", help="also write stats_* tables")
     p.add_argument("--fetch-size", type=int, default=10_000, help="JDBC rows per round trip")
+    p.add_argument(
+        "--source",
+        default="auto",
+        choices=SOURCES,
+        help="how rows reach Spark: jdbc (partitioned reads), copy (COPY into Parquet on "
+        "the driver; no JDBC jar), auto (copy on a local master, else jdbc)",
+    )
+    p.add_argument("--copy-dir", help="where --source copy stages its Parquet files")
     p.add_argument("--master", help="Spark master when not started by spark-submit")
     p.add_argument("--jdbc-jar", help="PostgreSQL JDBC jar when not passed with --jars")
     return p
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
-    if not args.dsn:
+    if not args.dsn and not args.archive_dir:
         raise StatsError("no database: pass --dsn postgresql://... or set NMBUS_DSN")
     return Options(
         dsn=args.dsn,
@@ -168,6 +265,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
         top_errors=args.top_errors,
         write_table=args.write_table,
         fetch_size=args.fetch_size,
+        source=args.source,
+        copy_dir=args.copy_dir,
     )
 
 
@@ -176,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = options_from_args(args)
         opts.validate()
-        check_reachable(jdbc_from_dsn(opts.dsn))
-        spark = command_line_session(args.master, args.jdbc_jar)
+        if opts.dsn:
+            check_reachable(jdbc_from_dsn(opts.dsn))
+        # The archive alone needs no JDBC; else a cluster does, and a local master not.
+        need_jdbc = (opts.source == "jdbc" or opts.write_table or None) if opts.dsn else False
+        spark = command_line_session(args.master, args.jdbc_jar, need_jdbc)
         try:
             result = run(spark, opts)
         finally:

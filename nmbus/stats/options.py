@@ -12,7 +12,13 @@ from datetime import UTC, datetime, timedelta
 
 # "second" suits short runs such as the demo's, which fit in one minute.
 WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+# The default: the job picks one of WINDOWS from the data's time span.
+AUTO_WINDOW = "auto"
 DEFAULT_ACCURACY = 10_000
+# How rows reach Spark: "jdbc" (partitioned reads by id, executors connect to
+# PostgreSQL), "copy" (the driver exports them with COPY into Parquet files that
+# Spark reads; no JDBC driver needed), or "auto": copy on a local master, else jdbc.
+SOURCES = ("auto", "jdbc", "copy")
 
 
 try:  # within nmbus, a StatsError is one of its errors (a ToolError)
@@ -29,10 +35,10 @@ class StatsError(_ErrorBase):
 class Options:
     """Everything the job needs; the command line and ``nmbus report`` build one."""
 
-    dsn: str = field(repr=False)  # it may hold a password
+    dsn: str | None = field(repr=False)  # it may hold a password; None: the archive alone
     out: str = "nmbus-report"
     schema: str = "nmbus"
-    window: str = "hour"
+    window: str = AUTO_WINDOW
     since: datetime | None = None
     until: datetime | None = None
     partitions: int = 8
@@ -43,10 +49,23 @@ class Options:
     write_table: bool = False
     fetch_size: int = 10_000
     title: str = "nmbus report"
+    source: str = "auto"
+    copy_dir: str | None = None  # where "copy" stages its Parquet files (default: a temp dir)
 
     def validate(self) -> None:
-        if self.window not in WINDOWS:
-            raise StatsError(f"--window must be one of {', '.join(WINDOWS)}, not {self.window!r}")
+        if not self.dsn and not self.archive_dir:
+            raise StatsError("no database: pass --dsn postgresql://... or set NMBUS_DSN")
+        if self.source not in SOURCES:
+            raise StatsError(f"--source must be one of {', '.join(SOURCES)}, not {self.source!r}")
+        if self.write_table and not self.dsn:
+            raise StatsError("--write-table needs a database (--dsn)")
+        if self.write_table and self.source == "copy":
+            raise StatsError("--write-table writes through JDBC: use --source jdbc (or auto)")
+        if self.window not in WINDOWS and self.window != AUTO_WINDOW:
+            raise StatsError(
+                f"--window must be {AUTO_WINDOW} or one of {', '.join(WINDOWS)}, "
+                f"not {self.window!r}"
+            )
         if self.partitions < 1:
             raise StatsError("--partitions must be at least 1")
         if not 100 <= self.accuracy <= 10_000_000:

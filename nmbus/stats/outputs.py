@@ -16,12 +16,12 @@ from typing import Any
 
 try:  # modules of the nmbus package
     from nmbus.stats import report_html
-    from nmbus.stats.aggregate import PERCENTILES
+    from nmbus.stats.aggregate import PERCENTILES, sort_columns, sort_records
     from nmbus.stats.jdbc import Jdbc, jdbc_error, quote_ident
     from nmbus.stats.options import WINDOWS, Options
 except ImportError:  # plain files under spark-submit: the siblings are on sys.path
     import report_html  # type: ignore[no-redef]
-    from aggregate import PERCENTILES  # type: ignore[no-redef]
+    from aggregate import PERCENTILES, sort_columns, sort_records  # type: ignore[no-redef]
     from jdbc import Jdbc, jdbc_error, quote_ident  # type: ignore[no-redef]
     from options import WINDOWS, Options  # type: ignore[no-redef]
 
@@ -35,8 +35,47 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _records(df: Any) -> list[dict[str, Any]]:
-    return [{k: _plain(v) for k, v in row.asDict().items()} for row in df.collect()]
+# Every value of a row as JSON, times to the microsecond (the session's zone is UTC).
+JSON_OPTIONS = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX", "ignoreNullFields": "false"}
+
+
+def collect_tables(tables: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The rows of every table in ``tables`` with one Spark job, in each table's order.
+
+    Each row travels as one JSON text (doubles keep every digit, times every
+    microsecond), so tables of different shapes share one query and one collect
+    instead of one of each per table.
+    """
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import TimestampType
+
+    if not tables:
+        return {}
+    parts, times, columns = [], {}, {}
+    for name, df in tables.items():
+        columns[name] = list(df.columns)
+        times[name] = [f.name for f in df.schema.fields if isinstance(f.dataType, TimestampType)]
+        parts.append(
+            df.select(
+                F.lit(name).alias("t"),
+                F.to_json(F.struct(*df.columns), JSON_OPTIONS).alias("j"),
+            )
+        )
+    union = parts[0]
+    for part in parts[1:]:
+        union = union.unionAll(part)
+    got: dict[str, list[dict[str, Any]]] = {name: [] for name in tables}
+    for row in union.collect():
+        name, rec = row["t"], json.loads(row["j"])
+        out = {c: rec.get(c) for c in columns[name]}
+        for c in times[name]:
+            if out[c] is not None:
+                out[c] = datetime.fromisoformat(out[c])
+        got[name].append(out)
+    return {
+        name: [{k: _plain(v) for k, v in r.items()} for r in sort_records(name, recs)]
+        for name, recs in got.items()
+    }
 
 
 def _write_text(spark: Any, path: str, text: str) -> None:
@@ -90,12 +129,18 @@ class Result:
 
 
 def write_tables(tables: dict[str, Any], opts: Options) -> dict[str, str]:
-    written = {}
+    """One sorted Parquet file per table, each written by one job.
+
+    The figures are small (one row per group) and already computed: one file
+    each, sorted within it, needs no shuffle, where a global sort takes two
+    jobs (a sample of the keys, then the sort).
+    """
     for name, df in tables.items():
-        path = _join(opts.out, "parquet", name)
-        df.write.mode("overwrite").parquet(path)
-        written[name] = f"parquet/{name}"
-    return written
+        df = df.coalesce(1)
+        if sort_columns(name):
+            df = df.sortWithinPartitions(*sort_columns(name))
+        df.write.mode("overwrite").parquet(_join(opts.out, "parquet", name))
+    return {name: f"parquet/{name}" for name in tables}
 
 
 def write_back(tables: dict[str, Any], jdbc: Jdbc, opts: Options) -> None:
@@ -133,9 +178,11 @@ def _metrics(rec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def summary(tables: dict[str, Any], opts: Options, queues: list[str], jdbc: Jdbc) -> dict[str, Any]:
+def summary(
+    tables: dict[str, Any], opts: Options, queues: list[str], jdbc: Jdbc | None
+) -> dict[str, Any]:
     # The per-type-and-window table can be large; it stays in Parquet (and the database).
-    get = {name: _records(df) for name, df in tables.items() if name != "windows"}
+    get = collect_tables({name: df for name, df in tables.items() if name != "windows"})
     overall = get.get("overall") or [dict(ZERO)]
     by_queue = {r["queue"]: r for r in get.get("queues", [])}
     labels: dict[str, list[dict[str, Any]]] = {}
@@ -144,13 +191,13 @@ def summary(tables: dict[str, Any], opts: Options, queues: list[str], jdbc: Jdbc
     retry_rows: dict[str, list[dict[str, Any]]] = {}
     for r in get.get("retries", []):
         retry_rows.setdefault(r["queue"], []).append(
-            {k: r[k] for k in ("label", "outcome", "retry_count", "messages")}
+            {k: r[k] for k in ("label", "outcome", "retry_count", "messages", "deferred")}
         )
     errs = get.get("errors", [])
     err_rows: dict[str, list[dict[str, Any]]] = {}
     for r in errs:
         err_rows.setdefault(r["queue"], []).append(
-            {k: r[k] for k in ("label", "error", "failed", "recovered", "example_id")}
+            {k: r[k] for k in ("label", "error", "failed", "recovered", "example_id", "example")}
         )
     windows: dict[str, list[dict[str, Any]]] = {}
     for r in get.get("queue_windows", []):
@@ -185,7 +232,7 @@ def summary(tables: dict[str, Any], opts: Options, queues: list[str], jdbc: Jdbc
         "title": opts.title,
         "generated_at": _plain(datetime.now(UTC)),
         "source": {
-            "database": jdbc.where,
+            "database": jdbc.where if jdbc else None,  # None: the archive alone
             "schema": opts.schema,
             "archive_dir": opts.archive_dir,
             "queues": queues,
@@ -202,7 +249,10 @@ def summary(tables: dict[str, Any], opts: Options, queues: list[str], jdbc: Jdbc
         "overall": _metrics(overall[0]),
         "queues": queue_list,
         "top_errors": [
-            {k: r[k] for k in ("queue", "label", "error", "failed", "recovered", "example_id")}
+            {
+                k: r[k]
+                for k in ("queue", "label", "error", "failed", "recovered", "example_id", "example")
+            }
             for r in errs[: opts.top_errors]
         ],
         "options": {k: _plain(v) for k, v in asdict(opts).items() if k != "dsn"},

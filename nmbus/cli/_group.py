@@ -46,7 +46,10 @@ class NmbusGroup(TyperGroup):
         if cmd_name not in self.commands and cmd_name in self.lazy:
             module = importlib.import_module(self.lazy[cmd_name])
             self.commands[cmd_name] = typer.main.get_command(module.command)
-        return super().get_command(ctx, cmd_name)
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            plain_flags(command)
+        return command
 
     def main(
         self,
@@ -60,6 +63,7 @@ class NmbusGroup(TyperGroup):
         if not standalone_mode:  # embedded in another program: it handles errors itself
             return super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
         options.reset()  # a fresh start for each invocation (tests invoke many in one process)
+        plain_flags(self)
         try:
             result = super().main(
                 args, prog_name, complete_var, False, windows_expand_args, **extra
@@ -86,6 +90,28 @@ class NmbusGroup(TyperGroup):
         sys.exit(result if isinstance(result, int) else 0)
 
 
+def plain_flags(command: Any) -> None:
+    """Help that reads well at 80 columns, for ``command`` and its subcommands.
+
+    Some typer versions print a type for every option: ``--json <bool>`` for a
+    flag (an empty metavar leaves it blank) and ``<int range>`` before the
+    range itself (``<int> [x>=1]`` is enough).
+    """
+    params = list(command.params)
+    helper = command.get_help_option(typer.Context(command))
+    if helper is not None:
+        params.append(helper)
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+            continue
+        described = getattr(param, "type_descriptor", None)
+        if param.metavar is None and getattr(described, "is_ranged", False):
+            param.metavar = f"<{described.ranged_type_name}>"  # type: ignore[union-attr]
+    for sub in getattr(command, "commands", {}).values():
+        plain_flags(sub)
+
+
 def _is_usage_error(exc: Exception) -> bool:
     # click.ClickException, whether click is its own package or vendored by typer.
     return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__)
@@ -110,6 +136,12 @@ def describe(exc: BaseException) -> str:
 
 
 def _invalid_settings(exc: ValidationError) -> str:
+    if exc.title == "Settings":
+        # The settings' own wording: it names each variable and never echoes a DSN
+        # (routes and NMBUS_DB_<ALIAS> may hold passwords).
+        from nmbus.settings import describe as describe_settings
+
+        return describe_settings(exc)
     problems = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"])

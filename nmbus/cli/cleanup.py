@@ -24,10 +24,28 @@ from nmbus.cli._common import (
     settings,
     table,
 )
+from nmbus.cli._table import Column, age_text
 from nmbus.retention import RetentionPolicy
 from nmbus.settings import Settings
 
-AgeOption = Annotated[str | None, typer.Option(metavar="AGE", help="e.g. 90s, 30m, 12h, 7d, 2w")]
+MaxAgeOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="AGE",
+        help="remove processed rows older than this: 90s, 30m, 12h, 7d, 2w "
+        "(default: the setting retention_max_age, else 7d)",
+        show_default=False,
+    ),
+]
+FailedAgeOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="AGE",
+        help="also remove failed rows older than this (default: the setting "
+        "retention_failed_max_age, else keep them)",
+        show_default=False,
+    ),
+]
 
 
 def _counts(cfg: Settings, queues: list[str], policy: RetentionPolicy) -> dict[str, Any]:
@@ -74,8 +92,8 @@ def cleanup(
     queues: Annotated[
         list[str] | None, typer.Argument(help="queues to clean (default: every queue)")
     ] = None,
-    older_than: AgeOption = None,
-    failed_older_than: AgeOption = None,
+    older_than: MaxAgeOption = None,
+    failed_older_than: FailedAgeOption = None,
     batch_size: Annotated[
         int | None, typer.Option(min=1, max=100_000, help="rows per short transaction")
     ] = None,
@@ -114,11 +132,17 @@ def cleanup(
         if as_json:
             emit_json({"dry_run": True, "queues": counts})
         else:
+            failed_rule = (
+                f"failed rows older than {age_text(policy.failed_max_age)}"
+                if policy.failed_max_age
+                else "no failed rows (no --failed-older-than)"
+            )
             table(
-                f"would remove (processed > {policy.max_age}, failed > "
-                f"{policy.failed_max_age or 'never'})",
-                ["queue", "X processed", "F failed"],
+                f"would remove processed rows older than {age_text(policy.max_age)} "
+                f"and {failed_rule}",
+                [Column("queue", key=True), "X processed", "F failed"],
                 [[q, c["X"], c["F"]] for q, c in counts.items()],
+                empty="no queues",
             )
         return
     if due:
@@ -130,17 +154,26 @@ def cleanup(
         return
     table(
         "cleanup",
-        ["queue", "X deleted", "F deleted", "batches", "longest batch s", "files", "note"],
+        [
+            Column("queue", key=True),
+            "X deleted",
+            "F deleted",
+            "batches",
+            "longest batch",
+            "files",
+            Column("note", wrap=True, min_width=12),
+        ],
         [
             [
                 r["queue"],
                 r["deleted_processed"],
                 r["deleted_failed"],
                 r["batches"],
-                f"{r['longest_batch_seconds']:.3f}",
+                age_text(r["longest_batch_seconds"]),
                 len(r["files"]),
                 "skipped: another run holds it" if r["skipped"] else "",
             ]
             for r in results
         ],
+        empty="no queues",
     )

@@ -21,10 +21,12 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.text import Text
 
-from nmbus.cli._common import fail
+from nmbus.cli._common import fail, server_address
+from nmbus.cli._table import Column, Grid
 from nmbus.errors import NmbusError
+from nmbus.logs import scrub
 from nmbus.tools import demo as demo_lib
 from nmbus.tools import demo_report
 from nmbus.tools.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
@@ -59,13 +61,13 @@ class LiveView:
     def __init__(self, orders: int) -> None:
         self.progress = Progress(
             TextColumn("{task.description:<26}"),
-            BarColumn(bar_width=40),
+            BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
         )
         self.published = self.progress.add_task("orders published", total=orders)
         self.settled = self.progress.add_task("orders through billing", total=orders)
-        self.table = Table()
+        self.table: Grid | None = None
         self.last: demo_lib.Snapshot | None = None
 
     def update(self, snap: demo_lib.Snapshot) -> None:
@@ -75,64 +77,89 @@ class LiveView:
         self.table = queue_table(snap)
 
     def __rich__(self) -> Group:
-        return Group(self.progress, self.table)
+        return Group(self.progress, *([self.table] if self.table else []))
 
 
-def queue_table(snap: demo_lib.Snapshot) -> Table:
-    table = Table(
-        title=f"queues after {snap.elapsed:.1f}s "
+def queue_table(snap: demo_lib.Snapshot) -> Grid:
+    def coloured(n: int, style: str) -> Text:
+        return Text(f"{n:,}", style=style if n else "")
+
+    return Grid(
+        f"queues after {snap.elapsed:.1f}s "
         f"({snap.attempts_failed} failed attempts, {snap.declined} cards declined)",
-        title_justify="left",
+        [
+            Column("queue", key=True),
+            "ready (I)",
+            "scheduled (R)",
+            Column("processed (X)", align="right"),
+            Column("failed (F)", align="right"),
+            "per second",
+        ],
+        [
+            [
+                q.queue,
+                q.ready,
+                q.scheduled,
+                coloured(q.processed, "green"),
+                coloured(q.failed, "red"),
+                round(q.processed / snap.elapsed) if snap.elapsed > 0 else 0,
+            ]
+            for q in snap.queues
+        ],
     )
-    table.add_column("queue")
-    for column in ("ready (I)", "scheduled (R)", "processed (X)", "failed (F)", "per second"):
-        table.add_column(column, justify="right")
-    for q in snap.queues:
-        rate = q.processed / snap.elapsed if snap.elapsed > 0 else 0.0
-        table.add_row(
-            q.queue,
-            f"{q.ready:,}",
-            f"{q.scheduled:,}",
-            f"[green]{q.processed:,}[/green]",
-            f"[red]{q.failed:,}[/red]" if q.failed else "0",
-            f"{rate:,.0f}",
-        )
-    return table
 
 
 def _ms(value: Any) -> str:
-    return "-" if value is None else f"{value:,.1f} ms"
+    return "-" if value is None else f"{value:,.1f}"
 
 
-def report_table(summary: dict[str, Any]) -> Table:
-    table = Table(title="statistics report (Spark)", title_justify="left")
-    table.add_column("queue")
-    for column in ("processed", "failed", "failure rate", "p50", "p95", "p99"):
-        table.add_column(column, justify="right")
+def _percent(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.2%}"
+
+
+def report_table(summary: dict[str, Any]) -> Grid:
     rows = [*summary.get("queues", [])]
     if "overall" in summary:
         rows.append({"queue": "all", **summary["overall"]})
-    for q in rows:
-        latency = q.get("queue_latency_ms") or {}
-        rate = q.get("failure_rate")
-        table.add_row(
-            str(q.get("queue")),
-            f"{q.get('processed', 0):,}",
-            f"{q.get('failed', 0):,}",
-            "-" if rate is None else f"{rate:.2%}",
-            _ms(latency.get("p50")),
-            _ms(latency.get("p95")),
-            _ms(latency.get("p99")),
-        )
-    return table
+    latency = "queue latency"
+    return Grid(
+        "statistics report (Spark; queue latency in ms)",
+        [
+            Column("queue", key=True),
+            "processed",
+            "failed",
+            Column("failure rate", align="right"),
+            Column("p50 ms", align="right", group=latency),
+            Column("p95 ms", align="right", group=latency),
+            Column("p99 ms", align="right", group=latency),
+        ],
+        [
+            [
+                str(q.get("queue")),
+                q.get("processed", 0),
+                q.get("failed", 0),
+                _percent(q.get("failure_rate")),
+                *(_ms((q.get("queue_latency_ms") or {}).get(p)) for p in ("p50", "p95", "p99")),
+            ]
+            for q in rows
+        ],
+    )
+
+
+# What the demo writes into --data-dir besides an embedded server.
+DEMO_LOG = "demo.log"
+SPARK_LOG = "spark.log"
 
 
 def _clean(dsn: str | None, data_dir: Path, schema: str, out: Path) -> None:
     if dsn:
         dropped = asyncio.run(demo_lib.drop_schema(dsn, schema))
         console.print(
-            f"schema {schema} {'dropped' if dropped else 'was not there'} on the NMBUS_DSN server"
+            f"schema {schema} {'dropped' if dropped else 'was not there'} "
+            f"on {server_address(dsn)} (--dsn / NMBUS_DSN)",
+            highlight=False,
         )
+        _remove_logs(data_dir)
     else:
         server = EmbeddedPostgres(data_dir)
         existed = server.pgdata.exists()
@@ -140,16 +167,32 @@ def _clean(dsn: str | None, data_dir: Path, schema: str, out: Path) -> None:
         console.print(
             f"embedded PostgreSQL stopped and {server.data_dir} removed"
             if existed
-            else f"no embedded PostgreSQL in {server.data_dir}"
+            else f"no embedded PostgreSQL in {server.data_dir}",
+            highlight=False,
         )
     if out.exists():
         shutil.rmtree(out)
-        console.print(f"report folder {out} removed")
+        console.print(f"report folder {out} removed", highlight=False)
+
+
+def _remove_logs(data_dir: Path) -> None:
+    """The demo's logs, then the folder if nothing else is in it (an embedded server stays)."""
+    for name in (DEMO_LOG, SPARK_LOG):
+        (data_dir / name).unlink(missing_ok=True)
+    if data_dir.is_dir() and not any(data_dir.iterdir()):
+        data_dir.rmdir()
+        console.print(f"folder {data_dir} removed", highlight=False)
+    elif data_dir.is_dir():
+        console.print(
+            f"{data_dir} kept: it holds an embedded PostgreSQL "
+            "(`nmbus demo --clean` without NMBUS_DSN removes it)",
+            highlight=False,
+        )
 
 
 @command.command()
 def demo(
-    orders: Annotated[int, typer.Option(help="orders the shop publishes")] = 3000,
+    orders: Annotated[int, typer.Option(min=1, help="orders the shop publishes")] = 3000,
     dsn: Annotated[
         str | None,
         typer.Option(
@@ -166,13 +209,14 @@ def demo(
         "nmbus-report"
     ),
     report: Annotated[bool, typer.Option(help="run the Spark statistics report")] = True,
-    concurrency: Annotated[int, typer.Option(help="worker loops per service")] = 2,
+    concurrency: Annotated[int, typer.Option(min=1, help="worker loops per service")] = 2,
     flaky_rate: Annotated[
-        float, typer.Option(help="chance that an attempt fails and is retried")
+        float, typer.Option(help="chance, 0 to below 1, that an attempt fails and is retried")
     ] = 0.12,
     seed: Annotated[int, typer.Option(help="seed of the orders and the failures")] = 7,
     keep_running: Annotated[
-        bool, typer.Option(help="leave the embedded PostgreSQL running afterwards")
+        bool,
+        typer.Option("--keep-running", help="leave the embedded PostgreSQL running afterwards"),
     ] = False,
     clean: Annotated[
         bool,
@@ -210,7 +254,7 @@ def demo(
             say.print(f"[yellow]note:[/yellow] {escape(report_problem)}", highlight=False)
             say.print("the bus part runs anyway; the report is skipped.\n", highlight=False)
 
-    log_path = data_dir / "demo.log"
+    log_path = data_dir / DEMO_LOG
     log_file = _configure_logging(log_path)
     server: EmbeddedPostgres | None = None
     was_running = False
@@ -224,8 +268,19 @@ def demo(
             structlog.reset_defaults()
             log_file.close()
             fail(str(exc))
-        say.print(f"embedded PostgreSQL: [bold]{dsn}[/bold]", highlight=False)
-    outcome: dict[str, Any] = {"dsn": dsn, "schema": schema, "log": str(log_path)}
+        say.print(f"embedded PostgreSQL: [bold]{escape(dsn)}[/bold]", highlight=False)
+    else:
+        say.print(
+            f"PostgreSQL server (--dsn / NMBUS_DSN): [bold]{escape(server_address(dsn))}[/bold], "
+            f"schema {escape(schema)} only",
+            highlight=False,
+        )
+    outcome: dict[str, Any] = {
+        "dsn": scrub(dsn),
+        "server": server_address(dsn),
+        "schema": schema,
+        "log": str(log_path),
+    }
     try:
         view = LiveView(orders)
         with Live(view, console=say, refresh_per_second=4, transient=False):
@@ -235,12 +290,12 @@ def demo(
             _print_bus(result)
         if report and report_problem is None:
             say.print(
-                f"\nrunning the Spark statistics job (local[2], its log: {data_dir / 'spark.log'})"
+                f"\nrunning the Spark statistics job (local[2], its log: {data_dir / SPARK_LOG})"
                 " ...",
                 highlight=False,
             )
             try:
-                stats = demo_report.run_report(dsn, options, out, jvm_log=data_dir / "spark.log")
+                stats = demo_report.run_report(dsn, options, out, jvm_log=data_dir / SPARK_LOG)
             except demo_report.ReportUnavailable as exc:
                 say.print(f"[red]report failed:[/red] {escape(str(exc))}", highlight=False)
                 outcome["report"] = {"error": str(exc)}
@@ -253,6 +308,7 @@ def demo(
                     "seconds": round(stats.seconds, 2),
                 }
                 if not quiet:
+                    console.print()
                     console.print(report_table(stats.summary))
                     console.print(f"HTML report: [bold]{html}[/bold]", highlight=False)
                     console.print(f"open it:     [bold]{html.as_uri()}[/bold]", highlight=False)
@@ -308,6 +364,7 @@ def _bus_outcome(result: demo_lib.BusResult) -> dict[str, Any]:
         "seconds": round(result.seconds, 2),
         "payments": result.payments,
         "failed_attempts": snap.attempts_failed,
+        "retried_attempts": snap.attempts_retried,
         "declined": snap.declined,
         "queues": {
             q.queue: {
@@ -326,18 +383,25 @@ def _bus_outcome(result: demo_lib.BusResult) -> dict[str, Any]:
 def _print_bus(result: demo_lib.BusResult) -> None:
     snap = result.snapshot
     handled = sum(q.processed + q.failed for q in snap.queues)
+    console.print()
     console.print(
-        f"\n[bold]{snap.orders:,} orders[/bold] went through shop → billing → warehouse → "
+        f"[bold]{snap.orders:,} orders[/bold] went through shop → billing → warehouse → "
         f"notifications in {result.seconds:.1f}s: {handled:,} messages handled "
-        f"({handled / result.seconds:,.0f}/s), {snap.attempts_failed:,} attempts failed "
-        f"and were retried, {result.payments:,} payments recorded in the same transactions.",
+        f"({handled / result.seconds:,.0f}/s), {snap.attempts_retried:,} failed attempts "
+        f"retried ({snap.attempts_failed - snap.attempts_retried:,} more were last attempts), "
+        f"{result.payments:,} payments recorded in the same transactions.",
         highlight=False,
     )
     if result.top_errors:
-        table = Table(title="most frequent errors", title_justify="left")
-        table.add_column("queue")
-        table.add_column("error_info (first line)")
-        table.add_column("rows", justify="right")
-        for queue, error, n in result.top_errors[:6]:
-            table.add_row(queue, escape(error), f"{n:,}")
-        console.print(table)
+        console.print()
+        console.print(
+            Grid(
+                "most frequent errors",
+                [
+                    Column("queue", key=True),
+                    Column("error_info (first line)", wrap=True),
+                    "rows",
+                ],
+                [[queue, error, n] for queue, error, n in result.top_errors[:6]],
+            )
+        )

@@ -26,6 +26,7 @@ from nmbus.cli._common import (
     settings,
     table,
 )
+from nmbus.cli._table import Column
 from nmbus.settings import Settings
 
 failed = typer.Typer(help="Failed (F) messages: list, show, requeue, purge.", no_args_is_help=True)
@@ -42,7 +43,7 @@ AllOption = Annotated[bool, typer.Option("--all", help="every failed message of 
 def list_failed(
     queue: Annotated[str | None, typer.Argument(help="queue (default: every queue)")] = None,
     message_type: TypeOption = None,
-    limit: Annotated[int, typer.Option(help="at most this many per queue")] = 100,
+    limit: Annotated[int, typer.Option(min=1, help="at most this many per queue")] = 100,
     dsn: DsnOption = None,
     schema: SchemaOption = None,
     as_json: JsonOption = False,
@@ -59,11 +60,16 @@ def list_failed(
         return
     table(
         "failed messages",
-        ["queue", "id", "type", "attempts", "failed at", "error"],
         [
-            [r["queue"], r["id"], r["label"], r["retry_count"], r["last_processed"], r["error"]]
-            for r in rows
+            Column("queue", key=True),
+            Column("id", key=True),
+            "type",
+            "attempts",
+            "failed at",
+            Column("error", wrap=True),
         ],
+        [[m.queue, m.id, m.label, m.retry_count, m.last_processed, m.error] for m in found],
+        empty="no failed messages" + (f" in {name}" if name else ""),
     )
 
 
@@ -85,10 +91,11 @@ def show(
     if as_json:
         emit_json(row)
         return
+    # Every value whole (full timestamps): this is the one message looked at closely.
     table(
         f"{queue} #{message_id}",
-        ["column", "value"],
-        [[k, v] for k, v in row.items() if k != "error_info"],
+        ["column", Column("value", align="left", wrap=True)],
+        [[k, "-" if v is None else str(v)] for k, v in row.items() if k != "error_info"],
     )
     console.print("[bold]error_info[/bold]")
     console.print(row["error_info"] or "-", markup=False, highlight=False)

@@ -87,4 +87,9 @@ def list_queues(
     if as_json:
         emit_json(names)
     else:
-        table(f"queues in {cfg.schema_name!r}", ["queue"], [[n] for n in names])
+        table(
+            f"queues in schema {cfg.schema_name!r}",
+            ["queue"],
+            [[n] for n in names],
+            empty=f"no queues in schema {cfg.schema_name!r}",
+        )

@@ -9,7 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-from rich.table import Table
+
+from nmbus.cli._table import Column, Grid
 
 command = typer.Typer(add_completion=False)
 
@@ -78,13 +79,16 @@ def soak(
     if as_json:
         typer.echo(json.dumps(data))
     else:
-        table = Table(title="nmbus kill soak", show_header=True)
-        table.add_column("figure")
-        table.add_column("value", justify="right")
-        for key, value in data.items():
-            if key == "killed_pids":
-                continue
-            table.add_row(key, f"{value:.1f}" if isinstance(value, float) else str(value))
-        Console().print(table)
+        Console().print(
+            Grid(
+                "nmbus kill soak",
+                ["figure", Column("value", align="right")],
+                [
+                    [key, f"{value:.1f}" if isinstance(value, float) else str(value)]
+                    for key, value in data.items()
+                    if key != "killed_pids"
+                ],
+            )
+        )
     if not report.ok:
         raise typer.Exit(1)

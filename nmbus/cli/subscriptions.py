@@ -17,6 +17,7 @@ from nmbus.cli._common import (
     settings,
     table,
 )
+from nmbus.cli._table import Column
 
 subscriptions = typer.Typer(help="Subscriptions of endpoints to publishers.", no_args_is_help=True)
 app.add_typer(subscriptions, name="subscriptions")
@@ -33,22 +34,30 @@ def list_subscriptions(
     """Every subscription, by publisher and message type, with its expiry."""
     cfg = settings(dsn, schema)
     subscribed = operate(cfg, lambda admin: admin.subscriptions(publisher, live_only=live))
-    found = [plain(s) for s in subscribed]
     if as_json:
-        emit_json(found)
+        emit_json([plain(s) for s in subscribed])
         return
     table(
         "subscriptions",
-        ["publisher", "message type", "subscriber", "created", "expires", "live"],
+        [
+            Column("publisher", key=True),
+            Column("message type", key=True),
+            Column("subscriber", key=True),
+            "created",
+            "expires",
+            "live",
+        ],
         [
             [
-                r["publisher_endpoint"],
-                r["message_type"],
-                r["subscriber_endpoint"],
-                r["created_date"],
-                r["expiration_date"] or "never",
-                "yes" if r["live"] else "expired",
+                s.publisher_endpoint,
+                s.message_type,
+                s.subscriber_endpoint,
+                s.created_date,
+                s.expiration_date or "never",
+                "yes" if s.live else "expired",
             ]
-            for r in found
+            for s in subscribed
         ],
+        empty="no subscriptions" + (f" of publisher {publisher}" if publisher else ""),
+        split=False,  # narrower than the table: one block per subscription
     )

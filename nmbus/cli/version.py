@@ -1,3 +1,5 @@
+"""``nmbus version`` and ``nmbus --version``."""
+
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError
@@ -8,10 +10,14 @@ import typer
 from nmbus.cli import app
 
 
+def installed_version() -> str:
+    try:
+        return _dist_version("nmbus")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 @app.command()
 def version() -> None:
-    """Print the installed nmbus version."""
-    try:
-        typer.echo(_dist_version("nmbus"))
-    except PackageNotFoundError:
-        typer.echo("unknown (not installed)")
+    """Print the installed nmbus version (as `nmbus --version`)."""
+    typer.echo(installed_version())

@@ -92,10 +92,13 @@ class DemoOptions:
         validate_schema_name(self.schema)
         if self.orders < 1:
             raise ConfigurationError("--orders must be at least 1")
+        if self.concurrency < 1:  # no worker loop: the demo would wait for ever
+            raise ConfigurationError("--concurrency must be at least 1")
         for name in ("flaky_rate", "decline_rate", "greylist_rate"):
             value = getattr(self, name)
             if not 0 <= value < 1:
-                raise ConfigurationError(f"{name} must be in [0, 1), got {value}")
+                option = "--" + name.replace("_", "-")
+                raise ConfigurationError(f"{option} must be at least 0 and below 1, got {value}")
 
 
 @dataclass
@@ -121,6 +124,8 @@ class Snapshot:
     elapsed: float
     attempts_failed: int = 0
     declined: int = 0
+    # Of attempts_failed, those the policy retried (a last attempt's failure goes to F).
+    attempts_retried: int = 0
 
     @property
     def settled(self) -> int:
@@ -150,6 +155,7 @@ class Chaos:
 
     options: DemoOptions
     attempts_failed: int = 0
+    attempts_retried: int = 0
     declined: set[int] = field(default_factory=set)
 
     def _draw(self, *key: object) -> float:
@@ -161,6 +167,8 @@ class Chaos:
     def flaky(self, where: str, order_id: int, attempt: int) -> bool:
         failed = self._draw(where, order_id, attempt) < self.options.flaky_rate
         self.attempts_failed += failed
+        # ``attempt`` counts this one; at max_attempts the failure is final (F), not retried.
+        self.attempts_retried += failed and attempt < self.options.max_attempts
         return failed
 
     def declines(self, order_id: int) -> bool:
@@ -306,6 +314,7 @@ async def _snapshot(
         elapsed=time.monotonic() - started,
         attempts_failed=chaos.attempts_failed,
         declined=len(chaos.declined),
+        attempts_retried=chaos.attempts_retried,
     )
 
 

@@ -7,11 +7,18 @@ pass them down; library code never reads the environment itself.
 from __future__ import annotations
 
 import math
+import os
+import re
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from nmbus.errors import MAX_SECONDS, InvalidSetting
 from nmbus.logs import scrub
@@ -30,6 +37,46 @@ _SECONDS = (
     "retention_interval",
 )
 _AGES = ("retention_max_age", "retention_failed_max_age")
+
+# NMBUS_DB_<ALIAS>: a database that NMBUS_ROUTES refers to by its alias.
+DATABASE_PREFIX = "NMBUS_DB_"
+_ALIAS = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,39}")
+_DSN_START = ("postgresql://", "postgres://")
+
+
+def _pairs(value: Any, what: str) -> Any:
+    """``"a=x, b=y"`` (the environment's form) as a dict; dicts pass through."""
+    if not isinstance(value, str):
+        return value
+    found: dict[str, str] = {}
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, target = part.partition("=")
+        if not sep or not name.strip() or not target.strip():
+            raise ValueError(f"expected {what} pairs separated by commas, got {part!r}")
+        found[name.strip()] = target.strip()
+    return found
+
+
+def _looks_like_dsn(value: str) -> bool:
+    return value.startswith(_DSN_START)
+
+
+class _Databases(PydanticBaseSettingsSource):
+    """``NMBUS_DB_<ALIAS>=postgresql://...`` variables, gathered into ``databases``."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        found = {
+            name[len(DATABASE_PREFIX) :].lower(): value
+            for name, value in os.environ.items()
+            if name.upper().startswith(DATABASE_PREFIX) and len(name) > len(DATABASE_PREFIX)
+        }
+        return {"databases": found} if found else {}
 
 
 class Settings(BaseSettings):
@@ -78,6 +125,93 @@ class Settings(BaseSettings):
     retention_archive_dir: str | None = Field(
         default=None, description="write removed rows to Parquet here first (needs pyarrow)"
     )
+    routes: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="queues living in other databases: queue=alias pairs (docs/routes.md)",
+    )
+    databases: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="aliases of routes: alias=DSN pairs, or one NMBUS_DB_<ALIAS> variable each",
+    )
+    forward_batch_size: int = Field(
+        default=500, ge=1, le=10_000, description="outbox rows moved per remote transaction"
+    )
+
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="serve worker metrics on this port (0: any free one); None: off",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1", min_length=1, max_length=255, description="address of /metrics"
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            env_settings,
+            _Databases(settings_cls),
+            dotenv_settings,
+            file_secret_settings,
+        )
+
+    @field_validator("routes", mode="before")
+    @classmethod
+    def _parse_routes(cls, value: Any) -> Any:
+        return _pairs(value, "queue=alias")
+
+    @field_validator("databases", mode="before")
+    @classmethod
+    def _parse_databases(cls, value: Any) -> Any:
+        return _pairs(value, "alias=postgresql://...")
+
+    @field_validator("databases")
+    @classmethod
+    def _check_databases(cls, value: dict[str, str]) -> dict[str, str]:
+        for alias, dsn in value.items():
+            if not _ALIAS.fullmatch(alias):
+                raise ValueError(
+                    f"database alias {alias!r}: 1-40 letters, digits or '_', starting with a letter"
+                )
+            if not _looks_like_dsn(dsn):
+                # Never echo the value: it may hold a password.
+                raise ValueError(f"database {alias!r} must be a postgresql://... DSN")
+        return {alias.lower(): dsn for alias, dsn in value.items()}
+
+    @model_validator(mode="after")
+    def _check_routes(self) -> Settings:
+        from nmbus.errors import InvalidQueueName
+        from nmbus.store import validate_queue_name
+
+        for queue, target in self.routes.items():
+            try:
+                validate_queue_name(queue)
+            except InvalidQueueName as exc:
+                raise ValueError(f"routes: {exc}") from None
+            if _looks_like_dsn(target):
+                continue
+            if target.lower() not in self.databases:
+                raise ValueError(
+                    f"routes: queue {queue!r} goes to database {target!r}, which is not defined "
+                    f"(set {DATABASE_PREFIX}{target.upper()}=postgresql://...)"
+                )
+        return self
+
+    def route_dsns(self) -> dict[str, str]:
+        """Each routed queue with the DSN of the database it lives in."""
+        return {
+            queue: target if _looks_like_dsn(target) else self.databases[target.lower()]
+            for queue, target in self.routes.items()
+        }
 
     @field_validator(*_SECONDS)
     @classmethod
@@ -95,10 +229,21 @@ class Settings(BaseSettings):
             raise ValueError("must be between 0 and 10 years")
         return value
 
+    @field_validator("metrics_host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if value != value.strip() or any(ch.isspace() or ord(ch) < 32 for ch in value):
+            raise ValueError("must be a host name or address, without spaces")
+        return value
+
     def __repr_args__(self) -> Any:
         # The DSN's password must never reach a log line, a traceback or a repr.
         for name, value in super().__repr_args__():
-            yield name, scrub(value) if name == "dsn" and isinstance(value, str) else value
+            if name == "dsn" and isinstance(value, str):
+                value = scrub(value)
+            elif name in ("routes", "databases") and isinstance(value, dict):
+                value = {k: scrub(v) for k, v in value.items()}
+            yield name, value
 
 
 def build_settings(base: Settings | None = None, /, **values: Any) -> Settings:
@@ -124,7 +269,16 @@ def describe(exc: ValidationError) -> str:
         if error["type"] == "extra_forbidden":
             parts.append(f"{name}: no such setting")
             continue
+        if not error["loc"]:
+            parts.append(reason)  # a check across settings (routes): its text names them
+            continue
         # Never echo a DSN: it may hold a password.
-        got = "" if name == "dsn" else f", got {error['input']!r}"
-        parts.append(f"{name} (NMBUS_{name.upper()}): {reason}{got}")
+        secret = name.split(".")[0] in ("dsn", "routes", "databases")
+        got = "" if secret else f", got {error['input']!r}"
+        variable = (
+            "NMBUS_DATABASES or NMBUS_DB_<ALIAS>"
+            if name.startswith("databases")
+            else f"NMBUS_{name.upper()}"
+        )
+        parts.append(f"{name} ({variable}): {reason}{got}")
     return "invalid settings: " + "; ".join(parts)

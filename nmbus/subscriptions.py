@@ -17,8 +17,13 @@ subscriber_endpoint, message_type, created_date, expiration_date): "copy every
    lifetime later by any running subscriber.
 5. ``await bus.unsubscribe(T, publisher=...)`` deletes the rows at once.
 
+A publisher in another database (a route of the subscriber's bus) keeps its
+subscriptions table there: the subscriber writes, renews and removes its rows
+in that database, marked ``subscriber_remote``, so the publisher sends the
+copies through its outbox and never into a local table (docs/routes.md).
+
 There is no subscriber cache on the publishing side: the lookup is part of the
-one statement that stores the copies (``nmbus_publish_v2``, installed by the
+one statement that stores the copies (``nmbus_publish_v3``, installed by the
 PostgreSQL store), so a publish sees every subscription committed before that
 statement began. A type-chain header lets a subscriber that only knows a base
 class decode a subclass it has never heard of.
@@ -64,6 +69,21 @@ class Subscriptions:
         self._declared: dict[tuple[str, str], Subscription] = {}
         self._removed: set[tuple[str, str]] = set()
         self._started = False
+        # Publishers living in other databases (routes), by name: their
+        # subscriptions table is there, so this endpoint registers there.
+        self.remote: dict[str, Store] = {}
+
+    def publishers(self) -> set[str]:
+        """Every publisher a declared (or to be removed) subscription names."""
+        return {p for p, _ in self._declared} | {p for p, _ in self._removed}
+
+    def _store(self, publisher: str) -> Store:
+        return self.remote.get(publisher, self.store)
+
+    async def _write(self, publisher: str, names: list[str], ttl: float | None) -> None:
+        await self._store(publisher).subscribe(
+            publisher, self.endpoint, names, ttl, remote=publisher in self.remote
+        )
 
     def __len__(self) -> int:
         return len(self._declared)
@@ -91,14 +111,14 @@ class Subscriptions:
             # Applied at start, when the store is open.
             self._removed.add(key)
             return
-        await self.store.unsubscribe(publisher, self.endpoint, [key[1]])
+        await self._store(publisher).unsubscribe(publisher, self.endpoint, [key[1]])
         log.info("unsubscribed", queue=self.endpoint, publisher=publisher, message_type=key[1])
 
     async def start(self) -> None:
         """Apply unsubscriptions made before start, then write every declared row."""
         self._started = True
         for publisher, name in sorted(self._removed):
-            await self.store.unsubscribe(publisher, self.endpoint, [name])
+            await self._store(publisher).unsubscribe(publisher, self.endpoint, [name])
         self._removed.clear()
         await self.renew(include_permanent=True)
         for sub in self._declared.values():
@@ -124,7 +144,7 @@ class Subscriptions:
                 continue
             groups.setdefault((sub.publisher, ttl), []).append(sub.type_name)
         for (publisher, ttl), names in sorted(groups.items(), key=lambda g: g[0][0]):
-            await self.store.subscribe(publisher, self.endpoint, sorted(names), ttl)
+            await self._write(publisher, sorted(names), ttl)
 
     async def run_renewer(self) -> None:
         """Renew every ttl/3 until cancelled; after a failure, retry sooner."""
@@ -135,7 +155,8 @@ class Subscriptions:
             await asyncio.sleep(delay)
             try:
                 await self.renew()
-                await self.store.purge_expired_subscriptions(self.ttl)
+                for store in {id(s): s for s in [self.store, *self.remote.values()]}.values():
+                    await store.purge_expired_subscriptions(self.ttl)
             except StoreError as exc:
                 delay = min(interval, 1.0)
                 log.warning(

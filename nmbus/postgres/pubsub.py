@@ -1,6 +1,6 @@
 """Publishing on PostgreSQL: one server-side call per fan-out.
 
-``nmbus_publish_v2`` (nmbus/sql/queries.sql) looks up the live subscribers and
+``nmbus_publish_v3`` (nmbus/sql/queries.sql) looks up the live subscribers and
 inserts the copies into every subscriber's queue table in the same statement,
 so a publish is one round trip whatever the number of subscribers, and it sees
 every subscription committed before it began (there is no cache to go stale).
@@ -14,7 +14,7 @@ and the call is repeated.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import structlog
@@ -33,7 +33,7 @@ MAX_ROUNDS = 5
 
 
 async def install_publish_function(conn: Any, schema: str) -> None:
-    """Create nmbus_publish_v2 in ``schema`` unless it exists (serialised by the schema lock)."""
+    """Create nmbus_publish_v3 in ``schema`` unless it exists (serialised by the schema lock)."""
     if await conn.fetchval(render("publish_function_exists", schema), schema):
         return
     async with conn.transaction():
@@ -49,6 +49,7 @@ def publish_args(
     envelopes: Sequence[Envelope],
     chains: Sequence[str],
     channel: str,
+    routed: Collection[str] = (),
 ) -> tuple[Any, ...]:
     return (
         schema,
@@ -64,6 +65,8 @@ def publish_args(
         [e.priority for e in envelopes],
         [e.sequence for e in envelopes],
         [e.expires_at for e in envelopes],
+        sorted(routed),
+        f"nmbus_outbox_{schema}",
     )
 
 

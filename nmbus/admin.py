@@ -20,7 +20,7 @@ raise QueueNotFound instead. Methods that write say so in their name
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,11 +34,18 @@ from nmbus.postgres import PostgresStore, notify_channel
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.retention import ProgressCallback, RetentionPolicy, RetentionResult, clean_queue
 from nmbus.settings import Settings
-from nmbus.sql import render
+from nmbus.sql import own_name, render
 from nmbus.store import SCHEMA_VERSION, validate_queue_name, validate_schema_name
 
 # Failed messages are requeued or purged this many per statement (and commit).
 FAILED_BATCH = 1000
+# Tables of at most this many pages (16 MiB) have their X rows (and sagas)
+# counted exactly; bigger ones are estimated from the statistics system's
+# live-row count, so a status never walks millions of processed rows.
+EXACT_COUNT_PAGES = 2048
+# A window reads at most this many of its newest X rows (and F rows): past it,
+# percentiles describe the newest rows and the rate is measured over their span.
+WINDOW_ROWS = 20_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +62,38 @@ class BlockedSequence:
 
 
 @dataclass(frozen=True, slots=True)
+class WindowStats:
+    """What a queue did in the last ``seconds``: read from at most WINDOW_ROWS newest rows."""
+
+    seconds: float
+    processed: int  # rows that went to X (a lower bound when sampled)
+    failed: int  # rows that went to F (at most WINDOW_ROWS)
+    per_second: float  # X rows per second over the window (over the rows read, when sampled)
+    avg_ms: float | None  # queue latency (last_processed - retry_time) of those X rows
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    sampled: bool  # more than WINDOW_ROWS rows went to X: figures are of the newest ones
+
+    @property
+    def failure_rate(self) -> float | None:
+        """Share of the rows finished in the window that went to F (None: none finished)."""
+        done = self.processed + self.failed
+        return self.failed / done if done else None
+
+
+@dataclass(frozen=True, slots=True)
 class QueueStatus:
-    """One queue at a glance: rows per subqueue, and what happened in the recent window."""
+    """One queue at a glance: rows per subqueue, and what happened in the recent window.
+
+    I, R and F are exact. X is exact on small tables and estimated on big ones
+    (``processed_estimated``): see docs/dashboard.md, "Cost".
+    """
 
     queue: str
     ready: int  # I
     scheduled: int  # R
-    processed: int  # X
+    processed: int  # X (estimated when processed_estimated)
     failed: int  # F
     in_flight: int  # I/R rows held by a worker
     oldest_ready_seconds: float | None  # how long the oldest claimable row has waited
@@ -70,6 +102,30 @@ class QueueStatus:
     recent_p99_ms: float | None
     recent_failed: int
     blocked: tuple[BlockedSequence, ...] = ()  # at most 20, F first
+    processed_estimated: bool = False
+    windows: tuple[WindowStats, ...] = ()  # the recent window first, then those asked for
+    sagas: int | None = None  # rows of the endpoint's saga table; None: it has none
+    sagas_estimated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryBucket:
+    """One bucket of a queue's recent history (counts are lower bounds at the read cap)."""
+
+    start: datetime
+    processed: int
+    failed: int
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class FailedPage:
+    """One page of failed messages, newest first; ``next_cursor`` continues it (None: last)."""
+
+    messages: tuple[FailedMessage, ...]
+    next_cursor: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +184,29 @@ class RetentionDue:
     failed: int  # F
 
 
+@dataclass(frozen=True, slots=True)
+class OutboxBacklog:
+    """Rows of the outbox waiting to be forwarded to one queue of another database."""
+
+    queue: str
+    waiting: int
+    oldest_seconds: float | None  # age of the oldest: the forwarding lag
+
+
+@dataclass(frozen=True, slots=True)
+class RouteStatus:
+    """One database the routes lead to (None: queues in the outbox with no route)."""
+
+    database: str | None  # its DSN, without the password
+    queues: tuple[OutboxBacklog, ...]
+    reachable: bool | None  # None when not asked (no route)
+    error: str | None = None
+
+    @property
+    def waiting(self) -> int:
+        return sum(q.waiting for q in self.queues)
+
+
 class Admin:
     """The operations on one nmbus schema, for the CLI and any other operator's tool.
 
@@ -174,16 +253,157 @@ class Admin:
         async with self._session("list queues", read_only=True) as conn:
             return await self._queues(conn)
 
-    async def queue_status(self, window: float = 600.0) -> list[QueueStatus]:
-        """Every queue (one scan each); ``recent_*`` cover the last ``window`` seconds."""
+    async def queue_status(
+        self, window: float = 600.0, *, windows: Sequence[float] = (), exact: bool = False
+    ) -> list[QueueStatus]:
+        """Every queue; ``recent_*`` (and ``windows[0]``) cover the last ``window`` seconds.
+
+        Cheap by default: no scan of the X rows (see docs/dashboard.md, "Cost").
+        ``windows`` adds more windows (seconds) to ``QueueStatus.windows``.
+        ``exact=True`` is the old full pass over each table: X counted row by row.
+        """
+        _check_window(window, *windows)
         async with self._session("queue status", read_only=True) as conn:
             found = []
             for name in await self._queues(conn):
-                row = await conn.fetchrow(render("ops_queue_status", self.schema, name), window)
-                heads = await conn.fetch(render("ops_blocked_sequences", self.schema, name), 20)
-                blocked = tuple(BlockedSequence(**dict(h)) for h in heads)
-                found.append(QueueStatus(name, **dict(row), blocked=blocked))
+                found.append(await self._status_of(conn, name, (window, *windows), exact))
             return found
+
+    async def outbox_backlog(self) -> list[OutboxBacklog]:
+        """What waits in this database's outbox, per destination queue (one scan)."""
+        async with self._session("outbox backlog", read_only=True) as conn:
+            has = "SELECT to_regclass(format('%I.outbox', $1::text))"
+            if not await conn.fetchval(has, self.schema):
+                return []  # a schema older than version 6 has no outbox
+            rows = await conn.fetch(render("ops_outbox_status", self.schema))
+            return [OutboxBacklog(**dict(r)) for r in rows]
+
+    async def route_status(
+        self, routes: Mapping[str, str], timeout: float = 5.0
+    ) -> list[RouteStatus]:
+        """Every database of ``routes`` (queue -> DSN): reachable or not, and its backlog here.
+
+        Each remote is asked for one ``SELECT 1`` on a connection of its own,
+        at most ``timeout`` seconds; queues with rows in the outbox but no route
+        come last, as ``database=None``.
+        """
+        backlog = {b.queue: b for b in await self.outbox_backlog()}
+        by_dsn: dict[str, list[str]] = {}
+        for queue, dsn in sorted(routes.items()):
+            by_dsn.setdefault(dsn, []).append(queue)
+        found = []
+        for dsn, queues in by_dsn.items():
+            error = await _probe(dsn, timeout)
+            found.append(
+                RouteStatus(
+                    scrub(dsn),
+                    tuple(backlog.get(q, OutboxBacklog(q, 0, None)) for q in queues),
+                    error is None,
+                    error,
+                )
+            )
+        lost = tuple(b for q, b in sorted(backlog.items()) if q not in routes)
+        if lost:
+            found.append(RouteStatus(None, lost, None, "no route for these queues"))
+        return found
+
+    async def _status_of(
+        self, conn: Any, name: str, windows: Sequence[float], exact: bool
+    ) -> QueueStatus:
+        heads = await conn.fetch(render("ops_blocked_sequences", self.schema, name), 20)
+        blocked = tuple(BlockedSequence(**dict(h)) for h in heads)
+        stats = tuple([await self._window(conn, name, w) for w in windows])
+        sagas, sagas_estimated = await self._saga_count(conn, name)
+        if exact:
+            row = dict(
+                await conn.fetchrow(render("ops_queue_status", self.schema, name), windows[0])
+            )
+            estimated = False
+        else:
+            counts = dict(
+                await conn.fetchrow(
+                    render("ops_queue_counts", self.schema, name), self.schema, name
+                )
+            )
+            live, pages = int(counts.pop("live_rows")), int(counts.pop("pages"))
+            if pages <= EXACT_COUNT_PAGES:
+                processed = int(
+                    await conn.fetchval(render("ops_count_processed", self.schema, name))
+                )
+                estimated = False
+            else:
+                open_rows = counts["ready"] + counts["scheduled"] + counts["failed"]
+                processed, estimated = max(live - open_rows, 0), True
+            recent = stats[0]
+            row = {
+                **counts,
+                "processed": processed,
+                "recent_processed": recent.processed,
+                "recent_avg_ms": recent.avg_ms,
+                "recent_p99_ms": recent.p99_ms,
+                "recent_failed": recent.failed,
+            }
+        return QueueStatus(
+            name,
+            **row,
+            blocked=blocked,
+            processed_estimated=estimated,
+            windows=stats,
+            sagas=sagas,
+            sagas_estimated=sagas_estimated,
+        )
+
+    async def _window(self, conn: Any, name: str, seconds: float) -> WindowStats:
+        row = await conn.fetchrow(render("ops_window", self.schema, name), seconds, WINDOW_ROWS)
+        processed, since = int(row["processed"]), row["since"]
+        sampled = processed >= WINDOW_ROWS
+        span = seconds
+        if sampled and since is not None:
+            now = await conn.fetchval("SELECT now()")
+            span = max((now - since).total_seconds(), 1e-3)
+        return WindowStats(
+            seconds=seconds,
+            processed=processed,
+            failed=int(row["failed"]),
+            per_second=processed / span,
+            avg_ms=row["avg_ms"],
+            p50_ms=row["p50_ms"],
+            p95_ms=row["p95_ms"],
+            p99_ms=row["p99_ms"],
+            sampled=sampled,
+        )
+
+    async def _saga_count(self, conn: Any, name: str) -> tuple[int | None, bool]:
+        saga_table = own_name(name, "saga")
+        row = await conn.fetchrow(render("ops_table_rows", self.schema), self.schema, saga_table)
+        if row is None:
+            return None, False
+        live, pages = row
+        if pages is not None and pages <= EXACT_COUNT_PAGES:
+            return int(await conn.fetchval(render("ops_saga_count", self.schema, name))), False
+        return int(live or 0), True
+
+    async def queue_history(
+        self, queue: str, *, bucket_seconds: float = 60.0, buckets: int = 60, cap: int = 5000
+    ) -> list[HistoryBucket]:
+        """``queue``'s last ``buckets`` buckets, oldest first; each reads at most ``cap`` rows."""
+        _check_window(bucket_seconds)
+        if not 1 <= buckets <= 1440 or cap < 1:
+            raise ConfigurationError("history: 1-1440 buckets and a positive cap")
+        async with self._session(f"history of {queue}", read_only=True) as conn:
+            await self._queue(conn, queue)
+            sql = render("ops_history", self.schema, queue)
+            rows = await conn.fetch(sql, bucket_seconds, buckets, cap)
+            return [HistoryBucket(**dict(r)) for r in rows]
+
+    async def queue_detail(
+        self, queue: str, windows: Sequence[float] = (300.0, 3600.0)
+    ) -> QueueStatus:
+        """One queue's status (cheap, as :meth:`queue_status`), with these windows."""
+        _check_window(*windows)
+        async with self._session(f"status of {queue}", read_only=True) as conn:
+            await self._queue(conn, queue)
+            return await self._status_of(conn, queue, windows, exact=False)
 
     async def failed_messages(
         self, queue: str | None = None, *, message_type: str | None = None, limit: int = 100
@@ -205,14 +425,54 @@ class Admin:
             row = await conn.fetchrow(render("ops_message", self.schema, queue), message_id)
             return None if row is None else MessageRow(**dict(row))
 
+    async def failed_page(
+        self,
+        queue: str | None = None,
+        *,
+        message_type: str | None = None,
+        error_contains: str | None = None,
+        cursor: str | None = None,
+        limit: int = 50,
+    ) -> FailedPage:
+        """Failed messages of ``queue`` (None: every queue, by name), newest first, a page.
+
+        ``error_contains`` matches error_info as plain text in any case. Pass
+        the returned ``next_cursor`` back as ``cursor`` for the next page.
+        """
+        if not 1 <= limit <= 1000:
+            raise ConfigurationError(f"page size must be 1-1000, got {limit}")
+        after_queue, before_id = _parse_cursor(cursor)
+        async with self._session("list failed messages", read_only=True) as conn:
+            names = [await self._queue(conn, queue)] if queue else await self._queues(conn)
+            if after_queue is not None:
+                names = [n for n in names if n >= after_queue]
+            found: list[FailedMessage] = []
+            for name in names:
+                below = before_id if name == after_queue else None
+                sql = render("ops_failed_page", self.schema, name)
+                want = limit + 1 - len(found)
+                rows = await conn.fetch(sql, below, message_type, error_contains or None, want)
+                found.extend(FailedMessage(name, **dict(r)) for r in rows)
+                if len(found) > limit:
+                    break
+            if len(found) > limit:
+                last = found[limit - 1]
+                return FailedPage(tuple(found[:limit]), f"{last.queue}:{last.id}")
+            return FailedPage(tuple(found), None)
+
     async def count_failed(
-        self, queue: str, *, ids: Sequence[int] | None = None, message_type: str | None = None
+        self,
+        queue: str,
+        *,
+        ids: Sequence[int] | None = None,
+        message_type: str | None = None,
+        error_contains: str | None = None,
     ) -> int:
-        """How many failed messages of ``queue`` match: these ids and/or this type (None: any)."""
+        """How many failed messages of ``queue`` match: ids, type, error text (None: any)."""
         async with self._session(f"count failed messages of {queue}", read_only=True) as conn:
             await self._queue(conn, queue)
             sql = render("ops_failed_count", self.schema, queue)
-            return int(await conn.fetchval(sql, ids, message_type))
+            return int(await conn.fetchval(sql, ids, message_type, error_contains or None))
 
     async def subscriptions(
         self, publisher: str | None = None, *, live_only: bool = False
@@ -243,24 +503,26 @@ class Admin:
         *,
         ids: Sequence[int] | None = None,
         message_type: str | None = None,
+        error_contains: str | None = None,
         every: bool = False,
         on_batch: ProgressCallback | None = None,
     ) -> int:
         """Move failed messages back to I as fresh messages, and wake the queue's workers.
 
-        Say which: ``ids`` and/or ``message_type``, or ``every=True``. Attempts
-        restart at 0, they are ready now, any lease is cleared; error_info is
-        kept until the next attempt overwrites it. Returns how many moved.
+        Say which: ``ids``, ``message_type`` and/or ``error_contains`` (plain
+        text in error_info, any case), or ``every=True``. Attempts restart at 0,
+        they are ready now, any lease is cleared; error_info is kept until the
+        next attempt overwrites it. Returns how many moved.
         """
         channel = notify_channel(self.schema)
+        error = error_contains or None
         return await self._failed_in_batches(
             "requeue",
             queue,
-            ids,
-            message_type,
+            (ids, message_type, error),
             every,
             on_batch,
-            (channel, FAILED_BATCH, queue),
+            (ids, message_type, channel, FAILED_BATCH, queue, error),
         )
 
     async def purge_failed(
@@ -269,18 +531,19 @@ class Admin:
         *,
         ids: Sequence[int] | None = None,
         message_type: str | None = None,
+        error_contains: str | None = None,
         every: bool = False,
         on_batch: ProgressCallback | None = None,
     ) -> int:
         """Delete failed messages for good (say which, as for requeue); returns how many."""
+        error = error_contains or None
         return await self._failed_in_batches(
             "purge",
             queue,
-            ids,
-            message_type,
+            (ids, message_type, error),
             every,
             on_batch,
-            (FAILED_BATCH,),
+            (ids, message_type, FAILED_BATCH, error),
         )
 
     async def run_retention(
@@ -319,8 +582,16 @@ class Admin:
         async with self._opening:
             if self._pool is None:
                 with wrap_connect_errors(self.dsn):
+                    # JIT compiling pays only for long scans: the operations layer
+                    # runs short index-bound reads, which the planner's pessimistic
+                    # estimate for a history of many buckets would send through a
+                    # compile of ~0.5 s (measured on 4M rows: 35 ms without it).
                     self._pool = await asyncpg.create_pool(
-                        self.dsn, min_size=1, max_size=self._pool_size, timeout=10
+                        self.dsn,
+                        min_size=1,
+                        max_size=self._pool_size,
+                        timeout=10,
+                        server_settings={"jit": "off"},
                     )
             return self._pool
 
@@ -368,22 +639,22 @@ class Admin:
         self,
         verb: str,
         queue: str,
-        ids: Sequence[int] | None,
-        message_type: str | None,
+        filters: tuple[Any, ...],  # ids, message_type, error_contains
         every: bool,
         on_batch: ProgressCallback | None,
-        extra: tuple[Any, ...],  # the query's parameters after $1 ids and $2 type
+        params: tuple[Any, ...],  # the query's parameters
     ) -> int:
-        if every == bool(ids or message_type):
+        if every == any(filters):
             raise ConfigurationError(
-                f"{verb}: say which failed messages, ids and/or message_type, or every=True"
+                f"{verb}: say which failed messages, ids, message_type and/or "
+                "error_contains, or every=True"
             )
         async with self._session(f"{verb} failed messages of {queue}", read_only=False) as conn:
             await self._queue(conn, queue)
             sql = render(f"ops_{verb}_failed", self.schema, queue)
             done = 0
             while True:
-                changed = int(await conn.fetchval(sql, ids, message_type, *extra))
+                changed = int(await conn.fetchval(sql, *params))
                 done += changed
                 if on_batch is not None:
                     on_batch(queue, changed)
@@ -398,6 +669,37 @@ class Admin:
             yield store
         finally:
             await store.close()
+
+
+async def _probe(dsn: str, timeout: float) -> str | None:
+    """Why the database at ``dsn`` cannot be used now (one line, no password), or None."""
+    try:
+        conn = await asyncpg.connect(dsn, timeout=timeout)
+    except Exception as exc:
+        return scrub(f"{type(exc).__name__}: {exc}")
+    try:
+        await conn.fetchval("SELECT 1", timeout=timeout)
+    except Exception as exc:
+        return scrub(f"{type(exc).__name__}: {exc}")
+    finally:
+        conn.terminate()
+    return None
+
+
+def _check_window(*seconds: float) -> None:
+    for value in seconds:
+        if not 0 < value <= 366 * 86400:
+            raise ConfigurationError(f"a window must be 0-366 days in seconds, got {value!r}")
+
+
+def _parse_cursor(cursor: str | None) -> tuple[str | None, int | None]:
+    """``queue:id`` as failed_page returns it: the page goes on below that message."""
+    if not cursor:
+        return None, None
+    queue, _, ident = cursor.rpartition(":")
+    if not queue or not ident.isdigit() or len(ident) > 19:
+        raise ConfigurationError(f"not a page cursor: {cursor!r}")
+    return queue, int(ident)
 
 
 def schema_ddl(schema: str, queue: str) -> str:

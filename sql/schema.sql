@@ -21,11 +21,30 @@ CREATE TABLE IF NOT EXISTS "nmbus".subscriptions (
     message_type text NOT NULL,
     created_date timestamptz NOT NULL DEFAULT now(),
     expiration_date timestamptz,
+    subscriber_remote boolean NOT NULL DEFAULT false,
     CONSTRAINT "subscriptions$pkey"
         PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
 );
+CREATE TABLE IF NOT EXISTS "nmbus".outbox (
+    id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."outbox$id_seq")
+        CONSTRAINT "outbox$pkey" PRIMARY KEY,
+    to_endpoint text NOT NULL,
+    from_endpoint text NOT NULL,
+    insert_time timestamptz NOT NULL DEFAULT now(),
+    deliver_at timestamptz,
+    correlation_id text,
+    label text,
+    msg_text text,
+    msg_headers jsonb,
+    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
+    priority smallint NOT NULL DEFAULT 0,
+    sequence_key text,
+    expires_at timestamptz,
+    CONSTRAINT "outbox$uid" UNIQUE (to_endpoint, unique_id)
+);
+CREATE INDEX IF NOT EXISTS "outbox$queue" ON "nmbus".outbox (to_endpoint, id);
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('5') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('7') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")
@@ -62,6 +81,8 @@ CREATE INDEX IF NOT EXISTS "billing$ready" ON "nmbus"."billing" (priority DESC, 
 CREATE UNIQUE INDEX IF NOT EXISTS "billing$uid" ON "nmbus"."billing" (unique_id);
 CREATE INDEX IF NOT EXISTS "billing$seq" ON "nmbus"."billing" (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
+CREATE INDEX IF NOT EXISTS "billing$done" ON "nmbus"."billing" (subqueue, last_processed, id)
+    WHERE subqueue IN ('X', 'F');
 
 INSERT INTO "nmbus".queues (name) VALUES ('billing') ON CONFLICT DO NOTHING;
 

@@ -29,6 +29,7 @@ from nmbus.errors import (
 )
 from nmbus.retention import RetentionPolicy
 from nmbus.settings import Settings
+from nmbus.sql import render
 from tests.ops_data import CHARGE_ERROR, Facts, count, notifications
 
 OLD = RetentionPolicy(max_age=timedelta(hours=12))
@@ -57,6 +58,104 @@ async def test_queue_status(admin: Admin, facts: Facts) -> None:
     assert billing.recent_failed == 0  # failed 30+ minutes ago, window is 10 minutes
     assert (await admin.queue_status(window=3600))[0].recent_failed == 3
     assert shipping.ready == 1 and shipping.recent_avg_ms is None
+
+
+async def test_cheap_status_estimates_x_on_big_tables_only(
+    admin: Admin, facts: Facts, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    billing = (await admin.queue_status(exact=False))[0]
+    exact = (await admin.queue_status(exact=True))[0]
+    assert (billing.processed, billing.processed_estimated) == (165, False)  # a small table
+    for field in ("ready", "scheduled", "failed", "in_flight", "recent_processed"):
+        assert getattr(billing, field) == getattr(exact, field), field
+    # Over the size limit X comes from the statistics system's live-row count.
+    monkeypatch.setattr("nmbus.admin.EXACT_COUNT_PAGES", 0)
+    # The fixture's inserts reach the statistics system when their backend next
+    # goes idle: flushed first, so they cannot land on top of what ANALYZE sets.
+    await db.execute("SELECT pg_stat_force_next_flush()")
+    await db.execute("SELECT 1")
+    await db.execute("ANALYZE nmbus.billing")
+    big = (await admin.queue_status())[0]
+    assert big.processed_estimated and (big.ready, big.failed) == (6, 3)
+    assert big.processed == 165  # ANALYZE of a small table counts every row
+
+
+async def test_windows_give_throughput_percentiles_and_failure_rate(
+    admin: Admin, facts: Facts
+) -> None:
+    billing = (await admin.queue_status(300, windows=[3600]))[0]
+    five, hour = billing.windows
+    assert (five.seconds, five.processed, five.failed, five.sampled) == (300, 100, 0, False)
+    assert five.per_second == pytest.approx(100 / 300)
+    assert five.p50_ms == pytest.approx(50.5) and five.p95_ms == pytest.approx(95.05)
+    assert five.p99_ms == pytest.approx(99.01) and five.failure_rate == 0
+    assert (hour.processed, hour.failed) == (100, 3)
+    assert hour.failure_rate == pytest.approx(3 / 103)
+    with pytest.raises(ConfigurationError):
+        await admin.queue_status(0)
+
+
+async def test_a_window_past_its_row_cap_is_sampled(
+    admin: Admin, facts: Facts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("nmbus.admin.WINDOW_ROWS", 40)
+    five = (await admin.queue_status(300))[0].windows[0]
+    assert (five.processed, five.sampled) == (40, True)
+    # The 40 rows read all went to X two minutes ago: the rate is over their span.
+    assert five.per_second > 40 / 300
+
+
+async def test_status_counts_sagas_where_an_endpoint_has_them(
+    admin: Admin, facts: Facts, db: asyncpg.Connection
+) -> None:
+    await db.execute(render("create_saga_table", "nmbus", "billing"))
+    await db.execute(
+        'INSERT INTO nmbus."billing$saga" (saga_type, saga_key, state) '
+        "VALUES ('Fulfilment', '1', '{}'), ('Fulfilment', '2', '{}')"
+    )
+    billing, shipping = await admin.queue_status()
+    assert (billing.sagas, billing.sagas_estimated) == (2, False)
+    assert shipping.sagas is None
+
+
+async def test_queue_history_buckets(admin: Admin, facts: Facts) -> None:
+    history = await admin.queue_history("billing", bucket_seconds=60, buckets=60)
+    assert len(history) == 60
+    assert [b.start for b in history] == sorted(b.start for b in history)
+    assert sum(b.processed for b in history) == 100
+    assert sum(b.failed for b in history) == 3
+    busy = next(b for b in history if b.processed)
+    assert busy.p99_ms == pytest.approx(99.01)
+    capped = await admin.queue_history("billing", bucket_seconds=60, buckets=60, cap=7)
+    assert sum(b.processed for b in capped) == 7
+    with pytest.raises(QueueNotFound):
+        await admin.queue_history("nosuch")
+
+
+async def test_failed_page_filters_and_pages(admin: Admin, facts: Facts) -> None:
+    page = await admin.failed_page(limit=2)
+    assert [m.id for m in page.messages] == facts.failed_ids[::-1][:2]  # newest first
+    assert page.next_cursor is not None
+    rest = await admin.failed_page(cursor=page.next_cursor, limit=2)
+    assert [m.id for m in rest.messages] == [facts.failed_ids[0]] and rest.next_cursor is None
+    declined = await admin.failed_page("billing", error_contains="CARD DECLINED")
+    assert [m.id for m in declined.messages] == [facts.failed_ids[2], facts.failed_ids[0]]
+    refunds = await admin.failed_page(message_type="billing.Refund")
+    assert [m.label for m in refunds.messages] == ["billing.Refund"]
+    assert (await admin.failed_page(error_contains="%")).messages == ()  # plain text, no LIKE
+    assert await admin.count_failed("billing", error_contains="declined") == 2
+    with pytest.raises(ConfigurationError, match="cursor"):
+        await admin.failed_page(cursor="billing:x")
+
+
+async def test_requeue_and_purge_by_error_text(
+    admin: Admin, facts: Facts, db: asyncpg.Connection
+) -> None:
+    assert await admin.requeue_failed("billing", error_contains="Card Declined") == 2
+    assert await count(db, "subqueue = 'F'") == 1
+    assert await admin.purge_failed("billing", error_contains="nothing like it") == 0
+    assert await admin.purge_failed("billing", error_contains="refund_id") == 1
+    assert await count(db, "subqueue = 'F'") == 0
 
 
 async def test_list_queues(admin: Admin, facts: Facts) -> None:
@@ -275,6 +374,10 @@ READS: list[Call] = [
     lambda a: a.message("billing", 1),
     lambda a: a.count_failed("billing"),
     lambda a: a.subscriptions(),
+    lambda a: a.queue_status(exact=True),
+    lambda a: a.queue_history("billing"),
+    lambda a: a.queue_detail("billing"),
+    lambda a: a.failed_page(error_contains="declined"),
     lambda a: a.retention_due(RetentionPolicy(max_age=timedelta(0), failed_max_age=timedelta(0))),
 ]
 # These write, but only to a schema that is there: none of them may create one.

@@ -181,7 +181,9 @@ async def own_objects(db: asyncpg.Connection, schema: str, table: str) -> dict[s
 
 def expected_objects(queue: str) -> dict[str, object]:
     return {
-        "indexes": sorted([f"{queue}$pkey", f"{queue}$ready", f"{queue}$seq", f"{queue}$uid"]),
+        "indexes": sorted(
+            [f"{queue}$done", f"{queue}$pkey", f"{queue}$ready", f"{queue}$seq", f"{queue}$uid"]
+        ),
         "pkey": f"{queue}$pkey",
         "sequence": f"{queue}$id_seq",
     }
@@ -340,6 +342,7 @@ async def test_a_version_4_queue_gets_priority_sequence_and_expiry_without_a_rew
     # What version 4 had: no delivery columns, the ready index on (retry_time, id).
     await db.execute(
         """DROP INDEX nmbus."billing$ready"; DROP INDEX nmbus."billing$seq";
+           DROP INDEX nmbus."billing$done";
            ALTER TABLE nmbus.billing DROP COLUMN priority, DROP COLUMN sequence_key,
                                      DROP COLUMN expires_at;
            CREATE INDEX "billing$ready" ON nmbus.billing (retry_time, id)
@@ -355,7 +358,7 @@ async def test_a_version_4_queue_gets_priority_sequence_and_expiry_without_a_rew
 
     await install_schema(db, "nmbus")
 
-    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 5
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION
     # ADD COLUMN with a constant default is catalog-only: the table was not rewritten.
     assert await db.fetchval("SELECT pg_relation_filenode('nmbus.billing')") == before
     assert (
@@ -368,4 +371,23 @@ async def test_a_version_4_queue_gets_priority_sequence_and_expiry_without_a_rew
     ready = await db.fetchval("SELECT pg_get_indexdef('nmbus.\"billing$ready\"'::regclass)")
     assert "(priority DESC, retry_time, id)" in ready
     assert "WHERE ((subqueue = ANY" in ready and "(retry_time < 'infinity'" in ready
+    assert await own_objects(db, "nmbus", "billing") == expected_objects("billing")
+
+
+async def test_a_version_5_queue_gets_the_done_index(dsn: str, db: asyncpg.Connection) -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        await store.ensure_queue("billing")
+    finally:
+        await store.close()
+    await db.execute(
+        """DROP INDEX nmbus."billing$done";
+           DELETE FROM nmbus.schema_version;
+           INSERT INTO nmbus.schema_version (version) VALUES (6)"""
+    )
+    await install_schema(db, "nmbus")
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 7
+    done = await db.fetchval("SELECT pg_get_indexdef('nmbus.\"billing$done\"'::regclass)")
+    assert "(subqueue, last_processed, id)" in done and "WHERE (subqueue = ANY" in done
     assert await own_objects(db, "nmbus", "billing") == expected_objects("billing")

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from nmbus.admin import RouteStatus
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -13,11 +14,12 @@ from nmbus.cli._common import (
     SchemaOption,
     emit_json,
     operate,
+    parse_age,
     plain,
-    seconds_text,
     settings,
     table,
 )
+from nmbus.cli._table import Column, age_text
 
 
 @app.command()
@@ -25,41 +27,74 @@ def status(
     dsn: DsnOption = None,
     schema: SchemaOption = None,
     window: Annotated[
-        float, typer.Option(help="seconds of recent history for latency and failures")
-    ] = 600.0,
+        str,
+        typer.Option(
+            metavar="AGE",
+            help="recent history for latency and failures: 90s, 10m, 2h, or seconds",
+        ),
+    ] = "10m",
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact",
+            help="count X rows one by one (a full scan of each queue) instead of estimating "
+            "them on big tables",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Every queue: rows per subqueue, oldest ready age, recent latency and failures."""
+    """Every queue: rows per subqueue, oldest ready age, recent latency and failures.
+
+    I, R and F are exact; X ("~" before it) is estimated on tables over 16 MiB
+    from PostgreSQL's live-row count, so this stays fast with millions of
+    processed rows (--exact counts them).
+    """
+    seconds = parse_age(window, "--window").total_seconds()
+    if not 0 < seconds <= 366 * 86400:
+        raise typer.BadParameter(
+            f"{window!r}: the window must be longer than 0 and at most 366 days",
+            param_hint="--window",
+        )
     cfg = settings(dsn, schema)
-    queues = operate(cfg, lambda admin: admin.queue_status(window))
+    queues = operate(cfg, lambda admin: admin.queue_status(seconds, exact=exact))
+    routes = operate(cfg, lambda admin: admin.route_status(cfg.route_dsns()))
     if as_json:
-        emit_json({"window_seconds": window, "queues": [plain(q) for q in queues]})
+        emit_json(
+            {
+                "window_seconds": seconds,
+                "queues": [{k: v for k, v in plain(q).items() if k != "windows"} for q in queues],
+                "routes": [plain(r) for r in routes],
+            }
+        )
         return
-    minutes = f"{window / 60:g}m"
+    minutes = age_text(seconds)
+    # At 80 columns this is two tables, each with the queue names: the subqueues,
+    # then the recent window.
+    rows, recent = "rows", "recent"
     table(
         f"nmbus queues in schema {cfg.schema_name!r} (recent = last {minutes})",
         [
-            "queue",
-            "I ready",
-            "R scheduled",
-            "X processed",
-            "F failed",
-            "in flight",
-            "oldest ready",
-            f"done {minutes}",
-            "avg ms",
-            "p99 ms",
-            f"failed {minutes}",
+            Column("queue", key=True),
+            Column("I ready", group=rows),
+            Column("R scheduled", group=rows),
+            Column("X processed", align="right", group=rows),
+            Column("F failed", group=rows),
+            Column("in flight", group=rows),
+            Column("oldest ready", align="right", group=rows),
+            Column(f"done {minutes}", group=recent),
+            Column("avg ms", align="right", group=recent),
+            Column("p99 ms", align="right", group=recent),
+            Column(f"failed {minutes}", group=recent),
         ],
         [
             [
                 q.queue,
                 q.ready,
                 q.scheduled,
-                q.processed,
+                f"~{q.processed:,}" if q.processed_estimated else q.processed,
                 q.failed,
                 q.in_flight,
-                seconds_text(q.oldest_ready_seconds),
+                age_text(q.oldest_ready_seconds),
                 q.recent_processed,
                 q.recent_avg_ms,
                 q.recent_p99_ms,
@@ -67,16 +102,51 @@ def status(
             ]
             for q in queues
         ],
+        empty=f"no queues yet in schema {cfg.schema_name!r}",
     )
-    if not queues:
-        typer.echo("no queues yet")
     blocked = [(q.queue, b) for q in queues for b in q.blocked]
     if blocked:
         table(
             "blocked sequences (a member in F holds its sequence until requeued or purged)",
-            ["queue", "sequence", "blocking id", "in", "attempts", "waiting", "error"],
+            [
+                Column("queue", key=True),
+                Column("sequence", key=True),
+                "blocking id",
+                "in",
+                "attempts",
+                "waiting",
+                Column("error", wrap=True),
+            ],
             [
                 [name, b.sequence_key, b.blocking_id, b.subqueue, b.attempts, b.waiting, b.error]
                 for name, b in blocked
             ],
         )
+    _routes_table(routes)
+
+
+def _routes_table(routes: list[RouteStatus]) -> None:
+    """Every database of the routes, and what waits in the outbox for each of its queues."""
+    if not routes:
+        return
+    table(
+        "routes: queues in other databases, through the outbox (lag = oldest waiting)",
+        [
+            Column("database", key=True),
+            Column("reachable", wrap=True),
+            Column("queue", key=True),
+            "waiting",
+            Column("lag", align="right"),
+        ],
+        [
+            [
+                r.database or "(no route here)",
+                "-" if r.reachable is None else ("yes" if r.reachable else f"no: {r.error}"),
+                q.queue,
+                q.waiting,
+                age_text(q.oldest_seconds),
+            ]
+            for r in routes
+            for q in r.queues
+        ],
+    )

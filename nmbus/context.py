@@ -22,10 +22,12 @@ from nmbus.envelopes import (
     REQUESTER_HEADER,
     SAGA_HEADER,
     SAGA_KEY_HEADER,
+    Delivery,
     EnvelopeBuilder,
     deliver_time,
     delivery,
     travelling,
+    type_name,
 )
 from nmbus.errors import ConfigurationError
 from nmbus.messages import Envelope, Message, StoredMessage
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     import asyncpg
 
     from nmbus.store import HandlerTransaction
+    from nmbus.tracing import Tracing
 
 
 @dataclass(slots=True)
@@ -154,15 +157,22 @@ class Context:
         "_headers",
         "_row",
         "_saga",
+        "_tracing",
         "_travel",
         "effects",
         "queue",
     )
 
     def __init__(
-        self, queue: str, row: StoredMessage, batch: HandlerTransaction, builder: EnvelopeBuilder
+        self,
+        queue: str,
+        row: StoredMessage,
+        batch: HandlerTransaction,
+        builder: EnvelopeBuilder,
+        tracing: Tracing | None = None,
     ) -> None:
         self.queue = queue
+        self._tracing = tracing
         self._row = row
         self._batch = batch
         self._builder = builder
@@ -243,6 +253,14 @@ class Context:
             return self._travel
         return {**self._travel, **headers}
 
+    def _outgoing(
+        self, headers: Mapping[str, str] | None, reply_to: str | None
+    ) -> Mapping[str, str] | None:
+        outgoing = self.outgoing_headers(headers)
+        if reply_to is not None:
+            outgoing = {**(outgoing or {}), REPLY_TO_HEADER: validate_queue_name(reply_to)}
+        return outgoing
+
     async def send(
         self,
         message: Message,
@@ -266,19 +284,34 @@ class Context:
         endpoint its receiver's ``ctx.reply`` answers to. ``priority``,
         ``sequence``, ``ttl`` and ``expires_at`` as in ``Bus.send``.
         """
-        outgoing = self.outgoing_headers(headers)
-        if reply_to is not None:
-            outgoing = {**(outgoing or {}), REPLY_TO_HEADER: validate_queue_name(reply_to)}
-        envelope = self._builder.for_send(
-            message,
-            to,
-            correlation_id or self.correlation_id or self.unique_id,
-            outgoing,
-            unique_id,
-            deliver_at,
-            delay,
-            delivery(priority, sequence, ttl, expires_at),
-        )
+        controls = delivery(priority, sequence, ttl, expires_at)
+        correlation = correlation_id or self.correlation_id or self.unique_id
+        if self._tracing is None:
+            envelope = self._builder.for_send(
+                message,
+                to,
+                correlation,
+                self._outgoing(headers, reply_to),
+                unique_id,
+                deliver_at,
+                delay,
+                controls,
+            )
+        else:
+            # Recorded now, stored when the batch commits. The current span (this
+            # handler's) wins over the traceparent the handled message carried in.
+            with self._tracing.producing("send", to) as producer:
+                envelope = self._builder.for_send(
+                    message,
+                    to,
+                    correlation,
+                    self._outgoing(producer.headers(headers), reply_to),
+                    unique_id,
+                    deliver_at,
+                    delay,
+                    controls,
+                )
+                producer.sent(envelope)
         self.effects.sends.append((to, envelope))
         return envelope.unique_id
 
@@ -304,16 +337,34 @@ class Context:
         ``correlation_id`` / ``headers`` say otherwise). Returns the publish
         id: each copy's unique_id is ``<publish id>/<subscriber>``.
         """
-        envelope, _ = self._builder.for_publish(
-            message,
+        args = (
             correlation_id or self.correlation_id or self.unique_id,
-            self.outgoing_headers(headers),
             unique_id,
             deliver_time(deliver_at, delay),
             delivery(priority, sequence, ttl, expires_at),
         )
+        if self._tracing is None:
+            envelope = self._publish(message, headers, *args)
+        else:
+            with self._tracing.producing("publish", type_name(message)) as producer:
+                envelope = self._publish(message, producer.headers(headers), *args)
+                producer.sent(envelope)
         self.effects.publishes.append(envelope)
         return envelope.unique_id
+
+    def _publish(
+        self,
+        message: Message,
+        headers: Mapping[str, str] | None,
+        correlation_id: str,
+        unique_id: str | None,
+        deliver_at: datetime | None,
+        controls: Delivery,
+    ) -> Envelope:
+        envelope, _ = self._builder.for_publish(
+            message, correlation_id, self.outgoing_headers(headers), unique_id, deliver_at, controls
+        )
+        return envelope
 
     async def reply(self, message: Message, *, headers: Mapping[str, str] | None = None) -> str:
         """Answer the message being handled, when this handler's transaction commits.

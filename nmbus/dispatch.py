@@ -16,9 +16,9 @@ import logging
 import math
 import time
 import traceback
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine, Generator, Mapping
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 from pydantic import ValidationError
@@ -45,13 +45,17 @@ from nmbus.errors import (
     UndecodableMessage,
     UnknownMessageType,
 )
-from nmbus.handlers import HandlerFunc, Registry
-from nmbus.messages import Message, StoredMessage
+from nmbus.handlers import Handler, Registry
+from nmbus.messages import Message, StoredMessage, lookup_type
 from nmbus.recovery import DIED_ALONE
 from nmbus.replies import Replies
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
 from nmbus.store import Batch, Outcomes
+
+if TYPE_CHECKING:
+    from nmbus.metrics import WorkerMetrics
+    from nmbus.tracing import Tracing
 
 log = structlog.get_logger("nmbus.worker")
 
@@ -135,6 +139,17 @@ def _not_yet(when: object) -> bool:
     return moment > datetime.now(UTC)
 
 
+def _trace(row: StoredMessage, ctx: Context) -> Mapping[str, Any]:
+    """The headers to read a trace context from: none unless they name one (no JSON parse)."""
+    raw = row.msg_headers
+    if not raw or "traceparent" not in raw:
+        return {}
+    try:
+        return ctx.headers
+    except ValueError:
+        return {}
+
+
 def per_message_logs() -> bool:
     """Whether to log a line per message: only when the application configured structlog.
 
@@ -156,23 +171,6 @@ def cancelled_from_outside() -> bool:
     """Whether this task is being cancelled (shutdown), not just seeing a stray CancelledError."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-async def _call(func: HandlerFunc, message: Message, ctx: Context, timeout: float) -> None:
-    """Run one handler under ``timeout``; one that never waits costs no timer at all.
-
-    Starting the coroutine by hand tells whether it finishes without waiting; a
-    timer (``asyncio.timeout``, a heap entry made and cancelled) is armed only for
-    one that waits, around the rest of its run. Most no-op or CPU-only handlers
-    thus skip a few microseconds of timer bookkeeping per message.
-    """
-    coro = cast("Coroutine[Any, Any, None]", func(message, ctx))
-    try:
-        first = coro.send(None)
-    except StopIteration:
-        return
-    async with asyncio.timeout(timeout):
-        await _Resumed(coro, first)
 
 
 class _Resumed:
@@ -235,6 +233,42 @@ class SerialBatch:
             self._lock.release()
 
 
+class Unguarded:
+    """The batch's transaction for a handler without outside effects: no savepoint.
+
+    Its first use of ``ctx.connection`` only begins the batch's transaction.
+    When such a handler fails after writing (or may have left the transaction
+    aborted), the dispatcher raises :class:`Replay` and the worker rolls the
+    whole batch back and runs it again, with savepoints.
+    """
+
+    __slots__ = ("_batch",)
+
+    def __init__(self, batch: Batch) -> None:
+        self._batch = batch
+
+    @property
+    def connection(self) -> Any:
+        return self._batch.connection
+
+    async def savepoint(self) -> None:
+        await self._batch.begin()
+
+
+class Replay(Exception):
+    """A batch run without savepoints must be rolled back and run again with them.
+
+    ``row`` is the message whose handler wrote and then failed (its failure,
+    ``error``, stands: it is not run again) or whose writes may have aborted
+    the transaction although it returned (``error`` None: it runs again).
+    """
+
+    def __init__(self, row: StoredMessage, error: BaseException | None) -> None:
+        super().__init__(f"replay the batch of message {row.id}")
+        self.row = row
+        self.error = error
+
+
 class Dispatcher:
     """Runs the handlers of one queue's messages and turns what happened into outcomes."""
 
@@ -246,8 +280,15 @@ class Dispatcher:
         settings: Settings,
         builder: EnvelopeBuilder,
         replies: Replies | None = None,
+        *,
+        metrics: WorkerMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.queue = queue
+        # Both None unless asked for (metrics_port) or installed (opentelemetry):
+        # then a message costs one ``is None`` check for each.
+        self.metrics = metrics
+        self.tracing = tracing
         self.replies = replies
         self.registry = registry
         self.retry = retry
@@ -255,6 +296,15 @@ class Dispatcher:
         self.on_expired = settings.on_expired
         self.default_timeout = settings.handler_timeout
         self.builder = builder
+        # Per message class: its handlers, its validator and its retry policy,
+        # valid while the registry is unchanged.
+        self._plans: dict[type[Message], tuple[tuple[Handler, ...], Any, RetryPolicy]] = {}
+        self._plans_for = -1
+        # structlog's context variables for the two keys bound per message.
+        tokens = structlog.contextvars.bind_contextvars(message_id=None, message_type=None)
+        structlog.contextvars.reset_contextvars(**tokens)
+        self._id_var = tokens["message_id"].var
+        self._type_var = tokens["message_type"].var
 
     async def handle(
         self,
@@ -264,12 +314,22 @@ class Dispatcher:
         done: list[Effects],
         debug: bool,
         lock: asyncio.Lock | None = None,
+        unguarded: bool = False,
     ) -> None:
-        """Handle ``row`` in batch ``tx``; on success, what it sent is appended to ``done``."""
+        """Handle ``row`` in batch ``tx``; on success, what it sent is appended to ``done``.
+
+        ``unguarded``: the batch runs without savepoints (every handler in it has
+        no outside effects); a handler that fails after writing raises
+        :class:`Replay` instead of rolling back to its savepoint.
+        """
         if row.expired:
             self.expired(row, outcomes)
             return
-        cls = decode_type(row.label, row.msg_headers)
+        label = row.label
+        # The class of a known label, as decode_type would find it first.
+        cls = lookup_type(label) if label else None
+        if cls is None:
+            cls = decode_type(label, row.msg_headers)
         text = row.msg_headers
         if (
             cls is not None
@@ -278,30 +338,22 @@ class Dispatcher:
             and self.reply(row, cls, outcomes)
         ):
             return
-        handlers = self.registry.handlers_for(cls) if cls is not None else ()
-        if not handlers:
-            unhandled: MessageError = (
-                UnknownMessageType(
-                    f"no message type {row.label!r} is known to endpoint {self.queue!r}"
-                )
-                if cls is None
-                else NoHandler(f"endpoint {self.queue!r} has no handler for {row.label!r}")
-            )
-            reason = error_info(unhandled)
-            if self.on_unknown == "skip":
-                outcomes.add(row.id, "X", error_info=f"skipped: {reason}")
-                if per_message_logs():
-                    log.warning(
-                        "message_skipped", queue=self.queue, message_id=row.id, reason=reason
-                    )
-            else:
-                outcomes.add(row.id, "F", error_info=reason)
-                if per_message_logs():
-                    log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
-            return
-        assert cls is not None
+        if self._plans_for is not self.registry.version:
+            self._plans.clear()
+            self._plans_for = self.registry.version
+        plan = self._plans.get(cls) if cls is not None else None
+        if plan is None:
+            handlers = self.registry.handlers_for(cls) if cls is not None else ()
+            if not handlers:
+                self._unhandled(row, cls, outcomes)
+                return
+            assert cls is not None
+            plan = (handlers, cls.__pydantic_validator__, handlers[0].retry or self.retry)
+            self._plans[cls] = plan
+        handlers, validator, policy = plan
         try:
-            message = cls.model_validate_json(row.msg_text or "")
+            # What cls.model_validate_json does, without its wrapper's call.
+            message = validator.validate_json(row.msg_text or "")
         except (ValidationError, ValueError) as exc:
             undecodable = because(
                 UndecodableMessage(f"body is not a valid {row.label}: {exc}"), exc
@@ -312,7 +364,6 @@ class Dispatcher:
                 log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
             return
 
-        policy = handlers[0].retry or self.retry
         if row.recovered == DIED_ALONE and row.retry_count > policy.max_attempts:
             reason = error_info(
                 AttemptsExhausted(
@@ -326,41 +377,91 @@ class Dispatcher:
             return
 
         serial = SerialBatch(tx, lock) if lock is not None else None
-        ctx = Context(self.queue, row, serial or tx, self.builder)
+        tracing = self.tracing
+        if tracing is not None and not tracing.on():
+            tracing = None
+        handle_tx: Any = Unguarded(tx) if unguarded else (serial or tx)
+        ctx = Context(self.queue, row, handle_tx, self.builder, tracing)
         effects = ctx.effects
-        # ``queue`` is bound once per loop (in _loop); these two change per message.
-        tokens = structlog.contextvars.bind_contextvars(message_id=row.id, message_type=row.label)
+        # ``queue`` is bound once per loop (in _loop); these two change per message,
+        # set on structlog's own context variables (bind_contextvars, without its
+        # per-call keyword dict and name formatting).
+        metrics = self.metrics
+        span = None if tracing is None else tracing.consuming(self.queue, row, _trace(row, ctx))
+        id_token = self._id_var.set(row.id)
+        type_token = self._type_var.set(label)
+        failure: BaseException | None = None
         try:
-            started = time.perf_counter() if debug else 0.0
+            started = time.perf_counter() if debug or metrics is not None else 0.0
             try:
                 for handler in handlers:
-                    await _call(handler.func, message, ctx, handler.timeout or self.default_timeout)
+                    # A handler that finishes without waiting costs no timer at all;
+                    # one that waits runs the rest of its course under its timeout.
+                    coro = cast("Coroutine[Any, Any, None]", handler.func(message, ctx))
+                    try:
+                        first = coro.send(None)
+                    except StopIteration:
+                        continue
+                    async with asyncio.timeout(handler.timeout or self.default_timeout):
+                        await _Resumed(coro, first)
                 if effects.savepoint:
                     # A clean savepoint can be released with the next one (a round
                     # trip saved); one that may be aborted is released now, so that
                     # its own handler is the one that fails.
-                    if effects.tainted:
+                    if unguarded:
+                        if effects.tainted:
+                            raise Replay(row, None)
+                    elif effects.tainted:
                         await tx.release_savepoint()
                     else:
                         tx.defer_release()
             except BaseException as exc:
+                failure = exc
                 if isinstance(exc, asyncio.CancelledError) and cancelled_from_outside():
                     raise  # the worker is stopping: not the handler's failure
-                if isinstance(exc, KeyboardInterrupt | SystemExit):
+                if isinstance(exc, KeyboardInterrupt | SystemExit | Replay):
                     raise
+                if metrics is not None:
+                    metrics.handler_ran(row.label, time.perf_counter() - started)
                 if effects.savepoint:
+                    if unguarded:
+                        raise Replay(row, exc) from exc
                     await tx.rollback_savepoint()
                 self.failed(row, exc, policy, outcomes)
                 return
-            outcomes.add(row.id, "X")
+            if metrics is not None:
+                metrics.handler_ran(row.label, time.perf_counter() - started)
+            outcomes.processed(row.id)
             if effects.sends or effects.publishes:
                 done.append(effects)
             if debug:
                 log.debug("message_handled", ms=round((time.perf_counter() - started) * 1000, 3))
         finally:
-            if serial is not None:
-                serial.let_go()
-            structlog.contextvars.reset_contextvars(**tokens)
+            try:
+                if span is not None:
+                    span.end(failure, replayed=isinstance(failure, Replay))
+            finally:
+                if serial is not None:
+                    serial.let_go()
+                self._type_var.reset(type_token)
+                self._id_var.reset(id_token)
+
+    def _unhandled(self, row: StoredMessage, cls: type[Message] | None, outcomes: Outcomes) -> None:
+        """Record a message no handler here takes: F, or X with ``on_unknown="skip"``."""
+        unhandled: MessageError = (
+            UnknownMessageType(f"no message type {row.label!r} is known to endpoint {self.queue!r}")
+            if cls is None
+            else NoHandler(f"endpoint {self.queue!r} has no handler for {row.label!r}")
+        )
+        reason = error_info(unhandled)
+        if self.on_unknown == "skip":
+            outcomes.add(row.id, "X", error_info=f"skipped: {reason}")
+            if per_message_logs():
+                log.warning("message_skipped", queue=self.queue, message_id=row.id, reason=reason)
+        else:
+            outcomes.add(row.id, "F", error_info=reason)
+            if per_message_logs():
+                log.error("message_failed", queue=self.queue, message_id=row.id, error=reason)
 
     def reply(self, row: StoredMessage, cls: type[Message], outcomes: Outcomes) -> bool:
         """Deal with a reply if it is not for the handlers: True when its outcome is added.

@@ -53,6 +53,11 @@ def travelling(headers: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def type_name(message: object) -> str:
+    """The type name of ``message``, or its class name if it is not a Message (for spans)."""
+    return str(getattr(message, "__type_name__", type(message).__name__))
+
+
 def chain_header(cls: type[Message]) -> str | None:
     """The TYPE_CHAIN_HEADER value for ``cls``, or None when it is its own whole chain."""
     chain = type_chain(cls)

@@ -32,6 +32,9 @@ class Handler:
     message_type: type[Message]
     retry: RetryPolicy | None
     timeout: float | None
+    # False: the handler's only effects go through ctx.connection, ctx.send and
+    # ctx.publish, so running it again after a rollback is invisible.
+    outside_effects: bool = True
 
     @property
     def name(self) -> str:
@@ -44,6 +47,10 @@ class Registry:
     def __init__(self) -> None:
         self._by_type: dict[type[Message], list[Handler]] = {}
         self._dispatch: dict[type[Message], tuple[Handler, ...]] = {}
+        # How many registered handlers may have effects outside the database.
+        self._outside = 0
+        # Changes with every registration: caches built on the registry check it.
+        self.version = 0
 
     def add(
         self,
@@ -51,6 +58,7 @@ class Registry:
         message_type: type[Message] | None = None,
         retry: RetryPolicy | int | None = None,
         timeout: float | None = None,
+        outside_effects: bool = True,
     ) -> Handler:
         if not inspect.iscoroutinefunction(func):
             raise HandlerError(f"handler {func!r} must be an async function (async def)")
@@ -89,9 +97,16 @@ class Registry:
                 f"(10 years), got {timeout}"
             )
         policy = RetryPolicy.of(retry) if retry is not None else None
-        handler = Handler(func, message_type, policy, timeout)
+        if not isinstance(outside_effects, bool):
+            raise HandlerError(
+                f"handler {func.__qualname__}: outside_effects must be True or False, "
+                f"got {outside_effects!r}"
+            )
+        handler = Handler(func, message_type, policy, timeout, outside_effects)
         self._by_type.setdefault(message_type, []).append(handler)
         self._dispatch.clear()
+        self._outside += outside_effects
+        self.version += 1
         return handler
 
     def handlers_for(self, cls: type[Message]) -> tuple[Handler, ...]:
@@ -106,6 +121,17 @@ class Registry:
             )
             self._dispatch[cls] = found
         return found
+
+    @property
+    def all_replayable(self) -> bool:
+        """Whether every registered handler declared ``outside_effects=False``."""
+        return not self._outside and bool(self._by_type)
+
+    def replayable(self, cls: type[Message] | None) -> bool:
+        """Whether running the handlers of ``cls`` again after a rollback is invisible."""
+        if cls is None or not self._outside:
+            return True
+        return not any(h.outside_effects for h in self.handlers_for(cls))
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_type.values())

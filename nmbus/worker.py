@@ -28,19 +28,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
 
 import structlog
 
 from nmbus.context import Effects
 from nmbus.dispatch import (
     Dispatcher,
+    Replay,
     because,
     cancelled_from_outside,
     debug_enabled,
     describe,
     per_message_logs,
 )
-from nmbus.envelopes import chain_of, dead_letter_copy
+from nmbus.envelopes import IN_REPLY_TO_HEADER, chain_of, dead_letter_copy, decode_type
 from nmbus.errors import DatabaseUnavailable, LeaseLost, OutcomeNotRecorded, StoreError
 from nmbus.logs import log_failure
 from nmbus.messages import Envelope, StoredMessage
@@ -48,6 +50,9 @@ from nmbus.recovery import Gate, isolate, process_gate
 from nmbus.settings import Settings
 from nmbus.store import Batch, Outcomes, Store, WorkerSession
 from nmbus.supervise import supervise
+
+if TYPE_CHECKING:
+    from nmbus.metrics import WorkerMetrics
 
 log = structlog.get_logger("nmbus.worker")
 
@@ -64,8 +69,10 @@ class Worker:
         settings: Settings,
         client_id: str,
         dead_letter: str | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.queue = queue
+        self.metrics = metrics
         # The failure port: a copy of every row this worker moves to F goes there,
         # in the same transaction (never from the port's own queue: no loop).
         self.dead_letter = dead_letter if dead_letter != queue else None
@@ -82,6 +89,9 @@ class Worker:
         self._abandoned: set[int] = set()
         self._unstarted: set[int] = set()
         self.handled = 0
+        # Batches rolled back and run again with savepoints (handlers without
+        # outside effects that failed after writing).
+        self.replays = 0
         # Outcomes committed so far, by subqueue (X, R, F; "released" when given back).
         self.outcomes: Counter[str] = Counter()
         self._gate: Gate | None = None
@@ -148,6 +158,11 @@ class Worker:
                 await self.store.renew_leases(self.queue, ids, self.client_id, lease)
             except StoreError as exc:
                 log.warning("lease_renewal_failed", queue=self.queue, error=str(exc))
+                if self.metrics is not None:
+                    self.metrics.lease_renewal_failed()
+            else:
+                if self.metrics is not None:
+                    self.metrics.leases_renewed(len(ids))
 
     async def stop(self) -> None:
         """Finish in-flight handlers (up to ``shutdown_timeout``), return the rest to I."""
@@ -349,6 +364,9 @@ class Worker:
         except Exception as again:
             log.error("outcome_not_recorded", queue=self.queue, message_id=row.id, error=str(again))
             await self.store.abandon_leases(self.queue, [row.id], self.client_id)
+            return
+        if self.metrics is not None:
+            self.metrics.committed([row], outcomes, whole_batch=False)
 
     async def _run_batch(
         self,
@@ -357,9 +375,47 @@ class Worker:
         claim_ahead: bool,
         started: set[int],
     ) -> list[StoredMessage]:
+        # A batch whose handlers all declared no outside effects runs without
+        # savepoints. When one of them fails after writing, the transaction is
+        # rolled back and the batch runs again with savepoints, that failure
+        # standing: nothing of the first run was visible, and no handler that
+        # could have effects elsewhere ran in it.
+        unguarded = self.settings.handler_concurrency == 1 and self._replayable(batch)
+        failed: dict[int, BaseException] = {}
+        while True:
+            try:
+                return await self._run_batch_once(
+                    session, batch, claim_ahead, started, unguarded, failed
+                )
+            except Replay as replay:
+                self.replays += 1
+                unguarded = False
+                if replay.error is not None:
+                    failed[replay.row.id] = replay.error
+
+    def _replayable(self, batch: list[StoredMessage]) -> bool:
+        registry = self.dispatcher.registry
+        if not registry.all_replayable and not all(
+            registry.replayable(decode_type(m.label, m.msg_headers)) for m in batch
+        ):
+            return False
+        # A reply is handed to the request waiting for it as it is handled, which
+        # a rolled-back run cannot take back: a batch with one keeps its savepoints.
+        return not any(m.msg_headers and IN_REPLY_TO_HEADER in m.msg_headers for m in batch)
+
+    async def _run_batch_once(
+        self,
+        session: WorkerSession,
+        batch: list[StoredMessage],
+        claim_ahead: bool,
+        started: set[int],
+        unguarded: bool,
+        failed: dict[int, BaseException],
+    ) -> list[StoredMessage]:
         outcomes = Outcomes()
         done: list[Effects] = []
         debug = debug_enabled()
+        partial = False
         async with session.batch() as tx:
             if self.settings.handler_concurrency > 1 and len(batch) > 1:
                 await self._handle_concurrently(tx, batch, outcomes, done, debug, started)
@@ -370,7 +426,17 @@ class Worker:
                         outcomes.add(message.id, None, correction=-1)
                         continue
                     started.add(message.id)
-                    await self.dispatcher.handle(tx, message, outcomes, done, debug)
+                    if failed and message.id in failed:
+                        # Failed after writing in a run that was rolled back: not run again.
+                        policy = self.dispatcher.policy(message)
+                        with structlog.contextvars.bound_contextvars(
+                            message_id=message.id, message_type=message.label
+                        ):
+                            self.dispatcher.failed(message, failed[message.id], policy, outcomes)
+                        continue
+                    await self.dispatcher.handle(
+                        tx, message, outcomes, done, debug, None, unguarded
+                    )
             if done:
                 await self._flush(tx, done)
             if self.dead_letter is not None and not outcomes.all_processed:
@@ -389,7 +455,9 @@ class Worker:
                 changed = await tx.finish(self.queue, outcomes, self.client_id)
             if changed != len(outcomes) and not tx.begun:
                 # Nothing was written and the finish is already committed: the rows we
-                # still held are done, the others are another worker's now.
+                # still held are done, the others are another worker's now (which of
+                # them is not known here, so the metrics count none of this batch).
+                partial = True
                 log.warning(
                     "lease_lost",
                     queue=self.queue,
@@ -403,6 +471,8 @@ class Worker:
                 )
         self.handled += len(batch)
         self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
+        if self.metrics is not None and not partial:
+            self.metrics.committed(batch, outcomes)
         # Committed: ours, and in flight from now on (the lease renewer must see them).
         self.in_flight.update(m.id for m in ahead)
         return ahead

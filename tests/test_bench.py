@@ -70,9 +70,21 @@ def test_bench_all_prints_a_table_with_every_mode_and_its_settings(dsn: str) -> 
     result = CliRunner().invoke(app, ["bench", "all", "--dsn", dsn, *SMALL])
     assert result.exit_code == 0, result.output
     out = result.output
-    for mode in ("ceiling", "drain", "transactional", "latency", "fanout"):
+    for mode in ("ceiling", "peers", "drain", "transactional", "latency", "fanout"):
         assert mode in out
-    for figure in ("ratio_to_ceiling", "ratio_to_per_message_tx", "p99_ms", "published_per_s"):
+    for figure in (
+        "crash_safe_messages_per_s",
+        "ratio_to_ceiling",
+        "ratio_to_crash_safe",
+        "two_loops_ratio_to_crash_safe",
+        "ratio_nmbus_to_best_pgqueuer",
+        "ratio_to_per_message_tx",
+        "ratio_no_outside_effects",
+        "p99_ms",
+        "p99_ratio_to_pgqueuer",
+        "published_per_s",
+        "load_average_1m",
+    ):
         assert figure in out
     assert "batch_size=50" in out
     assert "load_average_1m=" in out
@@ -171,4 +183,39 @@ async def test_saga_compares_a_saga_with_the_same_handler_without(dsn: str) -> N
         figures["saga_per_s"] / figures["plain_per_s"]
     )
     assert result.settings["sagas"] == 100
+    assert await _schemas(dsn) == []
+
+
+async def test_scaling_drains_with_loops_and_processes_against_the_crash_safe_ceiling(
+    dsn: str,
+) -> None:
+    options = BenchOptions(dsn=dsn, messages=300, batch_size=20)
+    [result] = await asyncio.wait_for(run(["scaling"], options), timeout=120)
+    figures = result.figures
+    for loops in (1, 2, 4):
+        assert figures[f"crash_safe_{loops}_loops_per_s"] > 0
+        assert figures[f"ratio_{loops}_loops"] == pytest.approx(
+            figures[f"drain_{loops}_loops_per_s"] / figures[f"crash_safe_{loops}_loops_per_s"]
+        )
+    assert figures["drain_2_processes_per_s"] > 0
+    assert figures["ratio_2_processes"] > 0
+    assert figures["load_average_1m"] >= 0
+    assert await _schemas(dsn) == []
+
+
+async def test_peers_runs_pgqueuer_in_the_bench_schema_beside_an_nmbus_drain(dsn: str) -> None:
+    options = BenchOptions(dsn=dsn, messages=300, batch_size=50)
+    [result] = await asyncio.wait_for(run(["peers"], options), timeout=120)
+    figures = result.figures
+    best = max(figures["pgqueuer_batch_10_per_s"], figures["pgqueuer_batch_100_per_s"])
+    assert figures["ratio_nmbus_to_best_pgqueuer"] == pytest.approx(
+        figures["nmbus_messages_per_s"] / best
+    )
+    assert result.settings["pgqueuer"].startswith("1.")
+    # pgqueuer's tables went into the scratch schema, and went with it.
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await conn.fetchval("SELECT to_regclass('public.pgqueuer')") is None
+    finally:
+        await conn.close()
     assert await _schemas(dsn) == []

@@ -226,20 +226,22 @@ async def test_the_failure_port_copy_is_rolled_back_with_a_batch_that_loses_its_
     make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
     bus = make_bus("billing", dead_letter="errors", lease_seconds=0.3)
+    stolen = asyncio.Event()
 
     @bus.handler
     async def on_ping(msg: Ping, ctx: Context) -> None:
         await ctx.connection.execute("SELECT 1")  # a transaction is open
         # Another worker takes the row over while this one still runs.
         await db.execute("UPDATE nmbus.billing SET handling_client_id = 'thief'")
+        stolen.set()
         raise PermanentError("too late")
 
     async with bus:
         await bus.send(Ping(n=1), to="billing")
+        # The wait must not share `db` with the handler: one connection runs
+        # one statement at a time.
         async with asyncio.timeout(10):
-            while not bus.worker.outcomes and not await db.fetchval(
-                "SELECT count(*) FROM nmbus.billing WHERE handling_client_id = 'thief'"
-            ):
+            while not bus.worker.outcomes and not stolen.is_set():
                 await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
     assert await db.fetchval("SELECT to_regclass('nmbus.errors')") is None or (

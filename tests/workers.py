@@ -2,8 +2,9 @@
 
 python -m tests.workers worker DSN QUEUE [lease]   handle Ping/Crash until killed
 python -m tests.workers sender DSN QUEUE N          send N Pings, print each unique id
-python -m tests.workers poison DSN QUEUE LEASE BATCH POISON
+python -m tests.workers poison DSN QUEUE LEASE BATCH POISON [pure]
     handle Pings, recording each in effects; the Ping numbered POISON kills the process
+    ("pure": the handler declares outside_effects=False, batches run without savepoints)
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ async def worker(dsn: str, queue: str, lease: float) -> None:
         await bus.wait_stopped()
 
 
-async def poison(dsn: str, queue: str, lease: float, batch_size: int, pill: int) -> None:
+async def poison(
+    dsn: str, queue: str, lease: float, batch_size: int, pill: int, pure: bool = False
+) -> None:
     bus = Bus(
         queue,
         dsn=dsn,
@@ -51,7 +54,7 @@ async def poison(dsn: str, queue: str, lease: float, batch_size: int, pill: int)
         batch_size=batch_size,
     )
 
-    @bus.handler
+    @bus.handler(outside_effects=not pure)
     async def on_ping(msg: Ping, ctx: Context) -> None:
         print(f"ran {msg.n} attempt {ctx.retry_count}", flush=True)
         if msg.n == pill:
@@ -79,6 +82,7 @@ if __name__ == "__main__":
         asyncio.run(worker(dsn, queue, float(sys.argv[4]) if len(sys.argv) > 4 else 2.0))
     elif mode == "poison":
         lease, batch_size, pill = float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-        asyncio.run(poison(dsn, queue, lease, batch_size, pill))
+        pure = sys.argv[7:] == ["pure"]
+        asyncio.run(poison(dsn, queue, lease, batch_size, pill, pure))
     else:
         asyncio.run(sender(dsn, queue, int(sys.argv[4])))

@@ -11,13 +11,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
+
+from nmbus.cli._table import Column, Grid
 
 command = typer.Typer(add_completion=False)
 
 MODES_HELP = (
-    "ceiling, drain, transactional, latency, fanout, xrows, saga, delivery, "
-    "or all (every one but xrows, saga and delivery)"
+    "ceiling, peers, drain, transactional, latency, fanout, scaling, xrows, saga, delivery, "
+    "routed, or all (every one but scaling, xrows, saga, delivery and routed)"
 )
 
 
@@ -27,8 +28,18 @@ def bench(
     dsn: Annotated[
         str | None, typer.Option(envvar="NMBUS_DSN", help="PostgreSQL DSN", show_default=False)
     ] = None,
-    messages: Annotated[int, typer.Option("--messages", "-n", min=1)] = 50_000,
-    batch_size: Annotated[int, typer.Option(min=1, max=10_000)] = 100,
+    messages: Annotated[
+        int,
+        typer.Option(
+            "--messages",
+            "-n",
+            min=1,
+            help="messages pre-loaded and drained per run (every mode but latency and fanout)",
+        ),
+    ] = 50_000,
+    batch_size: Annotated[
+        int, typer.Option(min=1, max=10_000, help="rows a worker claims in one statement")
+    ] = 100,
     concurrency: Annotated[int, typer.Option(min=1, help="worker loops")] = 1,
     baseline_messages: Annotated[
         int, typer.Option(min=1, help="messages of the per-message-transaction loop")
@@ -53,8 +64,9 @@ def bench(
     unconfigured_logging: Annotated[
         bool,
         typer.Option(
+            "--unconfigured-logging",
             help="leave structlog unconfigured, as an application that never set it up "
-            "(a new user's default)"
+            "(a new user's default)",
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
@@ -106,24 +118,39 @@ def bench(
         typer.echo(json.dumps([r.as_dict() for r in results], indent=2, default=str))
         return
     console = Console()
-    table = Table(title="nmbus bench")
-    table.add_column("mode")
-    table.add_column("figure")
-    table.add_column("median", justify="right")
-    table.add_column("unit")
-    table.add_column("runs", justify="right")
-    for result in results:
-        for name, value in result.figures.items():
-            runs = ", ".join(_fmt(v) for v in result.runs[name])
-            table.add_row(result.mode, name, _fmt(value), result.units[name], runs)
-    console.print(table)
-    settings = Table(title="settings")
-    settings.add_column("mode")
-    settings.add_column("settings")
-    for result in results:
-        text = ", ".join(f"{k}={v}" for k, v in result.settings.items())
-        settings.add_row(result.mode, text)
-    console.print(settings)
+    console.print(
+        Grid(
+            "nmbus bench",
+            [
+                Column("mode", key=True),
+                Column("figure", key=True),
+                Column("median", align="right"),
+                "unit",
+                Column("runs", wrap=True, min_width=12),
+            ],
+            [
+                [
+                    result.mode,
+                    name,
+                    _fmt(value),
+                    result.units[name],
+                    ", ".join(_fmt(v) for v in result.runs[name]),
+                ]
+                for result in results
+                for name, value in result.figures.items()
+            ],
+        )
+    )
+    console.print(
+        Grid(
+            "settings",
+            [Column("mode", key=True), Column("settings", wrap=True)],
+            [
+                [result.mode, ", ".join(f"{k}={v}" for k, v in result.settings.items())]
+                for result in results
+            ],
+        )
+    )
     for result in results:
         for note in result.notes:
             typer.echo(note)

@@ -6,16 +6,26 @@ at (:mod:`nmbus.tools.bench_scratch`). Each mode is measured by a function of
 :mod:`nmbus.tools.bench_scenarios`; this module repeats them and gathers the
 medians, with the settings they ran under. The modes:
 
-``ceiling``        the bare asyncpg loop nmbus is measured against: claim up to a
-                   batch of ready rows with ``FOR UPDATE SKIP LOCKED`` and mark
-                   them X, one autocommitted statement per batch.
+``ceiling``        two bare asyncpg loops nmbus is measured against. One-statement:
+                   claim up to a batch of ready rows with ``FOR UPDATE SKIP
+                   LOCKED`` and mark them X, one autocommitted statement per
+                   batch. Crash-safe: nmbus's own two writes (the claim that
+                   counts the attempt and takes a lease, then one statement that
+                   marks a batch X and claims the next), with no framework.
+``peers``          pgqueuer (the ``peers`` extra) draining as many jobs at batch
+                   sizes 10 and 100, beside an nmbus drain of the same run.
 ``drain``          pre-load N messages, time a worker draining them with a typed
-                   no-op handler.
+                   no-op handler, at ``concurrency`` loops and at 2 loops,
+                   against both ceilings (the crash-safe one at as many loops).
 ``transactional``  the same, the handler inserting one row through
-                   ``ctx.connection``; compared with a loop that gives every
-                   message its own transaction (claim one, insert, mark X, commit).
+                   ``ctx.connection`` (with and without ``outside_effects``);
+                   compared with a loop that gives every message its own
+                   transaction (claim one, insert, mark X, commit).
 ``latency``        a producer on its own connections sends at a fixed rate; the
-                   time from send to handler start, as percentiles.
+                   time from send to handler start, as percentiles; again with
+                   the worker at ``synchronous_commit=off``, and pgqueuer's.
+``scaling``        the drain at 1, 2 and 4 loops and by 2 processes, each against
+                   the crash-safe ceiling with as many connections.
 ``fanout``         publishers call ``Bus.publish``, then ``Bus.publish_many`` in
                    batches, to 3 subscribers; published
                    messages and stored rows per second.
@@ -23,6 +33,9 @@ medians, with the settings they ran under. The modes:
                    same table, and ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
 ``saga``           drain through a saga that updates its state on every message,
                    against the same handler without a saga (``bench_saga.py``).
+``routed``         a send through the outbox and the forwarder to a queue in a
+                   second database, against a local send, in one run: p50/p99
+                   latency and burst throughput (``bench_routed.py``).
 ``delivery``       in one run: a plain drain, a drain with priorities mixed 0-9,
                    and a drain of ``sequences`` sequences of ``sequence_members``
                    each (interleaved), as rates and ratios to the plain drain
@@ -44,6 +57,8 @@ from typing import Any
 
 import asyncpg
 
+from nmbus.tools import bench_peers
+from nmbus.tools.bench_processes import measure_processes
 from nmbus.tools.bench_scenarios import (
     explain_claim,
     measure_ceiling,
@@ -57,8 +72,22 @@ from nmbus.tools.sql import render
 
 __all__ = ["ALL_MODES", "MODES", "BenchOptions", "Result", "run"]
 
-MODES = ("ceiling", "drain", "transactional", "latency", "fanout", "xrows", "saga", "delivery")
-ALL_MODES = ("ceiling", "drain", "transactional", "latency", "fanout")
+SCALING_LOOPS = (1, 2, 4)
+
+MODES = (
+    "ceiling",
+    "peers",
+    "drain",
+    "transactional",
+    "latency",
+    "fanout",
+    "scaling",
+    "xrows",
+    "saga",
+    "delivery",
+    "routed",
+)
+ALL_MODES = ("ceiling", "peers", "drain", "transactional", "latency", "fanout")
 
 
 @dataclass
@@ -129,36 +158,115 @@ async def run(
     results = {mode: Result(mode) for mode in modes}
     dsn = options.dsn
     needs_ceiling = any(m in modes for m in ("ceiling", "drain"))
+    peers = bench_peers.available()
     for rep in range(1, options.repeat + 1):
-        ceiling = None
+        ceiling = safe = safe_two = None
         if needs_ceiling:
             progress(f"ceiling, run {rep}")
             ceiling = await _scratch_run(dsn, lambda s: measure_ceiling(options, s))
+            progress(f"crash-safe ceiling, run {rep}")
+            safe_cpu: list[float] = []
+            safe = await _scratch_run(
+                dsn, partial(measure_ceiling, options, safe=True, cpu_used=safe_cpu)
+            )
             if "ceiling" in results:
-                results["ceiling"].add("messages_per_s", ceiling, "msg/s")
+                res = results["ceiling"]
+                res.add("messages_per_s", ceiling, "msg/s")
+                res.add("crash_safe_messages_per_s", safe, "msg/s")
+                res.add("crash_safe_ratio", safe / ceiling, "x")
+                res.add("crash_safe_cpu_us_per_msg", safe_cpu[0], "us")
+        drain = None
         if "drain" in results:
             progress(f"drain, run {rep}")
             cpu: list[float] = []
-            rate = await _scratch_run(dsn, partial(measure_drain, options, cpu_used=cpu))
-            results["drain"].add("messages_per_s", rate, "msg/s")
-            assert ceiling is not None
-            results["drain"].add("ratio_to_ceiling", rate / ceiling, "x")
-            results["drain"].add("python_cpu_us_per_msg", cpu[0], "us")
+            drain = await _scratch_run(dsn, partial(measure_drain, options, cpu_used=cpu))
+            res = results["drain"]
+            assert ceiling is not None and safe is not None
+            res.add("messages_per_s", drain, "msg/s")
+            res.add("ratio_to_ceiling", drain / ceiling, "x")
+            res.add("ratio_to_crash_safe", drain / safe, "x")
+            res.add("python_cpu_us_per_msg", cpu[0], "us")
+            res.add("framework_cpu_us_per_msg", cpu[0] - safe_cpu[0], "us")
+            progress(f"crash-safe ceiling and drain at 2 loops, run {rep}")
+            safe_two = await _scratch_run(
+                dsn, lambda s: measure_ceiling(options, s, safe=True, loops=2)
+            )
+            two = await _scratch_run(dsn, partial(measure_drain, options, loops=2))
+            res.add("two_loops_messages_per_s", two, "msg/s")
+            res.add("two_loops_crash_safe_per_s", safe_two, "msg/s")
+            res.add("two_loops_ratio_to_crash_safe", two / safe_two, "x")
+        if "peers" in results:
+            res = results["peers"]
+            if not peers:
+                res.notes = ["pgqueuer is not installed: pip install 'nmbus[peers]'"]
+            else:
+                if drain is None:
+                    progress(f"nmbus drain for peers, run {rep}")
+                    drain = await _scratch_run(dsn, partial(measure_drain, options))
+                res.add("nmbus_messages_per_s", drain, "msg/s")
+                best = 0.0
+                for size in bench_peers.BATCHES:
+                    progress(f"pgqueuer, batch {size}, run {rep}")
+                    rate = await _scratch_run(
+                        dsn, partial(bench_peers.measure_pgqueuer, options, batch_size=size)
+                    )
+                    res.add(f"pgqueuer_batch_{size}_per_s", rate, "jobs/s")
+                    best = max(best, rate)
+                res.add("ratio_nmbus_to_best_pgqueuer", drain / best, "x")
         if "transactional" in results:
             progress(f"transactional, run {rep}")
             cpu = []
             run_tx = partial(measure_drain, options, transactional=True, cpu_used=cpu)
             rate = await _scratch_run(dsn, run_tx)
+            progress(f"transactional, no outside effects, run {rep}")
+            cpu_free: list[float] = []
+            run_free = partial(
+                measure_drain, options, transactional=True, outside_effects=False, cpu_used=cpu_free
+            )
+            free = await _scratch_run(dsn, run_free)
             progress(f"per-message transactions, run {rep}")
             base = await _scratch_run(dsn, lambda s: measure_per_message_transactions(options, s))
             res = results["transactional"]
             res.add("messages_per_s", rate, "msg/s")
+            res.add("no_outside_effects_per_s", free, "msg/s")
             res.add("per_message_tx_per_s", base, "msg/s")
             res.add("ratio_to_per_message_tx", rate / base, "x")
+            res.add("ratio_no_outside_effects", free / base, "x")
             res.add("python_cpu_us_per_msg", cpu[0], "us")
+            res.add("no_outside_cpu_us_per_msg", cpu_free[0], "us")
+        if "scaling" in results:
+            res = results["scaling"]
+            for loops in SCALING_LOOPS:
+                progress(f"scaling: crash-safe ceiling and drain at {loops} loops, run {rep}")
+                top = await _scratch_run(
+                    dsn, partial(measure_ceiling, options, safe=True, loops=loops)
+                )
+                rate = await _scratch_run(dsn, partial(measure_drain, options, loops=loops))
+                res.add(f"crash_safe_{loops}_loops_per_s", top, "msg/s")
+                res.add(f"drain_{loops}_loops_per_s", rate, "msg/s")
+                res.add(f"ratio_{loops}_loops", rate / top, "x")
+                if loops == 2:
+                    two_safe = top
+            progress(f"scaling: drain by 2 processes, run {rep}")
+            rate = await _scratch_run(dsn, partial(measure_processes, options, processes=2))
+            res.add("drain_2_processes_per_s", rate, "msg/s")
+            res.add("ratio_2_processes", rate / two_safe, "x")
         if "latency" in results:
             progress(f"latency, run {rep}")
             figures = await _scratch_run(dsn, lambda s: measure_latency(options, s))
+            progress(f"latency, worker with synchronous_commit=off, run {rep}")
+            relaxed = await _scratch_run(
+                dsn, partial(measure_latency, options, worker_async_commit=True)
+            )
+            for name in ("p50_ms", "p99_ms", "after_commit_p50_ms"):
+                figures[f"worker_async_{name}"] = relaxed[name]
+            if peers:
+                progress(f"pgqueuer latency, run {rep}")
+                theirs = await _scratch_run(
+                    dsn, partial(bench_peers.measure_pgqueuer_latency, options)
+                )
+                figures.update({f"pgqueuer_{k}": v for k, v in theirs.items()})
+                figures["p99_ratio_to_pgqueuer"] = figures["p99_ms"] / theirs["p99_ms"]
             for name, value in figures.items():
                 unit = "ms" if name.endswith("_ms") else ""
                 results["latency"].add(name, value, unit)
@@ -195,6 +303,12 @@ async def run(
             for name, value in figures.items():
                 unit = "x" if "ratio" in name else "msg/s"
                 results["delivery"].add(name, value, unit)
+        if "routed" in results:
+            from nmbus.tools.bench_routed import measure_routed
+
+            for name, value in (await measure_routed(options, progress)).items():
+                unit = "ms" if name.endswith("_ms") else "x" if "ratio" in name else "msg/s"
+                results["routed"].add(name, value, "" if name == "burst_messages" else unit)
         if "saga" in results:
             progress(f"saga and the same handler without, run {rep}")
             from nmbus.tools.bench_saga import measure_saga
@@ -202,6 +316,9 @@ async def run(
             for name, value in (await measure_saga(options, Scratch)).items():
                 unit = "x" if name.startswith("ratio") else "msg/s"
                 results["saga"].add(name, value, unit)
+        load = os.getloadavg()[0]
+        for result in results.values():
+            result.add("load_average_1m", load, "")
     for mode, result in results.items():
         result.settings = {**_mode_settings(mode, options), **common, "repeat": options.repeat}
     return list(results.values())
@@ -209,8 +326,11 @@ async def run(
 
 def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
     base = {"batch_size": o.batch_size, "concurrency": o.concurrency}
-    if mode in ("ceiling", "drain"):
+    if mode in ("ceiling", "drain", "scaling"):
         return {**base, "messages": o.messages}
+    if mode == "peers":
+        found = bench_peers.version() if bench_peers.available() else "not installed"
+        return {**base, "messages": o.messages, "pgqueuer": found}
     if mode == "transactional":
         return {**base, "messages": o.messages, "baseline_messages": o.baseline_messages}
     if mode == "latency":
@@ -222,6 +342,8 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
             "sequences": o.sequences,
             "sequence_members": o.sequence_members,
         }
+    if mode == "routed":
+        return {**base, "rate_per_s": o.rate, "seconds": o.seconds, "warmup_s": o.warmup}
     if mode == "saga":
         from nmbus.tools.bench_saga import SAGAS
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from nmbus.bus import Bus
 from nmbus.context import Context
-from nmbus.tools.bench_scenarios import _deadline, _wait_until
+from nmbus.tools.bench_scenarios import _deadline, wait_until
 from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
 
@@ -69,7 +69,7 @@ async def _drain(options: BenchOptions, scratch: Scratch, kind: str) -> float:
             state.last = msg.n
 
     async with bus:
-        await _wait_until(lambda: bus.worker.handled >= total, _deadline(total))
+        await wait_until(lambda: bus.worker.handled >= total, _deadline(total))
         elapsed = time.perf_counter() - first[0]
         if with_saga:
             states = [await saga.load(k) for k in range(min(SAGAS, total))]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import asyncpg
 
@@ -19,11 +20,27 @@ from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
 
 
-async def _wait_until(check: Callable[[], bool], timeout: float, step: float = 0.005) -> None:
+async def wait_until(check: Callable[[], bool], timeout: float, step: float = 0.005) -> None:
     # The worker's counters have no event to wait on; a 5 ms poll costs next to nothing.
     async with asyncio.timeout(timeout):
         while not check():  # noqa: ASYNC110
             await asyncio.sleep(step)
+
+
+async def open_loop(
+    send: Callable[[int], Coroutine[Any, Any, None]], rate: float, total: int
+) -> None:
+    """Call ``send(0)`` to ``send(total - 1)`` at ``rate`` per second, each in a
+    task of its own, never waiting for one send before starting the next."""
+    interval = 1.0 / rate
+    tasks: list[asyncio.Task[None]] = []
+    begin = time.perf_counter()
+    for n in range(total):
+        wait = begin + n * interval - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(send(n)))
+    await asyncio.gather(*tasks)
 
 
 def _deadline(count: int) -> float:
@@ -34,34 +51,73 @@ def _deadline(count: int) -> float:
 # -- ceiling ----------------------------------------------------------------------------
 
 
-async def measure_ceiling(options: BenchOptions, scratch: Scratch) -> float:
-    """Messages per second of the bare claim-and-mark-X loop, ``concurrency`` loops."""
+async def measure_ceiling(
+    options: BenchOptions,
+    scratch: Scratch,
+    *,
+    safe: bool = False,
+    loops: int | None = None,
+    cpu_used: list[float] | None = None,
+) -> float:
+    """Messages per second of a bare asyncpg loop, ``loops`` (default ``concurrency``) of them.
+
+    One-statement (``safe=False``): claim and mark X in one autocommitted
+    statement per batch, what a queue that forgets a message its worker died
+    on can do at best. Crash-safe (``safe=True``): the two writes nmbus itself
+    makes, with nmbus's own statements: a claim that counts the attempt and
+    takes a lease, then one statement per batch that marks the batch X and
+    claims the next one. No decoding, no handler, no framework: the limit of
+    nmbus's design on this server.
+    """
     await scratch.create_queue()
     await scratch.preload(options.messages)
     await scratch.checkpoint()
-    sql = render("bench_ceiling", scratch.schema, QUEUE)
-    conns = [await asyncpg.connect(options.dsn) for _ in range(options.concurrency)]
+    if safe:
+        claim = core_sql.render("claim", scratch.schema, QUEUE)
+        finish = core_sql.render("finish_claim_processed", scratch.schema, QUEUE)
+        statements = [claim, finish]
+    else:
+        sql = render("bench_ceiling", scratch.schema, QUEUE)
+        statements = [sql]
+    count = options.concurrency if loops is None else loops
+    conns = [await asyncpg.connect(options.dsn) for _ in range(count)]
+    batch, lease, client = options.batch_size, 60.0, "bench-ceiling"
     try:
         for conn in conns:  # prepare outside the timed part, as asyncpg's cache would
-            await conn.prepare(sql)
+            for statement in statements:
+                await conn.prepare(statement)
         done = 0
 
-        async def loop(conn: asyncpg.Connection) -> None:
+        async def one_statement(conn: asyncpg.Connection) -> None:
             nonlocal done
             while True:
-                rows = await conn.fetch(sql, options.batch_size)
+                rows = await conn.fetch(sql, batch)
                 if not rows:
                     return
                 done += len(rows)
 
+        async def crash_safe(conn: asyncpg.Connection) -> None:
+            nonlocal done
+            rows = await conn.fetch(claim, batch, client, lease)
+            while rows:
+                rows = await conn.fetch(finish, [r[0] for r in rows], client, batch, lease)
+                done += rows[0][13]
+                if rows[0][0] is None:
+                    return
+
+        loop = crash_safe if safe else one_statement
+        cpu = time.process_time()
         started = time.perf_counter()
         await asyncio.gather(*(loop(c) for c in conns))
         elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu
     finally:
         for conn in conns:
             await conn.close()
     if done != options.messages:
         raise RuntimeError(f"ceiling loop marked {done} rows, expected {options.messages}")
+    if cpu_used is not None:
+        cpu_used.append(cpu * 1e6 / done)
     return done / elapsed
 
 
@@ -76,6 +132,8 @@ async def measure_drain(
     x_rows: int = 0,
     count: int | None = None,
     cpu_used: list[float] | None = None,
+    loops: int | None = None,
+    outside_effects: bool = True,
 ) -> float:
     """Messages per second of a Bus worker draining ``count`` pre-loaded messages.
 
@@ -90,13 +148,14 @@ async def measure_drain(
     await scratch.preload(total)
     await scratch.checkpoint()
 
-    bus = Bus(QUEUE, settings=options.bus_settings(scratch.schema))
+    extra = {} if loops is None else {"concurrency": loops}
+    bus = Bus(QUEUE, settings=options.bus_settings(scratch.schema, **extra))
     first: list[float] = []
     insert_effect = render("bench_insert_effect", scratch.schema)
 
     if transactional:
 
-        @bus.handler
+        @bus.handler(outside_effects=outside_effects)
         async def effect(msg: Tick, ctx: Context) -> None:
             if not first:
                 first.append(time.perf_counter())
@@ -111,7 +170,7 @@ async def measure_drain(
 
     async with bus:
         cpu = time.process_time()
-        await _wait_until(lambda: bus.worker.handled >= total, _deadline(total))
+        await wait_until(lambda: bus.worker.handled >= total, _deadline(total))
         elapsed = time.perf_counter() - first[0]
         cpu = time.process_time() - cpu
     if cpu_used is not None:
@@ -160,6 +219,14 @@ async def measure_per_message_transactions(options: BenchOptions, scratch: Scrat
 # -- latency ----------------------------------------------------------------------------
 
 
+def with_setting(dsn: str, name: str, value: str) -> str:
+    """``dsn`` with a server setting for its connections (asyncpg passes unknown
+    query parameters on as server settings)."""
+    from urllib.parse import quote
+
+    return f"{dsn}{'&' if '?' in dsn else '?'}{quote(name)}={quote(value)}"
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100) by linear interpolation between closest ranks."""
     ordered = sorted(values)
@@ -171,8 +238,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lower] + (ordered[upper] - ordered[lower]) * (pos - lower)
 
 
-async def measure_latency(options: BenchOptions, scratch: Scratch) -> dict[str, float]:
+async def measure_latency(
+    options: BenchOptions, scratch: Scratch, *, worker_async_commit: bool = False
+) -> dict[str, float]:
     """Send at ``rate`` per second for ``seconds``; milliseconds from send to handler start.
+
+    ``worker_async_commit``: the worker's connections run with
+    ``synchronous_commit=off`` (the sender's stay as the server says), so its
+    claim does not wait for a WAL flush (docs/performance.md says what that costs).
 
     Sends are scheduled open-loop (each in its own task at its due time, on the
     producer's pool), so a slow send delays no other. Two clocks are kept: from
@@ -181,7 +254,10 @@ async def measure_latency(options: BenchOptions, scratch: Scratch) -> dict[str, 
     """
     await scratch.create_queue()
     started_at: dict[int, float] = {}
-    worker = Bus(QUEUE, settings=options.bus_settings(scratch.schema))
+    extra = {"dsn": with_setting(options.dsn, "synchronous_commit", "off")}
+    worker = Bus(
+        QUEUE, settings=options.bus_settings(scratch.schema, **extra if worker_async_commit else {})
+    )
 
     @worker.handler
     async def record(msg: Tick, ctx: Context) -> None:
@@ -203,17 +279,19 @@ async def measure_latency(options: BenchOptions, scratch: Scratch) -> dict[str, 
 
     async with worker, producer:
         await asyncio.sleep(0.2)  # let the worker's listener connect
-        interval = 1.0 / options.rate
-        tasks: list[asyncio.Task[None]] = []
-        begin = time.perf_counter()
-        for n in range(total):
-            wait = begin + n * interval - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(send(n)))
-        await asyncio.gather(*tasks)
-        await _wait_until(lambda: len(started_at) >= total, _deadline(total))
+        await open_loop(send, options.rate, total)
+        await wait_until(lambda: len(started_at) >= total, _deadline(total))
     counted = range(skip, total) if total > skip else range(total)
+    return latency_figures(started_at, called, returned, counted)
+
+
+def latency_figures(
+    started_at: dict[int, float],
+    called: dict[int, float],
+    returned: dict[int, float],
+    counted: range,
+) -> dict[str, float]:
+    """Percentiles, in ms, from each send's call (and return) to its handler's start."""
     from_call = [(started_at[n] - called[n]) * 1000.0 for n in counted]
     from_commit = [(started_at[n] - returned[n]) * 1000.0 for n in counted]
     send_ms = [(returned[n] - called[n]) * 1000.0 for n in counted]

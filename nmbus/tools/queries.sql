@@ -92,6 +92,10 @@ SELECT count(*) FROM {schema}.bench_effects;
 -- Rows of one queue in subqueue $1.
 SELECT count(*) FROM {queue} WHERE subqueue = $1;
 
+-- bench_pgqueuer_left --
+-- Jobs pgqueuer left in its queue table in the bench's schema (0 after a drain).
+SELECT count(*) FROM {schema}.pgqueuer;
+
 -- bench_server --
 -- The server's version and the settings that bound the figures.
 SELECT version(), current_setting('synchronous_commit'), current_setting('shared_buffers'),
@@ -220,3 +224,42 @@ CREATE TABLE IF NOT EXISTS {schema}.bench_counters (k integer PRIMARY KEY, count
 -- Count one message for key $1 (the hand-written equivalent of a saga's load and save).
 INSERT INTO {schema}.bench_counters AS c (k, count) VALUES ($1, 1)
 ON CONFLICT (k) DO UPDATE SET count = c.count + 1;
+
+-- dashbench_seed_x --
+-- $1 processed rows spread evenly over the last 7 days, oldest first, with queue latencies of 3-99 ms (the dashboard benchmark).
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
+                     retry_count, retry_time, label, msg_text, msg_headers)
+SELECT 'shop', 'orders', 'X', t - interval '20 ms', t, 1, t - ((g % 97) + 3) * interval '1 ms',
+       'orders.Placed', jsonb_build_object('order_id', g)::text,
+       jsonb_build_object('tenant', 'acme')
+FROM generate_series(1, $1::bigint) AS g,
+     LATERAL (SELECT now() - ($1::bigint - g) * (interval '7 days' / $1::bigint) AS t) AS s;
+
+-- dashbench_seed_open --
+-- $1 ready rows (I, oldest 10 minutes ago), $2 scheduled rows (R, due in an hour) and $3 failed rows over the last day.
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, last_processed, retry_count,
+                     retry_time, label, msg_text, error_info)
+SELECT 'shop', 'orders', 'I', NULL::timestamptz, 0, now() - g * interval '1 s' * 600 / $1::int,
+       'orders.Placed', jsonb_build_object()::text, NULL::text
+FROM generate_series(1, $1::int) AS g
+UNION ALL
+SELECT 'shop', 'orders', 'R', NULL, 1, now() + interval '1 hour', 'orders.Placed',
+       jsonb_build_object()::text, NULL
+FROM generate_series(1, $2::int) AS g
+UNION ALL
+SELECT 'shop', 'orders', 'F', now() - g * interval '1 day' / $3::int, 5,
+       now() - g * interval '1 day' / $3::int, 'orders.Placed', jsonb_build_object()::text,
+       CASE WHEN g % 3 = 0 THEN 'KeyError: sku' ELSE 'ValueError: card declined' END
+FROM generate_series(1, $3::int) AS g;
+
+-- dashbench_vacuum --
+-- What autovacuum does to a table that has settled (visibility map, statistics).
+VACUUM (ANALYZE) {queue};
+
+-- bench_count_all --
+-- Every row of a queue, counted one by one (a full scan: the dashboard benchmark's ceiling).
+SELECT count(*) FROM {queue};
+
+-- dashbench_drop_done_index --
+-- The queue as it was before schema version 7, for measuring what the done index costs a drain.
+DROP INDEX {schema}.{done_index};

@@ -162,7 +162,14 @@ async def test_hostile_queue_names_are_refused_everywhere(
     tables = {
         r[0] for r in await db.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'nmbus'")
     }
-    assert tables == {"schema_version", "queues", "subscriptions", "orders", "fine.name-1"}
+    assert tables == {
+        "schema_version",
+        "queues",
+        "subscriptions",
+        "outbox",
+        "orders",
+        "fine.name-1",
+    }
 
 
 async def test_odd_headers_round_trip_or_are_refused_at_send(

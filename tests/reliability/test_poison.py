@@ -27,7 +27,9 @@ MESSAGES = 10
 MAX_ATTEMPTS = 3  # tests/workers.py
 
 
-async def _supervise(dsn: str, db: asyncpg.Connection, batch_size: int, pill: int) -> list[str]:
+async def _supervise(
+    dsn: str, db: asyncpg.Connection, batch_size: int, pill: int, *extra: str
+) -> list[str]:
     """Run the worker until nothing is left to do, restarting it whenever it dies."""
     lines: list[str] = []
     deadline = time.monotonic() + 90
@@ -37,7 +39,8 @@ async def _supervise(dsn: str, db: asyncpg.Connection, batch_size: int, pill: in
         )
         if open_rows == 0:
             return lines
-        proc = Proc("tests.workers", "poison", dsn, "billing", "0.6", str(batch_size), str(pill))
+        args = ("0.6", str(batch_size), str(pill), *extra)
+        proc = Proc("tests.workers", "poison", dsn, "billing", *args)
         try:
             while proc.popen.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
@@ -83,3 +86,28 @@ async def test_a_poison_message_takes_no_batch_mate_with_it(
     assert max(c for n, c in runs.items() if n != pill) <= 2
     # The poison killed a worker once per counted attempt, plus at most once in a batch.
     assert MAX_ATTEMPTS <= runs[pill] <= MAX_ATTEMPTS + 1
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("batch_size", [5, 100])
+async def test_a_crash_in_a_batch_without_savepoints_commits_each_mate_once(
+    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection, batch_size: int
+) -> None:
+    # outside_effects=False: the batch-mates before the poison wrote their effects
+    # in the batch's transaction, with no savepoint, when the worker was killed.
+    pill = 3
+    await db.execute("CREATE TABLE effects (n int, pid int)")
+    async with make_bus("billing", concurrency=0) as sender:
+        for n in range(1, MESSAGES + 1):
+            await sender.send(Ping(n=n), to="billing")
+
+    lines = await _supervise(dsn, db, batch_size, pill, "pure")
+
+    rows = await db.fetch("SELECT subqueue, error_info FROM nmbus.billing ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["F" if n == pill else "X" for n in range(1, 11)]
+    assert rows[pill - 1]["error_info"].startswith("AttemptsExhausted")
+    effects = Counter(r["n"] for r in await db.fetch("SELECT n FROM effects"))
+    assert effects == Counter({n: 1 for n in range(1, MESSAGES + 1) if n != pill})
+    # The mates before the poison wrote in the batch that died; nothing of it stayed.
+    runs = Counter(int(m.group(1)) for m in map(re.compile(r"ran (\d+) ").match, lines) if m)
+    assert all(runs[n] == 2 for n in range(1, pill))

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import structlog
 
@@ -29,6 +29,7 @@ from nmbus.envelopes import (
     EnvelopeBuilder,
     deliver_time,
     delivery,
+    type_name,
 )
 from nmbus.errors import MAX_SECONDS, ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
@@ -43,6 +44,10 @@ from nmbus.store import Store, validate_queue_name
 from nmbus.subscriptions import Subscriptions
 from nmbus.supervise import supervise
 from nmbus.worker import Worker
+
+if TYPE_CHECKING:
+    from nmbus.metrics import WorkerMetrics
+    from nmbus.tracing import Tracing
 
 log = structlog.get_logger("nmbus.bus")
 
@@ -65,9 +70,14 @@ class Bus:
         store: Store | None = None,
         retry: RetryPolicy | int | None = None,
         dead_letter: str | None = None,
+        routes: Mapping[str, str] | None = None,
+        tracer_provider: Any = None,
         **overrides: Any,
     ) -> None:
         self.endpoint = validate_queue_name(endpoint)
+        if routes is not None:
+            # A queue -> DSN (or NMBUS_DB_<ALIAS> alias) mapping; validated with the settings.
+            overrides = {**overrides, "routes": dict(routes)}
         # The failure port (docs/delivery.md): a copy of every message that lands in F.
         self.dead_letter = validate_queue_name(dead_letter) if dead_letter is not None else None
         # Validated in both cases: a value that would break at run time
@@ -82,6 +92,13 @@ class Bus:
                 settings, **overrides, **({"dsn": dsn} if dsn is not None else {})
             )
         self.settings = settings
+        # Queues that live in other databases, with their DSN (docs/routes.md).
+        self.routes = settings.route_dsns()
+        if self.endpoint in self.routes:
+            raise ConfigurationError(
+                f"endpoint {self.endpoint!r} cannot be routed to another database: "
+                "its queue is in its own database (remove it from routes)"
+            )
         if store is None:
             if not settings.dsn:
                 raise ConfigurationError(
@@ -89,7 +106,17 @@ class Bus:
                 )
             from nmbus.postgres import PostgresStore
 
-            store = PostgresStore(settings.dsn, settings.schema_name, settings.send_pool_size)
+            store = PostgresStore(
+                settings.dsn,
+                settings.schema_name,
+                settings.send_pool_size,
+                routed=self.routes.keys(),
+            )
+        elif self.routes:
+            raise ConfigurationError(
+                "routes need the PostgreSQL store the Bus builds itself: "
+                "pass dsn=... instead of store=..."
+            )
         self.store: Store = store
         self.registry = Registry()
         self.retry = RetryPolicy.of(
@@ -104,24 +131,42 @@ class Bus:
         self.subscriptions = Subscriptions(self.endpoint, store, settings)
         self.envelopes = EnvelopeBuilder(settings.max_message_bytes)
         self.replies = Replies(self.client_id)
+        # Both optional, both None unless wanted: docs/metrics.md, docs/tracing.md.
+        self.metrics = _metrics(self.endpoint, settings)
+        self.tracing = _tracing(tracer_provider)
         self.worker = Worker(
             queue=self.endpoint,
             store=store,
             dispatcher=Dispatcher(
-                self.endpoint, self.registry, self.retry, settings, self.envelopes, self.replies
+                self.endpoint,
+                self.registry,
+                self.retry,
+                settings,
+                self.envelopes,
+                self.replies,
+                metrics=self.metrics,
+                tracing=self.tracing,
             ),
             settings=settings,
             client_id=self.client_id,
             dead_letter=self.dead_letter,
+            metrics=self.metrics,
         )
         self.sagas: dict[str, Saga[Any]] = {}
         self._schedules: dict[str, Schedule] = {}
         self._background: list[asyncio.Task[None]] = []
+        self._remote_stores: list[Store] = []
+        self.forwarder: Any = None  # nmbus.postgres.forwarder.Forwarder, when routes are set
         self._started = False
         self._stopped = asyncio.Event()
 
     def __repr__(self) -> str:
         return f"<Bus {self.endpoint!r} store={self.store!r}>"
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port this bus serves ``/metrics`` on while it runs (the one picked for 0)."""
+        return self.metrics.port if self.metrics is not None else None
 
     # -- registration ------------------------------------------------------------
 
@@ -136,6 +181,7 @@ class Bus:
         *,
         retry: RetryPolicy | int | None = None,
         timeout: float | None = None,
+        outside_effects: bool = True,
     ) -> Callable[[F], F]: ...
 
     def handler(
@@ -145,19 +191,28 @@ class Bus:
         *,
         retry: RetryPolicy | int | None = None,
         timeout: float | None = None,
+        outside_effects: bool = True,
     ) -> Any:
         """Register an async handler; the message type comes from its annotation.
 
         ``@bus.handler``, ``@bus.handler(retry=3, timeout=10)`` or
         ``@bus.handler(SomeMessage)`` all work.
+
+        ``outside_effects=False`` declares that the handler's only effects go
+        through ``ctx.connection``, ``ctx.send``, ``ctx.publish`` and
+        ``ctx.reply`` (no HTTP call, no file, no other database): a batch of
+        such messages then runs without a savepoint per message, and when one
+        of them fails after writing, the batch is rolled back and run again
+        with savepoints. The replayed handlers run twice, but nothing of their
+        first run was ever visible (docs/handlers.md).
         """
         if target is not None and not isinstance(target, type):
-            self.registry.add(target, None, retry, timeout)
+            self.registry.add(target, None, retry, timeout, outside_effects)
             return target
         message_type = target
 
         def register(func: F) -> F:
-            self.registry.add(func, message_type, retry, timeout)
+            self.registry.add(func, message_type, retry, timeout, outside_effects)
             return func
 
         return register
@@ -256,20 +311,42 @@ class Bus:
         if self._started:
             raise RuntimeError(f"bus {self.endpoint!r} is already started")
         self._started = True
-        await self.store.open()
+        if self.metrics is not None:
+            self.metrics.start()
+        try:
+            await self.store.open()
+        except BaseException:
+            await self._stop_metrics()
+            raise
         try:
             await self.store.ensure_queue(self.endpoint)
             if self.sagas:
                 await self.store.ensure_sagas(self.endpoint)
+            await self._open_remote_publishers()
             await self.subscriptions.start()
         except BaseException:
+            await self._close_remote_stores()
             await self.store.close()
+            await self._stop_metrics()
             raise
         if self.subscriptions.renewing:
             self._spawn(self.subscriptions.run_renewer, "subscriptions")
         if self.settings.concurrency > 0:
             if not len(self.registry):
                 log.warning("bus_without_handlers", queue=self.endpoint)
+            if self.routes:
+                from nmbus.postgres.forwarder import Forwarder
+
+                assert self.settings.dsn is not None
+                self.forwarder = Forwarder(
+                    self.settings.dsn,
+                    self.routes,
+                    schema=self.settings.schema_name,
+                    batch_size=self.settings.forward_batch_size,
+                    poll_interval=self.settings.poll_interval,
+                    reconnect_max=self.settings.reconnect_max_delay,
+                )
+                self._spawn(self.forwarder.run, "forwarder")
             interval = self.settings.retention_interval
             if interval is not None:
                 self._spawn(lambda: self._retention(interval), "retention")
@@ -279,12 +356,16 @@ class Bus:
                 )
                 self._spawn(scheduler.run, "periodic")
             self.worker.start()
+        elif self.routes:
+            # A send-only process: what it routes waits in the outbox for a forwarder.
+            log.info("outbox_needs_a_forwarder", queue=self.endpoint, routes=sorted(self.routes))
         log.info(
             "bus_started",
             queue=self.endpoint,
             concurrency=self.settings.concurrency,
             handlers=len(self.registry),
             subscriptions=len(self.subscriptions),
+            **({} if self.metrics is None else {"metrics_port": self.metrics.port}),
         )
 
     async def stop(self) -> None:
@@ -298,9 +379,16 @@ class Bus:
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
             self._background.clear()
+            await self._close_remote_stores()
             await self.store.close()
+            await self._stop_metrics()
             self._stopped.set()
             log.info("bus_stopped", queue=self.endpoint, handled=self.worker.handled)
+
+    async def _stop_metrics(self) -> None:
+        if self.metrics is not None:
+            # Its server's shutdown waits for the serving thread's next poll.
+            await asyncio.to_thread(self.metrics.stop)
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -316,6 +404,31 @@ class Bus:
         tb: TracebackType | None,
     ) -> None:
         await asyncio.shield(self.stop())
+
+    async def _open_remote_publishers(self) -> None:
+        """A store on the database of each routed publisher this endpoint subscribes to.
+
+        The publisher's subscriptions table is the one its publish reads, so a
+        subscriber in another database registers (and renews) its rows there.
+        """
+        from nmbus.postgres import PostgresStore
+
+        by_dsn: dict[str, Store] = {}
+        for publisher in sorted(self.subscriptions.publishers()):
+            dsn = self.routes.get(publisher)
+            if dsn is None:
+                continue
+            if dsn not in by_dsn:
+                store = PostgresStore(dsn, self.settings.schema_name, 1)
+                await store.open()
+                self._remote_stores.append(store)
+                by_dsn[dsn] = store
+            self.subscriptions.remote[publisher] = by_dsn[dsn]
+
+    async def _close_remote_stores(self) -> None:
+        stores, self._remote_stores = self._remote_stores, []
+        for store in stores:
+            await store.close()
 
     def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
         """Run a side task of the bus, supervised: logged and restarted whenever it dies."""
@@ -370,17 +483,26 @@ class Bus:
         if reply_to is not None:
             validate_queue_name(reply_to)
             headers = {**(headers or {}), REPLY_TO_HEADER: reply_to}
-        envelope = self.envelopes.for_send(
-            message,
-            to,
-            correlation_id,
-            headers,
-            unique_id,
-            deliver_at,
-            delay,
-            delivery(priority, sequence, ttl, expires_at),
-        )
-        await self.store.insert(to, self.endpoint, [envelope], connection)
+        controls = delivery(priority, sequence, ttl, expires_at)
+        if self.tracing is None or not self.tracing.on():
+            envelope = self.envelopes.for_send(
+                message, to, correlation_id, headers, unique_id, deliver_at, delay, controls
+            )
+            await self.store.insert(to, self.endpoint, [envelope], connection)
+            return envelope.unique_id
+        with self.tracing.producing("send", to) as producer:
+            envelope = self.envelopes.for_send(
+                message,
+                to,
+                correlation_id,
+                producer.headers(headers),
+                unique_id,
+                deliver_at,
+                delay,
+                controls,
+            )
+            producer.sent(envelope)
+            await self.store.insert(to, self.endpoint, [envelope], connection)
         return envelope.unique_id
 
     async def request(
@@ -460,15 +582,18 @@ class Bus:
         and ``expires_at`` apply to every copy; a sequence keeps its order in each
         subscriber's queue. Returns the subscriber endpoints.
         """
-        envelope, chain = self.envelopes.for_publish(
-            message,
-            correlation_id,
-            headers,
-            unique_id,
-            deliver_time(deliver_at, delay),
-            delivery(priority, sequence, ttl, expires_at),
-        )
-        copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
+        when = deliver_time(deliver_at, delay)
+        controls = delivery(priority, sequence, ttl, expires_at)
+        build = self.envelopes.for_publish
+        if self.tracing is None or not self.tracing.on():
+            envelope, chain = build(message, correlation_id, headers, unique_id, when, controls)
+            copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
+        else:
+            with self.tracing.producing("publish", type_name(message)) as producer:
+                traced = producer.headers(headers)
+                envelope, chain = build(message, correlation_id, traced, unique_id, when, controls)
+                producer.sent(envelope)
+                copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
         self._log_published(1, copies)
         return sorted(copies)
 
@@ -487,17 +612,59 @@ class Bus:
         """
         if not messages:
             return {}
+        if self.tracing is None or not self.tracing.on():
+            copies = await self._publish_many(messages, headers, correlation_id, connection)
+        else:
+            # One span for the batch: every message carries its context.
+            name = type_name(messages[0]) if len(messages) == 1 else "messages"
+            with self.tracing.producing("publish", name, len(messages)) as producer:
+                copies = await self._publish_many(
+                    messages, producer.headers(headers), correlation_id, connection
+                )
+        self._log_published(len(messages), copies)
+        return copies
+
+    async def _publish_many(
+        self,
+        messages: Sequence[Message],
+        headers: Mapping[str, str] | None,
+        correlation_id: str | None,
+        connection: Any,
+    ) -> dict[str, int]:
         build = self.envelopes.for_publish
         pairs = [build(m, correlation_id, headers, None, None) for m in messages]
         envelopes = [envelope for envelope, _ in pairs]
-        copies = await self.store.publish(
+        return await self.store.publish(
             self.endpoint, envelopes, [chain for _, chain in pairs], connection
         )
-        self._log_published(len(envelopes), copies)
-        return copies
 
     def _log_published(self, count: int, copies: Mapping[str, int]) -> None:
         if not copies:
             log.info("published_without_subscribers", queue=self.endpoint, messages=count)
         else:
             log.debug("published", queue=self.endpoint, messages=count, copies=dict(copies))
+
+
+def _metrics(endpoint: str, settings: Settings) -> WorkerMetrics | None:
+    """The worker's metrics when ``metrics_port`` is set (prometheus_client is imported then)."""
+    if settings.metrics_port is None:
+        return None
+    from nmbus.metrics import WorkerMetrics
+
+    return WorkerMetrics(endpoint, settings.metrics_host, settings.metrics_port)
+
+
+def _tracing(provider: Any) -> Tracing | None:
+    """Spans when opentelemetry-api is installed: imported once here, else None for good."""
+    try:
+        from nmbus.tracing import Tracing
+    except ImportError as exc:
+        if not (exc.name or "").startswith("opentelemetry"):
+            raise
+        if provider is not None:
+            raise ConfigurationError(
+                "tracer_provider is given but opentelemetry-api is not installed: "
+                "pip install 'nmbus[otel]'"
+            ) from exc
+        return None
+    return Tracing(provider)

@@ -14,20 +14,20 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.settings import Settings
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 7
 
 # Checked with fullmatch: `$` would also match before a final "\n".
 _QUEUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_QUEUE_NAME = 48
-RESERVED_NAMES = frozenset({"schema_version", "queues", "subscriptions"})
+RESERVED_NAMES = frozenset({"schema_version", "queues", "subscriptions", "outbox"})
 
 
 def validate_queue_name(name: object) -> str:
@@ -57,22 +57,63 @@ def validate_schema_name(name: str) -> str:
     return name
 
 
-@dataclass(slots=True)
 class Outcomes:
     """What became of each message of a claimed batch, as parallel lists.
 
     ``subqueue`` is X, R, F, or None to release the row unchanged;
     ``correction`` is -1 where the attempt must not count (RetryLater, or a
-    message never started because the worker is stopping).
+    message never started because the worker is stopping). While every message
+    is simply processed (``all_processed``), only ``ids`` grows: the other
+    lists are filled in when first read or when another outcome is added.
     """
 
-    ids: list[int] = field(default_factory=list)
-    subqueue: list[str | None] = field(default_factory=list)
-    delay: list[float | None] = field(default_factory=list)
-    error_info: list[str | None] = field(default_factory=list)
-    correction: list[int] = field(default_factory=list)
-    # True while every message so far was simply processed (X, no error, counted).
-    all_processed: bool = True
+    __slots__ = ("_correction", "_delay", "_error_info", "_subqueue", "all_processed", "ids")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self._subqueue: list[str | None] = []
+        self._delay: list[float | None] = []
+        self._error_info: list[str | None] = []
+        self._correction: list[int] = []
+        # True while every message so far was simply processed (X, no error, counted).
+        self.all_processed = True
+
+    def _fill(self) -> None:
+        missing = len(self.ids) - len(self._subqueue)
+        if missing:
+            self._subqueue.extend(["X"] * missing)
+            self._delay.extend([None] * missing)
+            self._error_info.extend([None] * missing)
+            self._correction.extend([0] * missing)
+
+    @property
+    def subqueue(self) -> list[str | None]:
+        self._fill()
+        return self._subqueue
+
+    @property
+    def delay(self) -> list[float | None]:
+        self._fill()
+        return self._delay
+
+    @property
+    def error_info(self) -> list[str | None]:
+        self._fill()
+        return self._error_info
+
+    @property
+    def correction(self) -> list[int]:
+        self._fill()
+        return self._correction
+
+    def processed(self, id: int) -> None:
+        """Message ``id`` was handled: X, no error, its attempt counted."""
+        self.ids.append(id)
+        if not self.all_processed:
+            self._subqueue.append("X")
+            self._delay.append(None)
+            self._error_info.append(None)
+            self._correction.append(0)
 
     def add(
         self,
@@ -84,11 +125,12 @@ class Outcomes:
     ) -> None:
         if subqueue != "X" or error_info is not None or correction:
             self.all_processed = False
+        self._fill()
         self.ids.append(id)
-        self.subqueue.append(subqueue)
-        self.delay.append(delay)
-        self.error_info.append(error_info)
-        self.correction.append(correction)
+        self._subqueue.append(subqueue)
+        self._delay.append(delay)
+        self._error_info.append(error_info)
+        self._correction.append(correction)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -146,6 +188,10 @@ class Batch(HandlerTransaction, Protocol):
 
     @property
     def begun(self) -> bool: ...
+
+    async def begin(self) -> None:
+        """Begin the transaction now if it has not begun, without a savepoint."""
+        ...
 
     async def release_savepoint(self) -> None: ...
 
@@ -255,8 +301,15 @@ class Store(Protocol):
     ) -> int: ...
 
     async def subscribe(
-        self, publisher: str, subscriber: str, types: Sequence[str], ttl: float | None
-    ) -> None: ...
+        self,
+        publisher: str,
+        subscriber: str,
+        types: Sequence[str],
+        ttl: float | None,
+        remote: bool = False,
+    ) -> None:
+        """Write or renew the rows; ``remote``: the subscriber lives in another database."""
+        ...
 
     async def unsubscribe(self, publisher: str, subscriber: str, types: Sequence[str]) -> None: ...
 

@@ -98,6 +98,9 @@ class MemoryBatch:
     async def savepoint(self) -> None:
         pass
 
+    async def begin(self) -> None:
+        pass
+
     async def release_savepoint(self) -> None:
         pass
 
@@ -355,7 +358,12 @@ class MemoryStore:
             row.lease_expires = None
 
     async def subscribe(
-        self, publisher: str, subscriber: str, types: Sequence[str], ttl: float | None
+        self,
+        publisher: str,
+        subscriber: str,
+        types: Sequence[str],
+        ttl: float | None,
+        remote: bool = False,
     ) -> None:
         expires = _now() + timedelta(seconds=ttl) if ttl is not None else None
         for name in types:

@@ -6,10 +6,22 @@ from typing import Any
 
 import asyncpg
 import pytest
+import structlog
 
 from nmbus import Bus
 from tests.ops_data import Facts, populate
 from tests.pg import Databases, server_dsn
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_found() -> Iterator[None]:
+    """A test that runs the CLI in-process configures structlog (its --log-level
+    filter included) as a process would: the next test gets it back as it was."""
+    saved = structlog.get_config()
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")

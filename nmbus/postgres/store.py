@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -41,12 +41,19 @@ MIGRATIONS: dict[int, list[str]] = {
     3: ["migrate_3_names", "migrate_3_queue"],
     4: ["migrate_4_isolated"],
     5: ["migrate_5_delivery"],
+    6: ["migrate_6_routes"],
+    7: ["migrate_7_done"],
 }
 
 
 def notify_channel(schema: str) -> str:
     """The LISTEN/NOTIFY channel on which inserts into ``schema``'s queues are announced."""
     return f"nmbus_{schema}"
+
+
+def outbox_channel(schema: str) -> str:
+    """The channel on which rows written into ``schema``'s outbox are announced."""
+    return f"nmbus_outbox_{schema}"
 
 
 def _insert_args(
@@ -104,6 +111,19 @@ async def install_schema(conn: Any, schema: str) -> None:
             log.info("schema_migrated", schema=schema, version=target)
 
 
+async def insert_outbox(
+    conn: Any, schema: str, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]
+) -> int:
+    """Write messages for ``queue`` (in another database) into the outbox, on ``conn``.
+
+    One statement: atomic on its own, or part of the caller's transaction.
+    """
+    args = _insert_args(from_endpoint, queue, envelopes, outbox_channel(schema))
+    with wrap_errors(f"send to {queue} (through the outbox)"):
+        row = await conn.fetchrow(render("outbox_insert", schema), *args)
+    return int(row[0]) if row else 0
+
+
 async def ensure_queue_on(conn: Any, schema: str, queue: str, known: set[str]) -> None:
     """Make sure ``queue`` has a table, creating it in the transaction of ``conn``.
 
@@ -130,10 +150,17 @@ class PostgresBatch:
     an insert) begins the transaction, and ``finish`` then runs inside it.
     """
 
-    def __init__(self, conn: asyncpg.Connection, schema: str, known: set[str]) -> None:
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        schema: str,
+        known: set[str],
+        routed: frozenset[str] = frozenset(),
+    ) -> None:
         self._conn = conn
         self._schema = schema
         self._known = known
+        self._routed = routed
         self._channel = notify_channel(schema)
         # asyncpg's own Transaction, so a handler may still nest conn.transaction().
         self.transaction: Transaction | None = None
@@ -147,7 +174,8 @@ class PostgresBatch:
     def connection(self) -> asyncpg.Connection:
         return self._conn
 
-    async def _begin(self) -> None:
+    async def begin(self) -> None:
+        """Begin the batch's transaction if it has not begun (no savepoint)."""
         if self.transaction is None:
             transaction = self._conn.transaction()
             await transaction.start()
@@ -159,7 +187,7 @@ class PostgresBatch:
             self._unreleased = False
             await self._conn.execute("RELEASE SAVEPOINT nmbus_handler; SAVEPOINT nmbus_handler")
             return
-        await self._begin()
+        await self.begin()
         await self._conn.execute("SAVEPOINT nmbus_handler")
 
     async def release_savepoint(self) -> None:
@@ -180,7 +208,9 @@ class PostgresBatch:
         )
 
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
-        await self._begin()
+        await self.begin()
+        if queue in self._routed:
+            return await insert_outbox(self._conn, self._schema, queue, from_endpoint, envelopes)
         await ensure_queue_on(self._conn, self._schema, queue, self._known)
         sql = render("insert_messages", self._schema, queue)
         row = await self._conn.fetchrow(
@@ -195,8 +225,8 @@ class PostgresBatch:
     async def publish(
         self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
     ) -> dict[str, int]:
-        await self._begin()  # the copies commit with the batch, never before it
-        args = publish_args(self._schema, publisher, envelopes, chains, self._channel)
+        await self.begin()  # the copies commit with the batch, never before it
+        args = publish_args(self._schema, publisher, envelopes, chains, self._channel, self._routed)
         return await publish_on(self._conn, self._schema, args)
 
     async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
@@ -246,10 +276,17 @@ class PostgresBatch:
 class PostgresSession:
     """A worker loop's dedicated connection."""
 
-    def __init__(self, conn: asyncpg.Connection, schema: str, known: set[str]) -> None:
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        schema: str,
+        known: set[str],
+        routed: frozenset[str] = frozenset(),
+    ) -> None:
         self._conn = conn
         self._schema = schema
         self._known = known
+        self._routed = routed
 
     async def claim(
         self, queue: str, limit: int, client_id: str, lease: float
@@ -294,7 +331,7 @@ class PostgresSession:
     @asynccontextmanager
     async def batch(self) -> AsyncIterator[PostgresBatch]:
         with wrap_errors("batch transaction"):
-            batch = PostgresBatch(self._conn, self._schema, self._known)
+            batch = PostgresBatch(self._conn, self._schema, self._known, self._routed)
             try:
                 yield batch
             except BaseException:
@@ -306,11 +343,22 @@ class PostgresSession:
 
 
 class PostgresStore:
-    """Queue tables and subscriptions in one PostgreSQL schema."""
+    """Queue tables and subscriptions in one PostgreSQL schema.
 
-    def __init__(self, dsn: str | None, schema: str = "nmbus", pool_size: int = 4) -> None:
+    Queues named in ``routed`` live in other databases: what is sent or published
+    to them is written into this schema's outbox, for the forwarder to move.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None,
+        schema: str = "nmbus",
+        pool_size: int = 4,
+        routed: Collection[str] = (),
+    ) -> None:
         self.dsn = dsn
         self.schema = validate_schema_name(schema)
+        self.routed = frozenset(validate_queue_name(q) for q in routed)
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
         self._known_queues: set[str] = set()
@@ -354,6 +402,8 @@ class PostgresStore:
         if queue in self._known_queues:
             return
         validate_queue_name(queue)
+        if queue in self.routed:
+            return  # its table is in its own database
         async with self._queue_lock:
             if queue in self._known_queues:
                 return
@@ -393,6 +443,8 @@ class PostgresStore:
         envelopes: Sequence[Envelope],
         connection: Any = None,
     ) -> int:
+        if queue in self.routed:
+            return await self._insert_routed(queue, from_endpoint, envelopes, connection)
         sql = render("insert_messages", self.schema, queue)
         args = _insert_args(from_endpoint, queue, envelopes, notify_channel(self.schema))
         if connection is None:
@@ -409,12 +461,25 @@ class PostgresStore:
                 row = await connection.fetchrow(sql, *args)
         return int(row[0]) if row else 0
 
+    async def _insert_routed(
+        self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope], connection: Any
+    ) -> int:
+        if connection is None:
+            async with self.pool.acquire() as conn:
+                return await insert_outbox(conn, self.schema, queue, from_endpoint, envelopes)
+        return await insert_outbox(connection, self.schema, queue, from_endpoint, envelopes)
+
     async def subscribe(
-        self, publisher: str, subscriber: str, types: Sequence[str], ttl: float | None
+        self,
+        publisher: str,
+        subscriber: str,
+        types: Sequence[str],
+        ttl: float | None,
+        remote: bool = False,
     ) -> None:
         with wrap_errors("subscribe"):
             await self.pool.execute(
-                render("subscribe", self.schema), publisher, subscriber, list(types), ttl
+                render("subscribe", self.schema), publisher, subscriber, list(types), ttl, remote
             )
 
     async def unsubscribe(self, publisher: str, subscriber: str, types: Sequence[str]) -> None:
@@ -438,7 +503,9 @@ class PostgresStore:
         chains: Sequence[str],
         connection: Any = None,
     ) -> dict[str, int]:
-        args = publish_args(self.schema, publisher, envelopes, chains, notify_channel(self.schema))
+        args = publish_args(
+            self.schema, publisher, envelopes, chains, notify_channel(self.schema), self.routed
+        )
         if connection is not None:
             if connection.is_in_transaction():
                 return await publish_on(connection, self.schema, args)
@@ -513,7 +580,7 @@ class PostgresStore:
     async def worker_session(self) -> AsyncIterator[PostgresSession]:
         conn = await self.connect()
         try:
-            yield PostgresSession(conn, self.schema, self._known_queues)
+            yield PostgresSession(conn, self.schema, self._known_queues, self.routed)
         finally:
             await _close_quietly(conn)
 

@@ -47,7 +47,10 @@ MAX_IDENTIFIER_BYTES = 63
 
 
 def own_name(table: str, role: str) -> str:
-    """The name of nmbus's object ``role`` (ready, uid, seq, pkey, id_seq, saga) of ``table``."""
+    """The name of nmbus's object ``role`` of ``table``.
+
+    Roles: ready, uid, seq, done, pkey, id_seq, saga.
+    """
     name = f"{table}${role}"
     if len(name.encode()) > MAX_IDENTIFIER_BYTES:
         raise ValueError(f"{name!r} is longer than PostgreSQL's {MAX_IDENTIFIER_BYTES} bytes")
@@ -62,6 +65,7 @@ def fill(sql: str, schema: str, queue: str | None = None) -> str:
         values["ready_index"] = quote_ident(own_name(queue, "ready"))
         values["unique_index"] = quote_ident(own_name(queue, "uid"))
         values["sequence_index"] = quote_ident(own_name(queue, "seq"))
+        values["done_index"] = quote_ident(own_name(queue, "done"))
         values["pkey"] = quote_ident(own_name(queue, "pkey"))
         values["id_seq"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'id_seq'))}"
         if "{saga" in sql:

@@ -3,7 +3,7 @@
 -- A block starts with a line `-- name --`, then one comment line saying what
 -- it does and what $1..$n are. Identifiers are the only dynamic part: {schema}
 -- is the quoted schema, {queue} the quoted schema-qualified queue table,
--- {ready_index} / {unique_index} / {sequence_index} / {pkey} its quoted index and
+-- {ready_index} / {unique_index} / {sequence_index} / {done_index} / {pkey} its quoted index and
 -- constraint names
 -- and {id_seq} its quoted schema-qualified identity sequence. They are filled in
 -- by nmbus.sql.render(), which quotes every one; no other text is ever pasted in.
@@ -31,9 +31,28 @@ CREATE TABLE IF NOT EXISTS {schema}.subscriptions (
     message_type text NOT NULL,
     created_date timestamptz NOT NULL DEFAULT now(),
     expiration_date timestamptz,
+    subscriber_remote boolean NOT NULL DEFAULT false,
     CONSTRAINT "subscriptions$pkey"
         PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
 );
+CREATE TABLE IF NOT EXISTS {schema}.outbox (
+    id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {schema}."outbox$id_seq")
+        CONSTRAINT "outbox$pkey" PRIMARY KEY,
+    to_endpoint text NOT NULL,
+    from_endpoint text NOT NULL,
+    insert_time timestamptz NOT NULL DEFAULT now(),
+    deliver_at timestamptz,
+    correlation_id text,
+    label text,
+    msg_text text,
+    msg_headers jsonb,
+    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
+    priority smallint NOT NULL DEFAULT 0,
+    sequence_key text,
+    expires_at timestamptz,
+    CONSTRAINT "outbox$uid" UNIQUE (to_endpoint, unique_id)
+);
+CREATE INDEX IF NOT EXISTS "outbox$queue" ON {schema}.outbox (to_endpoint, id);
 
 -- schema_version --
 -- The highest schema version applied, NULL for a new schema.
@@ -87,6 +106,8 @@ CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, 
 CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
 CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
+CREATE INDEX IF NOT EXISTS {done_index} ON {queue} (subqueue, last_processed, id)
+    WHERE subqueue IN ('X', 'F');
 
 -- migrate_2_fillfactor --
 -- Schema version 2: queue tables leave half of each page free (was 80 % full),
@@ -173,6 +194,49 @@ CREATE INDEX {ready_index} ON {queue} (priority DESC, retry_time, id)
     WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
 CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
+
+-- migrate_6_routes --
+-- Schema version 6 (docs/routes.md): the outbox of messages bound for queues in
+-- other databases, and subscriptions that remember a subscriber living in
+-- another database (its copies go through the outbox, never into a local table).
+-- A queue table already named "outbox" stops the migration: rename it first.
+DO $check$
+BEGIN
+    IF EXISTS (SELECT 1 FROM {schema}.queues WHERE name = 'outbox') THEN
+        RAISE EXCEPTION 'a queue named "outbox" exists; schema version 6 needs that name for the outbox table (rename the queue first)';
+    END IF;
+END
+$check$;
+ALTER TABLE {schema}.subscriptions
+    ADD COLUMN IF NOT EXISTS subscriber_remote boolean NOT NULL DEFAULT false;
+CREATE TABLE IF NOT EXISTS {schema}.outbox (
+    id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {schema}."outbox$id_seq")
+        CONSTRAINT "outbox$pkey" PRIMARY KEY,
+    to_endpoint text NOT NULL,
+    from_endpoint text NOT NULL,
+    insert_time timestamptz NOT NULL DEFAULT now(),
+    deliver_at timestamptz,
+    correlation_id text,
+    label text,
+    msg_text text,
+    msg_headers jsonb,
+    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
+    priority smallint NOT NULL DEFAULT 0,
+    sequence_key text,
+    expires_at timestamptz,
+    CONSTRAINT "outbox$uid" UNIQUE (to_endpoint, unique_id)
+);
+CREATE INDEX IF NOT EXISTS "outbox$queue" ON {schema}.outbox (to_endpoint, id);
+-- migrate_7_done --
+-- Schema version 7 (docs/dashboard.md): the done index holds the X and F rows by
+-- when they were processed, so the operations layer reads the last minutes of a
+-- queue, and its failed rows, without scanning every processed row. The finish
+-- that moves a row to X or F changes indexed columns already (it is never a HOT
+-- update), so this adds one index entry to it. Built while the queue table is
+-- locked against writes, like any CREATE INDEX: on a queue of millions of X rows
+-- it takes as long as that (see docs/dashboard.md, "Upgrading").
+CREATE INDEX IF NOT EXISTS {done_index} ON {queue} (subqueue, last_processed, id)
+    WHERE subqueue IN ('X', 'F');
 
 -- register_queue --
 -- Remember that queue $1 exists, so tools can list every queue.
@@ -520,14 +584,18 @@ SELECT subqueue, count(*) FROM {queue} GROUP BY subqueue;
 
 -- subscribe --
 -- Add or renew subscriptions of subscriber $2 to publisher $1 for types $3,
--- expiring $4 seconds from now (NULL: never).
+-- expiring $4 seconds from now (NULL: never). $5: the subscriber lives in
+-- another database (its copies go through the outbox).
 INSERT INTO {schema}.subscriptions AS s
-    (publisher_endpoint, subscriber_endpoint, message_type, created_date, expiration_date)
+    (publisher_endpoint, subscriber_endpoint, message_type, created_date, expiration_date,
+     subscriber_remote)
 SELECT $1, $2, t, now(),
-       CASE WHEN $4::float8 IS NULL THEN NULL ELSE now() + make_interval(secs => $4::float8) END
+       CASE WHEN $4::float8 IS NULL THEN NULL ELSE now() + make_interval(secs => $4::float8) END,
+       $5
 FROM unnest($3::text[]) AS t
 ON CONFLICT (publisher_endpoint, message_type, subscriber_endpoint)
-DO UPDATE SET expiration_date = EXCLUDED.expiration_date;
+DO UPDATE SET expiration_date = EXCLUDED.expiration_date,
+              subscriber_remote = EXCLUDED.subscriber_remote;
 
 -- unsubscribe --
 -- Remove subscriptions of subscriber $2 to publisher $1 for types $3.
@@ -609,27 +677,30 @@ SELECT state::text FROM {saga} WHERE saga_type = $1 AND saga_key = $2 AND state 
 -- publish_function_exists --
 -- Whether the fan-out function of this version is installed. $1: schema name (unquoted).
 SELECT to_regprocedure(format(
-    '%I.nmbus_publish_v2(text,text,text[],text[],text[],text[],text[],text[],timestamptz[],text,smallint[],text[],timestamptz[])',
+    '%I.nmbus_publish_v3(text,text,text[],text[],text[],text[],text[],text[],timestamptz[],text,smallint[],text[],timestamptz[],text[],text)',
     $1::text)) IS NOT NULL;
 
 -- create_publish_function --
--- Install nmbus_publish_v2 (the version is in its name, so processes of an older
+-- Install nmbus_publish_v3 (the version is in its name, so processes of an older
 -- nmbus keep calling the function they know: v1 had no priority, sequence or
--- expiry). Per message it takes its type chain ("a.Sub,a.Base", most specific
+-- expiry, v2 no routes). Per message it takes its type chain ("a.Sub,a.Base", most specific
 -- first), label, body, headers (JSON text), correlation id, publish id, delivery
 -- time, priority, sequence key and expiry; copies go into each subscriber's table
 -- in array order, so a sequence keeps its order in every subscriber's queue.
 -- Each copy's unique_id is
 -- "<publish id>/<subscriber>", so a re-published id is stored once per queue.
+-- A subscriber named in $14 (the caller's routes) or whose subscription says it
+-- lives in another database gets its copies in the outbox instead, woken on
+-- channel $15, for the forwarder to move (docs/routes.md).
 -- Returns one row per live subscriber: (subscriber, copies inserted, missing).
 -- If any subscriber's queue table is missing it inserts nothing and returns only
 -- the missing ones (missing = true), so the caller can create them in its own
 -- transaction and call again. Wakes each subscriber with one NOTIFY.
-CREATE OR REPLACE FUNCTION {schema}.nmbus_publish_v2(
+CREATE OR REPLACE FUNCTION {schema}.nmbus_publish_v3(
     p_schema text, p_publisher text, p_chains text[], p_labels text[], p_texts text[],
     p_headers text[], p_correlations text[], p_publish_ids text[],
     p_deliver_at timestamptz[], p_channel text, p_priorities smallint[],
-    p_sequences text[], p_expires timestamptz[]
+    p_sequences text[], p_expires timestamptz[], p_routed text[], p_outbox_channel text
 ) RETURNS TABLE (subscriber text, inserted bigint, missing boolean)
 LANGUAGE plpgsql AS $fn$
 #variable_conflict use_column
@@ -637,15 +708,18 @@ DECLARE
     v_types text[];
     v_subs text[];
     v_sub_types text[];
+    v_remote boolean[];
     v_absent text[];
     i integer;
 BEGIN
     SELECT array_agg(DISTINCT t) INTO v_types
     FROM unnest(p_chains) AS c(chain), unnest(string_to_array(c.chain, ',')) AS t;
-    SELECT array_agg(s.sub ORDER BY s.sub), array_agg(s.types ORDER BY s.sub)
-    INTO v_subs, v_sub_types
+    SELECT array_agg(s.sub ORDER BY s.sub), array_agg(s.types ORDER BY s.sub),
+           array_agg(s.remote OR s.sub = ANY (coalesce(p_routed, ARRAY[]::text[])) ORDER BY s.sub)
+    INTO v_subs, v_sub_types, v_remote
     FROM (
-        SELECT subscriber_endpoint AS sub, string_agg(message_type, ',') AS types
+        SELECT subscriber_endpoint AS sub, string_agg(message_type, ',') AS types,
+               bool_or(subscriber_remote) AS remote
         FROM {schema}.subscriptions
         WHERE publisher_endpoint = p_publisher AND message_type = ANY (v_types)
           AND (expiration_date IS NULL OR expiration_date > now())
@@ -654,14 +728,46 @@ BEGIN
     IF v_subs IS NULL THEN
         RETURN;
     END IF;
-    SELECT array_agg(x) INTO v_absent FROM unnest(v_subs) AS x
-    WHERE to_regclass(format('%I.%I', p_schema, x)) IS NULL;
+    SELECT array_agg(x) INTO v_absent FROM unnest(v_subs, v_remote) AS u(x, remote)
+    WHERE NOT remote AND to_regclass(format('%I.%I', p_schema, x)) IS NULL;
     IF v_absent IS NOT NULL THEN
         RETURN QUERY SELECT x, 0::bigint, true FROM unnest(v_absent) AS x;
         RETURN;
     END IF;
     FOR i IN 1 .. array_length(v_subs, 1) LOOP
         subscriber := v_subs[i];
+        missing := false;
+        IF v_remote[i] THEN
+            EXECUTE format($q$
+                WITH ins AS (
+                    INSERT INTO %1$I.outbox (to_endpoint, from_endpoint, deliver_at,
+                                             correlation_id, label, msg_text, msg_headers,
+                                             unique_id, priority, sequence_key, expires_at)
+                    SELECT $2, $1, v.deliver_at, v.correlation_id, v.label, v.msg_text,
+                           v.msg_headers::jsonb, v.publish_id || '/' || $2,
+                           coalesce(v.priority, 0), v.sequence_key, v.expires_at
+                    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+                                $8::text[], $9::timestamptz[], $11::smallint[], $12::text[],
+                                $13::timestamptz[]) WITH ORDINALITY
+                         AS v(chain, label, msg_text, msg_headers, correlation_id, publish_id,
+                              deliver_at, priority, sequence_key, expires_at, ord)
+                    WHERE string_to_array(v.chain, ',') && $10::text[]
+                    ORDER BY v.ord
+                    ON CONFLICT (to_endpoint, unique_id) DO NOTHING
+                    RETURNING 1
+                )
+                SELECT count(*) FROM ins
+            $q$, p_schema)
+            INTO inserted
+            USING p_publisher, subscriber, p_chains, p_labels, p_texts, p_headers,
+                  p_correlations, p_publish_ids, p_deliver_at,
+                  string_to_array(v_sub_types[i], ','), p_priorities, p_sequences, p_expires;
+            IF inserted > 0 THEN
+                PERFORM pg_notify(p_outbox_channel, subscriber);
+            END IF;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
         EXECUTE format($q$
             WITH ins AS (
                 INSERT INTO %1$I.%2$I (from_endpoint, to_endpoint, subqueue, retry_time,
@@ -706,9 +812,55 @@ $fn$;
 
 -- publish --
 -- Fan messages out to every live subscriber of publisher $2 (see
--- create_publish_function for $1..$13). One row per subscriber.
+-- create_publish_function for $1..$15). One row per subscriber.
 SELECT subscriber, inserted, missing
-FROM {schema}.nmbus_publish_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13);
+FROM {schema}.nmbus_publish_v3($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,
+                               $14, $15);
+
+-- outbox_insert --
+-- Store messages for queue $2, which lives in another database, in the outbox of
+-- this one (same arguments as insert_messages; $9 is the outbox channel), in the
+-- caller's transaction; a unique_id already waiting for that queue is skipped.
+-- The forwarder (nmbus/postgres/forwarder.py) moves the rows. Returns how many
+-- rows were stored.
+WITH ins AS (
+    INSERT INTO {schema}.outbox (to_endpoint, from_endpoint, deliver_at, correlation_id,
+                                 label, msg_text, msg_headers, unique_id, priority,
+                                 sequence_key, expires_at)
+    SELECT $2, $1, v.deliver_at, v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb,
+           v.unique_id, v.priority, v.sequence_key, v.expires_at
+    FROM unnest($3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
+                $10::smallint[], $11::text[], $12::timestamptz[]) WITH ORDINALITY
+         AS v(deliver_at, correlation_id, label, msg_text, msg_headers, unique_id,
+              priority, sequence_key, expires_at, ord)
+    ORDER BY v.ord
+    ON CONFLICT (to_endpoint, unique_id) DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
+
+-- outbox_lock --
+-- Become the one forwarder of a destination queue until this transaction ends,
+-- or learn that another one is. $1: lock key text.
+SELECT pg_try_advisory_xact_lock(hashtext($1));
+
+-- outbox_take --
+-- The oldest $2 outbox rows bound for queue $1, in the order they were written.
+SELECT id, from_endpoint, deliver_at, correlation_id, label, msg_text, msg_headers::text,
+       unique_id, priority, sequence_key, expires_at
+FROM {schema}.outbox
+WHERE to_endpoint = $1
+ORDER BY id
+LIMIT $2
+FOR UPDATE;
+
+-- outbox_done --
+-- Forget outbox rows $1, once the remote transaction that stored them committed.
+DELETE FROM {schema}.outbox WHERE id = ANY($1::bigint[]);
+
+-- outbox_pending --
+-- Destination queues with rows waiting in the outbox.
+SELECT DISTINCT to_endpoint FROM {schema}.outbox;
 
 -- purge_expired_subscriptions --
 -- Delete subscriptions that expired more than $1 seconds ago (their subscriber is gone).
@@ -745,6 +897,106 @@ SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
            AS recent_failed
 FROM {queue};
 
+-- ops_outbox_status --
+-- The outbox's backlog per destination queue: rows waiting, the age in seconds
+-- of the oldest (the forwarding lag), and when it was written.
+SELECT to_endpoint AS queue, count(*) AS waiting,
+       extract(epoch FROM now() - min(insert_time))::float8 AS oldest_seconds
+FROM {schema}.outbox
+GROUP BY to_endpoint
+ORDER BY to_endpoint;
+-- ops_queue_counts --
+-- The cheap figures of a queue, never a scan of its X rows. $1: schema, $2: queue name (both unquoted). I and R rows are read through the ready index (and the sequence index for members parked at retry_time 'infinity'), so their cost follows the backlog; F rows through the done index. live_rows is the statistics system's count of live rows (pg_stat_user_tables.n_live_tup, kept up to date by every insert and delete, not by a scan) and pages the table's current size, from which X is estimated.
+WITH open AS (
+    SELECT subqueue, handling_client_id, retry_time, lease_expires
+    FROM {queue} WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity'
+    UNION ALL
+    SELECT subqueue, handling_client_id, retry_time, lease_expires
+    FROM {queue}
+    WHERE sequence_key IS NOT NULL AND subqueue <> 'X' AND retry_time = 'infinity'
+      AND subqueue IN ('I', 'R')
+)
+SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
+       count(*) FILTER (WHERE subqueue = 'R') AS scheduled,
+       count(*) FILTER (WHERE handling_client_id IS NOT NULL) AS in_flight,
+       extract(epoch FROM now() - min(retry_time)
+           FILTER (WHERE retry_time <= now()
+                   AND (lease_expires IS NULL OR lease_expires < now())))::float8
+           AS oldest_ready_seconds,
+       (SELECT count(*) FROM {queue} WHERE subqueue = 'F') AS failed,
+       (SELECT coalesce(max(n_live_tup), 0) FROM pg_stat_user_tables
+        WHERE schemaname = $1 AND relname = $2) AS live_rows,
+       (pg_relation_size(format('%I.%I', $1::text, $2::text)::regclass)
+        / current_setting('block_size')::bigint) AS pages
+FROM open;
+
+-- ops_count_processed --
+-- How many X rows a queue holds, exactly: a walk of the X part of the done index (for small tables only; see ops_queue_counts).
+SELECT count(*) FROM {queue} WHERE subqueue = 'X';
+
+-- ops_window --
+-- The last $1 seconds of a queue, read through the done index, newest first and at most $2 rows of each subqueue: how many rows went to X, the oldest last_processed among them (where the count stopped, when it reached $2), their queue latency (last_processed - retry_time) average and p50/p95/p99 in ms, and how many went to F.
+WITH x AS (
+    SELECT last_processed, extract(epoch FROM last_processed - retry_time) * 1000 AS ms
+    FROM {queue}
+    WHERE subqueue = 'X' AND last_processed > now() - make_interval(secs => $1::float8)
+    ORDER BY last_processed DESC
+    LIMIT $2
+)
+SELECT count(*) AS processed,
+       min(last_processed) AS since,
+       avg(ms)::float8 AS avg_ms,
+       (percentile_cont(0.50) WITHIN GROUP (ORDER BY ms))::float8 AS p50_ms,
+       (percentile_cont(0.95) WITHIN GROUP (ORDER BY ms))::float8 AS p95_ms,
+       (percentile_cont(0.99) WITHIN GROUP (ORDER BY ms))::float8 AS p99_ms,
+       (SELECT count(*) FROM (
+            SELECT 1 FROM {queue}
+            WHERE subqueue = 'F' AND last_processed > now() - make_interval(secs => $1::float8)
+            LIMIT $2) AS f) AS failed
+FROM x;
+
+-- ops_history --
+-- A queue's recent history in $2 buckets of $1 seconds, oldest first, ending with the bucket now is in: per bucket, rows that went to X (at most $3 read, so a bucket at $3 is a lower bound) with their latency p50/p95/p99 (ms), and rows that went to F (at most $3). Every bucket is one range of the done index.
+WITH buckets AS (
+    SELECT to_timestamp((floor(extract(epoch FROM now()) / $1::float8) - k) * $1::float8) AS start
+    FROM generate_series(0, $2::int - 1) AS k
+)
+SELECT b.start, x.processed, x.p50_ms, x.p95_ms, x.p99_ms, f.failed
+FROM buckets AS b
+CROSS JOIN LATERAL (
+    SELECT count(*) AS processed,
+           (percentile_cont(0.50) WITHIN GROUP (ORDER BY s.ms))::float8 AS p50_ms,
+           (percentile_cont(0.95) WITHIN GROUP (ORDER BY s.ms))::float8 AS p95_ms,
+           (percentile_cont(0.99) WITHIN GROUP (ORDER BY s.ms))::float8 AS p99_ms
+    FROM (
+        SELECT extract(epoch FROM last_processed - retry_time) * 1000 AS ms
+        FROM {queue}
+        WHERE subqueue = 'X' AND last_processed >= b.start
+          AND last_processed < b.start + make_interval(secs => $1::float8)
+        LIMIT $3
+    ) AS s
+) AS x
+CROSS JOIN LATERAL (
+    SELECT count(*) AS failed FROM (
+        SELECT 1 FROM {queue}
+        WHERE subqueue = 'F' AND last_processed >= b.start
+          AND last_processed < b.start + make_interval(secs => $1::float8)
+        LIMIT $3
+    ) AS s
+) AS f
+ORDER BY b.start;
+
+-- ops_table_rows --
+-- Rows of table $2 in schema $1 (both unquoted): the statistics system's live-row count and the table's size in pages; NULLs when there is no such table.
+SELECT (SELECT n_live_tup FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2),
+       pg_relation_size(t) / current_setting('block_size')::bigint
+FROM to_regclass(format('%I.%I', $1::text, $2::text)) AS t
+WHERE t IS NOT NULL;
+
+-- ops_saga_count --
+-- How many sagas of any type the endpoint's saga table holds, exactly (small tables only; see ops_table_rows).
+SELECT count(*) FROM {saga};
+
 -- ops_blocked_sequences --
 -- Sequences of a queue held back by their head (the lowest id not in X): in F (blocked until an operator requeues or purges it) or in R (waiting for a retry or a deferred time). Per sequence: key, blocking_id, its subqueue, attempts, retry_time, members waiting behind it, error (first line of error_info). F first, then oldest head; at most $1 rows. Walks the sequence index only.
 SELECT h.sequence_key, h.id AS blocking_id, h.subqueue, h.retry_count AS attempts, h.retry_time,
@@ -771,11 +1023,23 @@ WHERE subqueue = 'F' AND ($1::text IS NULL OR label = $1)
 ORDER BY id
 LIMIT $2;
 
+-- ops_failed_page --
+-- One page of the failed rows of a queue, newest first: ids below $1 (NULL: from the newest), type $2 (NULL: any), error_info containing $3 (plain text, any case; NULL: any), at most $4 rows; error is the first line of error_info. F rows are read through the done index.
+SELECT id, label, retry_count, insert_time, last_processed,
+       split_part(coalesce(error_info, ''), E'\n', 1) AS error
+FROM {queue}
+WHERE subqueue = 'F' AND ($1::bigint IS NULL OR id < $1)
+  AND ($2::text IS NULL OR label = $2)
+  AND ($3::text IS NULL OR strpos(lower(error_info), lower($3)) > 0)
+ORDER BY id DESC
+LIMIT $4;
+
 -- ops_failed_count --
--- How many failed rows match: $1 ids[] (NULL: any), $2 type (NULL: any).
+-- How many failed rows match: $1 ids[] (NULL: any), $2 type (NULL: any), $3 text error_info contains (any case; NULL: any).
 SELECT count(*) FROM {queue}
 WHERE subqueue = 'F' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
-  AND ($2::text IS NULL OR label = $2);
+  AND ($2::text IS NULL OR label = $2)
+  AND ($3::text IS NULL OR strpos(lower(error_info), lower($3)) > 0);
 
 -- ops_message --
 -- Every column of row $1 of a queue (headers as JSON text).
@@ -786,11 +1050,12 @@ FROM {queue} WHERE id = $1;
 
 -- ops_requeue_failed --
 -- Move up to $4 failed rows back to I as fresh messages (attempts reset, ready now, no lease; error_info kept as history) and wake the queue's workers.
--- $1 ids[] (NULL: any), $2 type (NULL: any), $3 notify channel, $4 batch size, $5 queue name (the NOTIFY payload).
+-- $1 ids[] (NULL: any), $2 type (NULL: any), $3 notify channel, $4 batch size, $5 queue name (the NOTIFY payload), $6 text error_info contains (any case; NULL: any).
 WITH picked AS (
     SELECT id FROM {queue}
     WHERE subqueue = 'F' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
       AND ($2::text IS NULL OR label = $2)
+      AND ($6::text IS NULL OR strpos(lower(error_info), lower($6)) > 0)
     ORDER BY id
     LIMIT $4
     FOR UPDATE SKIP LOCKED
@@ -806,11 +1071,12 @@ SELECT count(*) AS moved,
 FROM moved;
 
 -- ops_purge_failed --
--- Delete up to $3 failed rows. $1 ids[] (NULL: any), $2 type (NULL: any). Returns how many.
+-- Delete up to $3 failed rows. $1 ids[] (NULL: any), $2 type (NULL: any), $4 text error_info contains (any case; NULL: any). Returns how many.
 WITH picked AS (
     SELECT id FROM {queue}
     WHERE subqueue = 'F' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
       AND ($2::text IS NULL OR label = $2)
+      AND ($4::text IS NULL OR strpos(lower(error_info), lower($4)) > 0)
     ORDER BY id
     LIMIT $3
     FOR UPDATE SKIP LOCKED

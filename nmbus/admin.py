@@ -67,7 +67,7 @@ class WindowStats:
 
     seconds: float
     processed: int  # rows that went to X (a lower bound when sampled)
-    failed: int  # rows that went to F (at most WINDOW_ROWS)
+    failed: int  # rows that went to F (at most WINDOW_ROWS), over the same span as processed
     per_second: float  # X rows per second over the window (over the rows read, when sampled)
     avg_ms: float | None  # queue latency (last_processed - retry_time) of those X rows
     p50_ms: float | None
@@ -359,8 +359,7 @@ class Admin:
         sampled = processed >= WINDOW_ROWS
         span = seconds
         if sampled and since is not None:
-            now = await conn.fetchval("SELECT now()")
-            span = max((now - since).total_seconds(), 1e-3)
+            span = max((row["now"] - since).total_seconds(), 1e-3)
         return WindowStats(
             seconds=seconds,
             processed=processed,

@@ -425,7 +425,8 @@ class Dispatcher:
                     metrics.handler_ran(row.label, time.perf_counter() - started)
                 if effects.savepoint:
                     if unguarded:
-                        raise Replay(row, exc) from exc
+                        failure = Replay(row, exc)
+                        raise failure from exc
                     await tx.rollback_savepoint()
                 self.failed(row, exc, policy, outcomes)
                 return
@@ -439,7 +440,10 @@ class Dispatcher:
         finally:
             try:
                 if span is not None:
-                    span.end(failure, replayed=isinstance(failure, Replay))
+                    if isinstance(failure, Replay):
+                        span.end(failure.error, replayed=True)
+                    else:
+                        span.end(failure)
             finally:
                 if serial is not None:
                     serial.let_go()

@@ -88,13 +88,16 @@ class Consumer:
         self.token = otel_context.attach(trace.set_span_in_context(span))
 
     def end(self, error: BaseException | None = None, replayed: bool = False) -> None:
-        """End the span: ``error`` the handler's failure; ``replayed``: its batch runs again."""
+        """End the span: ``error`` the handler's failure; ``replayed``: its batch runs again.
+
+        A message whose failure makes its batch run again has both: its failure
+        stands (it is not run again), so its span is the one that shows it.
+        """
         span = self.span
         try:
             if replayed and span.is_recording():
-                # Not this message's failure: its batch runs again, with savepoints.
                 span.add_event("nmbus.replay")
-            elif error is not None and span.is_recording():
+            if error is not None and span.is_recording():
                 if isinstance(error, RetryLater):
                     # Not a failure (errors.py): the handler asked to be called later.
                     span.add_event("nmbus.retry_later", {"seconds": float(error.seconds)})

@@ -421,19 +421,21 @@ class Worker:
                 await self._handle_concurrently(tx, batch, outcomes, done, debug, started)
             else:
                 for message in batch:
-                    if self._stopping.is_set():
-                        # Never started: back to I at once; the attempt does not count.
-                        outcomes.add(message.id, None, correction=-1)
-                        continue
-                    started.add(message.id)
                     if failed and message.id in failed:
-                        # Failed after writing in a run that was rolled back: not run again.
+                        # Failed after writing in a run that was rolled back: not run
+                        # again, and its attempt counts even when the worker is stopping.
+                        started.add(message.id)
                         policy = self.dispatcher.policy(message)
                         with structlog.contextvars.bound_contextvars(
                             message_id=message.id, message_type=message.label
                         ):
                             self.dispatcher.failed(message, failed[message.id], policy, outcomes)
                         continue
+                    if self._stopping.is_set():
+                        # Never started: back to I at once; the attempt does not count.
+                        outcomes.add(message.id, None, correction=-1)
+                        continue
+                    started.add(message.id)
                     await self.dispatcher.handle(
                         tx, message, outcomes, done, debug, None, unguarded
                     )

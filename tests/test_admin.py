@@ -105,6 +105,21 @@ async def test_a_window_past_its_row_cap_is_sampled(
     assert five.per_second > 40 / 300
 
 
+async def test_a_sampled_window_counts_failures_over_the_span_it_read(
+    admin: Admin, facts: Facts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ops_data: 100 X rows two minutes ago, 3 F rows 30-50 minutes ago. Capped at
+    # 40 rows, the hour's X figures stop two minutes back; F rows older than that
+    # are outside the span the rate describes and must not inflate the failure rate.
+    monkeypatch.setattr("nmbus.admin.WINDOW_ROWS", 40)
+    hour = (await admin.queue_status(300, windows=[3600]))[0].windows[1]
+    assert (hour.processed, hour.sampled, hour.failed) == (40, True, 0)
+    assert hour.failure_rate == 0
+    monkeypatch.setattr("nmbus.admin.WINDOW_ROWS", 1000)
+    hour = (await admin.queue_status(300, windows=[3600]))[0].windows[1]
+    assert (hour.processed, hour.sampled, hour.failed) == (100, False, 3)
+
+
 async def test_status_counts_sagas_where_an_endpoint_has_them(
     admin: Admin, facts: Facts, db: asyncpg.Connection
 ) -> None:

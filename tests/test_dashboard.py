@@ -203,6 +203,9 @@ async def test_queues_page_shows_every_queue_and_its_counts(
     # ops_data: billing has 6 I, 3 R, 165 X, 3 F; shipping 1 I.
     assert [cell(browser, "billing", c) for c in "IRXF"] == ["6", "3", "165", "3"]
     assert [cell(browser, "shipping", c) for c in "IRXF"] == ["1", "0", "0", "0"]
+    # The last hour: 100 X rows of 1..100 ms and 3 F rows (ops_data).
+    hour = ["hour-p50", "hour-p95", "hour-p99", "hour-fail-rate"]
+    assert [cell(browser, "billing", c) for c in hour] == ["50.5", "95.0", "99.0", "2.9 %"]
     assert browser.find_elements(By.CSS_SELECTOR, 'tr[data-queue="billing"] svg.spark rect')
     assert PASSWORD not in browser.page_source
     assert "postgres:***@" in browser.page_source

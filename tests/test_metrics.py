@@ -62,7 +62,26 @@ def samples(text: str) -> Samples:
 
 
 def value(found: Samples, name: str, **labels: str) -> float:
+    """One sample's value; a sample that is not exposed at all fails the test."""
+    key = (name, tuple(sorted(labels.items())))
+    if key not in found:
+        raise AssertionError(f"no sample {name}{labels} in the exposition")
+    return found[key]
+
+
+def unmoved(found: Samples, name: str, **labels: str) -> float:
+    """A count that must not have moved: its series absent or at 0, its family exposed."""
+    assert any(n == name for n, _ in found), f"no {name} series at all"
     return found.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def documented_worker_series() -> list[tuple[str, str]]:
+    """(series, type) of every row of the worker table in docs/metrics.md."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    table = text.split("| series | type | labels | what it counts |", 1)[1]
+    rows = re.findall(r"^\| `(nmbus_[a-z_]+)` \| (counter|histogram|gauge) \|", table, re.M)
+    assert rows, "docs/metrics.md has no worker series table"
+    return rows
 
 
 async def wait_rows(db: asyncpg.Connection, queue: str, expected: dict[str, int]) -> None:
@@ -111,8 +130,8 @@ async def test_running_worker_serves_the_documented_series(
     assert value(found, "nmbus_messages_failed_total", type="obs.Bad", **q) == 2
     assert value(found, "nmbus_messages_retried_total", type="obs.Bad", **q) == 2
     assert value(found, "nmbus_messages_failed_total", type="(unknown)", **q) == 1
-    assert value(found, "nmbus_messages_handled_total", type="obs.Bad", **q) == 0
-    assert value(found, "nmbus_messages_retried_total", type="obs.Good", **q) == 0
+    assert unmoved(found, "nmbus_messages_handled_total", type="obs.Bad", **q) == 0
+    assert unmoved(found, "nmbus_messages_retried_total", type="obs.Good", **q) == 0
     assert not any("made.up" in str(labels) for _, labels in found)
     # Handler runs: 5 good, 2 x 2 attempts of bad; the unknown type runs no handler.
     assert value(found, "nmbus_handler_duration_seconds_count", type="obs.Good", **q) == 5
@@ -126,6 +145,11 @@ async def test_running_worker_serves_the_documented_series(
     assert 10 / 3 <= batches <= 10
     assert value(found, "nmbus_batch_size_bucket", le="5.0", **q) == batches
     assert ("nmbus_lease_renewals_total", (("queue", "metered"),)) in found
+    # Every series docs/metrics.md promises for a worker is exposed, under its type.
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    for series, kind in documented_worker_series():
+        family = series.removesuffix("_total") if kind == "counter" else series
+        assert families.get(family) == kind, f"{series} ({kind}) documented, not served"
     # The server is gone with the bus.
     with pytest.raises(urllib.error.URLError):
         await asyncio.to_thread(scrape, port)
@@ -148,7 +172,7 @@ async def test_lease_renewals_are_counted(make_bus: Callable[..., Bus]) -> None:
         found = samples(await asyncio.to_thread(scrape, port))
     # The renewer runs every lease/3 = 0.5 s: a 1.2 s handler is renewed at least twice.
     assert value(found, "nmbus_lease_renewals_total", queue="renewing") >= 2
-    assert value(found, "nmbus_lease_renewal_failures_total", queue="renewing") == 0
+    assert unmoved(found, "nmbus_lease_renewal_failures_total", queue="renewing") == 0
 
 
 async def test_two_buses_in_one_process_keep_their_own_series(
@@ -269,10 +293,11 @@ async def test_nmbus_worker_serves_metrics_from_the_environment(dsn: str) -> Non
         async with asyncio.timeout(60):
             while True:
                 found = samples(await asyncio.to_thread(scrape, port))
-                handled = value(
-                    found, "nmbus_messages_handled_total", queue="clitest", type="test.Ping"
+                key = (
+                    "nmbus_messages_handled_total",
+                    (("queue", "clitest"), ("type", "test.Ping")),
                 )
-                if handled == 2:
+                if found.get(key) == 2:
                     break
                 await asyncio.sleep(0.2)
         assert (

@@ -11,6 +11,7 @@ effects elsewhere is never run twice by a replay.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections import Counter
@@ -173,3 +174,34 @@ async def test_a_batch_holding_a_reply_keeps_its_savepoints(make_bus: Callable[.
     plain = [row({}), row({"x": "1"})]
     assert bus.worker._replayable(plain)
     assert not bus.worker._replayable([*plain, row({IN_REPLY_TO_HEADER: "42"})])
+
+
+async def test_a_stop_during_a_replay_keeps_the_failure_that_caused_it(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # The worker is asked to stop while the batch is being rolled back: the
+    # messages not yet run go back to I with their attempt refunded, but the
+    # one that failed after writing did run, so its failure and attempt stand.
+    await db.execute("CREATE TABLE effects (n int)")
+    bus = make_bus("billing", batch_size=10, max_attempts=1)
+    stopping: list[asyncio.Task[None]] = []
+
+    @bus.handler(outside_effects=False)
+    async def handle(msg: Ping, ctx: Context) -> None:
+        await ctx.connection.execute("INSERT INTO effects (n) VALUES ($1)", msg.n)
+        if msg.n == 2:
+            stopping.append(asyncio.create_task(bus.worker.stop()))
+            raise ValueError("fails after its write")
+
+    await _send(bus, [Ping(n=n) for n in range(1, 4)])
+    async with bus:
+        async with asyncio.timeout(30):
+            while not stopping:
+                await asyncio.sleep(0.01)
+            await stopping[0]
+    states = await db.fetch(
+        'SELECT subqueue, retry_count, error_info FROM nmbus."billing" ORDER BY id'
+    )
+    assert [(r["subqueue"], r["retry_count"]) for r in states] == [("I", 0), ("F", 1), ("I", 0)]
+    assert states[1]["error_info"].startswith("ValueError: fails after its write")
+    assert await db.fetchval("SELECT count(*) FROM effects") == 0

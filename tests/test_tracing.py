@@ -418,3 +418,37 @@ def test_the_global_provider_is_used_once_the_application_sets_it(dsn: str) -> N
         "names": ["process global_otel", "request", "send global_otel"],
         "chain": [True, True],
     }
+
+
+async def test_a_replayed_batch_shows_the_failure_that_caused_it(
+    make_bus: Callable[..., Bus],
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+    db: asyncpg.Connection,
+) -> None:
+    # Handlers without outside effects run their batch without savepoints; the
+    # one that fails after writing makes the batch run again, its own failure
+    # standing. Its span must say so: ERROR, with the replay as an event.
+    await db.execute("CREATE TABLE effects (n int)")
+    bus = make_bus("replaying", tracer_provider=provider, max_attempts=1, batch_size=10)
+
+    @bus.handler(outside_effects=False)
+    async def write(msg: Failing, ctx: Context) -> None:
+        await ctx.connection.execute("INSERT INTO effects (n) VALUES ($1)", msg.n)
+        if msg.n == 2:
+            raise ValueError("fails after its write")
+
+    async with Bus("sender", dsn=bus.settings.dsn, concurrency=0) as sender:
+        for n in range(1, 4):
+            await sender.send(Failing(n=n), to="replaying")
+    async with bus:
+        # 1 runs twice (the rolled-back run, then the one that commits), 2 once
+        # (its failure stands), 3 once (the first run stopped at 2).
+        await wait_spans(exporter, "process replaying", 4)
+    assert bus.worker.replays == 1
+    spans = by_name(exporter.get_finished_spans(), "process replaying")
+    failed = [s for s in spans if s.status.status_code is StatusCode.ERROR]
+    assert len(spans) == 4 and len(failed) == 1
+    assert failed[0].status.description == "ValueError: fails after its write"
+    assert [e.name for e in failed[0].events] == ["nmbus.replay", "exception"]
+    assert sorted(r["n"] for r in await db.fetch("SELECT n FROM effects")) == [1, 3]

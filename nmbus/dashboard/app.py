@@ -34,7 +34,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from nmbus.admin import Admin, FailedPage, QueueStatus
+from nmbus.admin import WINDOW_ROWS, Admin, FailedPage, QueueStatus
 from nmbus.dashboard import charts
 from nmbus.dashboard.metrics import exposition
 from nmbus.errors import (
@@ -104,6 +104,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         seconds=_seconds,
         number=_number,
         ms=_ms,
+        window_rows=f"{WINDOW_ROWS:,}".replace(",", " "),
     )
 
     def page(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:

@@ -935,25 +935,30 @@ FROM open;
 SELECT count(*) FROM {queue} WHERE subqueue = 'X';
 
 -- ops_window --
--- The last $1 seconds of a queue, read through the done index, newest first and at most $2 rows of each subqueue: how many rows went to X, the oldest last_processed among them (where the count stopped, when it reached $2), their queue latency (last_processed - retry_time) average and p50/p95/p99 in ms, and how many went to F.
+-- The last $1 seconds of a queue, read through the done index, newest first and at most $2 rows of X: how many rows went to X, the oldest last_processed among them (where the read stopped, when it reached $2), their queue latency (last_processed - retry_time) average and p50/p95/p99 in ms, and how many went to F (at most $2) over the same span: the whole window, or only since that oldest X row when the read stopped there, so a failure rate compares like with like.
 WITH x AS (
     SELECT last_processed, extract(epoch FROM last_processed - retry_time) * 1000 AS ms
     FROM {queue}
     WHERE subqueue = 'X' AND last_processed > now() - make_interval(secs => $1::float8)
     ORDER BY last_processed DESC
     LIMIT $2
+), s AS (
+    SELECT count(*) AS processed,
+           min(last_processed) AS since,
+           avg(ms)::float8 AS avg_ms,
+           (percentile_cont(0.50) WITHIN GROUP (ORDER BY ms))::float8 AS p50_ms,
+           (percentile_cont(0.95) WITHIN GROUP (ORDER BY ms))::float8 AS p95_ms,
+           (percentile_cont(0.99) WITHIN GROUP (ORDER BY ms))::float8 AS p99_ms
+    FROM x
 )
-SELECT count(*) AS processed,
-       min(last_processed) AS since,
-       avg(ms)::float8 AS avg_ms,
-       (percentile_cont(0.50) WITHIN GROUP (ORDER BY ms))::float8 AS p50_ms,
-       (percentile_cont(0.95) WITHIN GROUP (ORDER BY ms))::float8 AS p95_ms,
-       (percentile_cont(0.99) WITHIN GROUP (ORDER BY ms))::float8 AS p99_ms,
+SELECT s.*,
+       now() AS now,
        (SELECT count(*) FROM (
             SELECT 1 FROM {queue}
             WHERE subqueue = 'F' AND last_processed > now() - make_interval(secs => $1::float8)
+              AND (s.processed < $2 OR last_processed >= s.since)
             LIMIT $2) AS f) AS failed
-FROM x;
+FROM s;
 
 -- ops_history --
 -- A queue's recent history in $2 buckets of $1 seconds, oldest first, ending with the bucket now is in: per bucket, rows that went to X (at most $3 read, so a bucket at $3 is a lower bound) with their latency p50/p95/p99 (ms), and rows that went to F (at most $3). Every bucket is one range of the done index.

@@ -314,6 +314,48 @@ async def test_a_remote_that_is_unreachable_keeps_the_rows(
     assert route.queues[0].queue == "billing" and route.queues[0].waiting == 1
 
 
+async def test_a_remote_that_hangs_is_never_waited_for_inside_a_local_transaction(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    # A server that accepts the connection and never answers: connecting waits
+    # for its whole timeout. Meanwhile the outbox's database must see no open
+    # transaction of the forwarder (it would hold back vacuum for the outage).
+    accepted = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        accepted.set()
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    hanging = f"postgresql://postgres@127.0.0.1:{port}/nothing"
+    orders = Bus("orders", dsn=dsn, routes={"billing": hanging}, concurrency=0)
+    async with orders:
+        await orders.send(OrderPlaced(order_id=1), to="billing")
+    forwarder = Forwarder(dsn, {"billing": hanging})
+    attempt = asyncio.create_task(forwarder.forward_all())
+    try:
+        await asyncio.wait_for(accepted.wait(), 30)
+        await asyncio.sleep(0.5)
+        open_transactions = await db.fetchval(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND xact_start IS NOT NULL"
+        )
+        assert open_transactions == 0
+        assert not attempt.done()
+    finally:
+        attempt.cancel()
+        await asyncio.gather(attempt, return_exceptions=True)
+        await forwarder.close()
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+    assert len(await outbox(db)) == 1
+
+
 # -- publish ----------------------------------------------------------------------------
 
 

@@ -217,9 +217,19 @@ class Forwarder:
                     )
                     if not rows:
                         return moved
-                    inserted = await self._deliver(remote, queue, rows)
-                    await self._after_remote_commit(queue, rows)
-                    await local.execute(render("outbox_done", self.schema), [r[0] for r in rows])
+                    connected = remote.conn is not None and not remote.conn.is_closed()
+                    if connected:
+                        inserted = await self._deliver(remote, queue, rows)
+                        await self._after_remote_commit(queue, rows)
+                        await local.execute(
+                            render("outbox_done", self.schema), [r[0] for r in rows]
+                        )
+            if not connected:
+                # Connecting can take up to its timeout when the remote hangs: never
+                # with the outbox rows locked in an open transaction, which would
+                # hold back vacuum in the sender's database for the whole outage.
+                await self._connect(remote)
+                continue
             self.stats.taken += len(rows)
             self.stats.inserted += inserted
             moved += len(rows)
@@ -231,9 +241,8 @@ class Forwarder:
 
     async def _deliver(self, remote: _Remote, queue: str, rows: Sequence[Any]) -> int:
         """Insert ``rows`` into ``queue`` on ``remote`` and commit; returns rows stored."""
-        loop = asyncio.get_running_loop()
+        conn = await self._connect(remote)
         try:
-            conn = await self._remote_conn(remote)
             inserted = 0
             async with conn.transaction():
                 await ensure_queue_on(conn, self.schema, queue, remote.known)
@@ -247,15 +256,26 @@ class Forwarder:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._remote_failed(remote, exc, loop.time())
-            where = scrub(remote.dsn)
-            raise RemoteUnavailable(f"forward to {where}: {remote.error}") from exc
+            raise self._unavailable(remote, exc) from exc
         remote.known.add(queue)  # committed: its table exists from now on
         if remote.error is not None:
             log.info("forwarding_resumed", database=scrub(remote.dsn))
         remote.error = None
         remote.delay = 0.0
         return inserted
+
+    async def _connect(self, remote: _Remote) -> asyncpg.Connection:
+        """The remote's connection; a failure pauses the remote (RemoteUnavailable)."""
+        try:
+            return await self._remote_conn(remote)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise self._unavailable(remote, exc) from exc
+
+    def _unavailable(self, remote: _Remote, exc: BaseException) -> RemoteUnavailable:
+        self._remote_failed(remote, exc, asyncio.get_running_loop().time())
+        return RemoteUnavailable(f"forward to {scrub(remote.dsn)}: {remote.error}")
 
     def _remote_failed(self, remote: _Remote, exc: BaseException, now: float) -> None:
         self.stats.failures += 1

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# What a JVM running Spark prints on its own: log4j levels, its banner, Java's
+# warnings. nmbus report and nmbus demo send it to a log file, not the terminal.
+JVM_NOISE = re.compile(r"\b(WARN|INFO|ERROR)\b|log4j|SLF4J|Spark's default|^WARNING: ", re.M)
 
 
 class Proc:

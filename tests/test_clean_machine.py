@@ -20,7 +20,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from nmbus.cli.demo import SPARK_LOG
 from nmbus.tools import demo
+from tests.procs import JVM_NOISE
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,6 +107,11 @@ def test_demo_writes_the_report_with_no_system_java_and_no_jdbc_jar(
         timeout=540,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    # Spark's JVM and log4j write to the demo's log file, never to the terminal.
+    noise = [line for line in proc.stderr.splitlines() if JVM_NOISE.search(line)]
+    assert not noise, "\n".join(noise[:20])
+    spark_log = tmp_path / ".nmbus" / SPARK_LOG
+    assert JVM_NOISE.search(spark_log.read_text()), "the JVM's own output went nowhere"
     outcome = json.loads(proc.stdout)
     assert "report" in outcome and "html" in outcome["report"], outcome
     html = Path(outcome["report"]["html"])

@@ -40,6 +40,7 @@ if not os.path.isfile(JAR):
     )
 
 from nmbus.stats.session import ensure_java  # noqa: E402
+from tests.procs import JVM_NOISE  # noqa: E402
 from tests.test_stats import _seed, _seed_doomed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -249,9 +250,14 @@ def _event_log(folder: Path) -> list[str]:
     return [arg for k, v in settings.items() for arg in ("--conf", f"{k}={v}")]
 
 
-def _run(cmd: list[str], env: dict[str, str], timeout: float = 600) -> str:
+def _run(cmd: list[str], env: dict[str, str], timeout: float = 600, quiet: bool = False) -> str:
+    """Run ``cmd``; ``quiet``: the JVM's own output must not reach its stdout or stderr."""
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    if quiet:
+        for stream in (proc.stdout, proc.stderr):
+            noise = [line for line in stream.splitlines() if JVM_NOISE.search(line)]
+            assert not noise, "\n".join(noise[:20])
     return proc.stdout
 
 
@@ -265,7 +271,7 @@ def test_cluster_runs_the_job_like_local(cluster: Cluster, dsn: str, tmp_path: P
 
     local = tmp_path / "local"
     _run([sys.executable, "-m", "nmbus", "report", *common, "--out", str(local),
-          "--master", "local[2]", "--json"], env)  # fmt: skip
+          "--master", "local[2]", "--json"], env, quiet=True)  # fmt: skip
 
     events = tmp_path / "events-report"
     events.mkdir()
@@ -276,6 +282,7 @@ def test_cluster_runs_the_job_like_local(cluster: Cluster, dsn: str, tmp_path: P
          "--master", cluster.url, "--json",
          *_event_log(events)],
         env,
+        quiet=True,
     )  # fmt: skip
     print(f"nmbus report on the cluster: {time.perf_counter() - started:.1f}s")
 

@@ -265,8 +265,7 @@ main { padding:16px 24px 40px; }
 .card.ok { border-top-color:var(--ok); }
 .card .k { color:var(--mute); font-size:12px; text-transform:uppercase; letter-spacing:.04em; }
 .card .v { font-size:24px; font-weight:700; margin:2px 0; }
-.card .s { color:var(--mute); font-size:12px; white-space:nowrap; overflow:hidden;
-  text-overflow:ellipsis; }
+.card .s { color:var(--mute); font-size:12px; line-height:1.35; overflow-wrap:anywhere; }
 section { margin-top:18px; }
 h2 { font-size:15px; margin:0 0 8px; }
 table { width:100%; border-collapse:collapse; background:#fff; border:1px solid var(--line);

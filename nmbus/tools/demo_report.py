@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,25 +65,6 @@ def check_report() -> Any:
     return job
 
 
-@contextlib.contextmanager
-def _stderr_to(path: Path | None) -> Iterator[None]:
-    """Point file descriptor 2 at ``path`` while the JVM starts: it inherits it for good."""
-    if path is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with path.open("ab") as target:
-            os.dup2(target.fileno(), 2)
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def run_report(
     dsn: str,
     options: DemoOptions,
@@ -96,20 +74,25 @@ def run_report(
 ) -> Any:
     """Run the Spark statistics job over the demo's schema; returns its result.
 
-    With ``jvm_log``, Spark's own console output goes to that file.
+    With ``jvm_log``, Spark's own console output (its stdout and stderr) goes
+    to that file; a terminal sees the elapsed time and the running stage.
     """
     job = check_report()
-    # Per-second windows: the whole demo usually fits in one minute. The publisher's
-    # own queue stays empty and is left out.
+    from nmbus.stats.progress import Progress, jvm_output_to
+
+    # The window follows the data's span (a demo run fits in about a minute). The
+    # publisher's own queue stays empty and is left out.
     opts = job.Options(
-        dsn=dsn, out=str(out), schema=options.schema, window="second", queues=list(QUEUES)
+        dsn=dsn, out=str(out), schema=options.schema, window="auto", queues=list(QUEUES)
     )
     with contextlib.suppress(TypeError, AttributeError):
         opts.title = "nmbus demo"
-    with _stderr_to(jvm_log):
+    with jvm_output_to(str(jvm_log)) if jvm_log else contextlib.nullcontext():
         spark = job.build_session(master, None, "1g")
     try:
-        return job.run(spark, opts)
+        with Progress() as progress:
+            progress.attach(spark)
+            return job.run(spark, opts)
     except job.StatsError as exc:
         raise ReportUnavailable(str(exc)) from exc
     finally:

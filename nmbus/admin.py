@@ -253,6 +253,14 @@ class Admin:
         async with self._session("list queues", read_only=True) as conn:
             return await self._queues(conn)
 
+    async def rows_estimate(self, queues: Sequence[str] | None = None) -> int:
+        """Rows in every queue's table (or those of ``queues``), estimated without a scan."""
+        async with self._session("estimate rows", read_only=True) as conn:
+            names = await self._queues(conn, queues)
+            return int(
+                await conn.fetchval(render("ops_rows_estimate", self.schema), self.schema, names)
+            )
+
     async def queue_status(
         self, window: float = 600.0, *, windows: Sequence[float] = (), exact: bool = False
     ) -> list[QueueStatus]:

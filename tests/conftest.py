@@ -12,6 +12,10 @@ from nmbus import Bus
 from tests.ops_data import Facts, populate
 from tests.pg import Databases, server_dsn
 
+# Reports in tests start Spark without the driver's class archive, so no test
+# leaves a builder running behind it; tests/test_stats_classcache.py turns it on.
+os.environ.setdefault("NMBUS_SPARK_CLASS_CACHE", "off")
+
 
 @pytest.fixture(autouse=True)
 def _structlog_as_found() -> Iterator[None]:

@@ -178,6 +178,20 @@ async def test_list_queues(admin: Admin, facts: Facts) -> None:
     assert await admin.schema_exists()
 
 
+async def test_rows_estimate_counts_without_a_scan(
+    admin: Admin, facts: Facts, db: asyncpg.Connection
+) -> None:
+    # The statistics system's counts reach the shared figures within about a second.
+    exact = {q: await count(db, "true", q) for q in ("billing", "shipping")}
+    deadline = asyncio.get_running_loop().time() + 10
+    while await admin.rows_estimate() != sum(exact.values()):
+        assert asyncio.get_running_loop().time() < deadline, await admin.rows_estimate()
+        await asyncio.sleep(0.2)
+    assert await admin.rows_estimate(["shipping"]) == exact["shipping"]
+    with pytest.raises(QueueNotFound):
+        await admin.rows_estimate(["nowhere"])
+
+
 async def test_failed_messages(admin: Admin, facts: Facts) -> None:
     found = await admin.failed_messages()
     assert [(m.queue, m.id) for m in found] == [("billing", i) for i in facts.failed_ids]

@@ -10,9 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
+from nmbus.admin import Admin
 from nmbus.cli import app
 from nmbus.cli._common import CommandError, operate, settings
-from nmbus.errors import NmbusError
+from nmbus.errors import NmbusError, QueueNotFound
 from nmbus.stats.progress import Progress, jvm_output_to
 
 
@@ -42,12 +43,33 @@ def _job() -> Any:
         ) from exc
 
 
-def _check_database(dsn: str, schema: str) -> None:
-    """One connection: the database and its nmbus schema exist (exit 2, as the job's errors)."""
+def _check_database(dsn: str, schema: str, queues: list[str]) -> int | None:
+    """One connection: the database and its schema exist (exit 2, as the job's errors),
+    and about how many rows the queue tables hold (None: a queue asked for is not there)."""
+
+    async def look(admin: Admin) -> int | None:
+        try:
+            return await admin.rows_estimate(queues or None)
+        except QueueNotFound:
+            return None  # the job says which, in its own words
+
     try:
-        operate(settings(dsn, schema), lambda admin: admin.schema_exists())
+        return operate(settings(dsn, schema), look)
     except (CommandError, NmbusError) as exc:
         raise CommandError(str(exc), code=2) from exc
+
+
+# Parquet bytes per archived row, about (retention's archive: 296 MB for 10M rows).
+ARCHIVE_BYTES_PER_ROW = 30
+
+
+def _rows_in_archive(archive_dir: str) -> int | None:
+    """About how many rows a local archive holds, from its files' sizes; None elsewhere."""
+    root = Path(archive_dir.removeprefix("file://"))
+    if "://" in archive_dir.removeprefix("file://") or not root.is_dir():
+        return None
+    size = sum(p.stat().st_size for p in root.rglob("*.parquet") if p.is_file())
+    return size // ARCHIVE_BYTES_PER_ROW
 
 
 @app.command()
@@ -127,10 +149,17 @@ def report(
         opts.validate()
         # Fail before the JVM starts when the server is not there at all, or the
         # database or its schema does not exist.
+        # What the run will read decides how its driver compiles (session.py, DRIVER_JIT).
+        expected: int | None = 0
         if dsn:
             job.check_reachable(job.jdbc_from_dsn(dsn))
             if dsn.startswith(("postgresql:", "postgres:")):
-                _check_database(dsn, schema)
+                expected = _check_database(dsn, schema, list(queue or []))
+            else:
+                expected = None
+        if archive_dir and expected is not None:
+            in_archive = _rows_in_archive(archive_dir)
+            expected = None if in_archive is None else expected + in_archive
         extra: dict[str, str] = {}
         for item in conf or []:
             key, sep, value = item.partition("=")
@@ -147,7 +176,12 @@ def report(
             if borrowed is None:
                 with jvm_output_to(str(log)):
                     spark = job.build_session(
-                        master, jdbc_jar, driver_memory, need_jdbc=need_jdbc, extra_conf=extra
+                        master,
+                        jdbc_jar,
+                        driver_memory,
+                        need_jdbc=need_jdbc,
+                        extra_conf=extra,
+                        expected_rows=expected,
                     )
             else:
                 spark = borrowed
@@ -157,7 +191,7 @@ def report(
         raise CommandError(str(exc), code=2) from exc
     finally:
         if spark is not None and borrowed is None:
-            spark.stop()
+            job.stop_session(spark)
     if as_json:
         typer.echo(json.dumps(result.summary, indent=2))
         return

@@ -930,6 +930,11 @@ SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
         / current_setting('block_size')::bigint) AS pages
 FROM open;
 
+-- ops_rows_estimate --
+-- Rows of the given queue tables together, as the statistics system counts them: pg_stat_user_tables.n_live_tup, kept up to date by every insert and delete, never a scan. $1: schema, $2: queue names (both unquoted).
+SELECT coalesce(sum(n_live_tup), 0)::bigint FROM pg_stat_user_tables
+WHERE schemaname = $1 AND relname = ANY($2::text[]);
+
 -- ops_count_processed --
 -- How many X rows a queue holds, exactly: a walk of the X part of the done index (for small tables only; see ops_queue_counts).
 SELECT count(*) FROM {queue} WHERE subqueue = 'X';

@@ -52,7 +52,12 @@ try:  # modules of the nmbus package
         parse_time,
     )
     from nmbus.stats.outputs import Result
-    from nmbus.stats.session import active_session, build_session, command_line_session
+    from nmbus.stats.session import (
+        active_session,
+        build_session,
+        command_line_session,
+        stop_session,
+    )
 except ImportError:  # plain files under spark-submit: the siblings are on sys.path
     import outputs  # type: ignore[no-redef]
     import pgcopy  # type: ignore[no-redef]
@@ -84,6 +89,7 @@ except ImportError:  # plain files under spark-submit: the siblings are on sys.p
         active_session,
         build_session,
         command_line_session,
+        stop_session,
     )
 
 # What nmbus report, the demo and the benchmark use through this module.
@@ -99,6 +105,7 @@ __all__ = [
     "main",
     "parse_time",
     "run",
+    "stop_session",
 ]
 
 
@@ -283,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = run(spark, opts)
         finally:
-            spark.stop()
+            stop_session(spark)
     except StatsError as exc:
         print(f"nmbus-stats: error: {exc}", file=sys.stderr)
         return 2

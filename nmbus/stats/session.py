@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 try:  # a module of the nmbus package
+    from nmbus.stats import classcache
     from nmbus.stats.jdbc import find_jdbc_jar
     from nmbus.stats.options import StatsError
 except ImportError:  # a plain file under spark-submit: the siblings are on sys.path
+    import classcache  # type: ignore[no-redef]
     from jdbc import find_jdbc_jar  # type: ignore[no-redef]
     from options import StatsError  # type: ignore[no-redef]
 
@@ -177,6 +179,30 @@ def spark_ready_home(home: str) -> str:
     return target
 
 
+# The driver JVM of a run known to be short: C1 only. On two cores the C2
+# compiler's threads take CPU from the run itself, and a job that ends in
+# seconds never reaches the code C2 would make; a long one does, and C1's code
+# doubles its cost per row (docs/performance.md, "Fixed cost": 10k rows 12.7
+# against 16 s; 1M rows even; 10M rows 231 against 121 s). So C1 only when the
+# caller expects at most SHORT_RUN_ROWS rows. A setting of the caller's own in
+# spark.driver.extraJavaOptions comes after this one, and wins.
+DRIVER_JIT = ["-XX:TieredStopAtLevel=1"]
+SHORT_RUN_ROWS = 1_000_000
+
+
+@dataclass
+class _Recording:
+    """A session recording its classes for the class archive (see classcache.py)."""
+
+    cache: classcache.ClassCache
+    path: str
+    classpath: str
+    jvm_pid: int
+
+
+_recording: _Recording | None = None
+
+
 def build_session(
     master: str | None = "local[*]",
     jdbc_jar: str | None = None,
@@ -184,18 +210,23 @@ def build_session(
     shuffle_partitions: int | None = None,
     need_jdbc: bool | None = None,
     extra_conf: dict[str, str] | None = None,
+    expected_rows: int | None = None,
 ) -> Any:
     """A SparkSession for ``nmbus report``: Java found, the JDBC jar when any, UTC, quiet.
 
     ``need_jdbc`` says whether a missing JDBC jar is an error; by default it is
     one except on a local master, where the job reads through COPY instead
-    (see ``source.choose_reader``).
+    (see ``source.choose_reader``). Its driver starts from the class archive
+    when there is one, or records its classes for one (``classcache.py``);
+    stop it with ``stop_session``. ``expected_rows``, when the caller knows
+    about how many rows the run reads, lets a short run's driver skip C2.
     """
+    global _recording
     from pyspark.sql import SparkSession
 
     if need_jdbc is None:
         need_jdbc = not is_local(master)
-    ensure_java()
+    java = ensure_java()
     jar = find_jdbc_jar(jdbc_jar, required=need_jdbc)
     builder = SparkSession.builder.appName("nmbus-stats")
     if master:
@@ -228,11 +259,59 @@ def build_session(
         )
     if shuffle_partitions:
         builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
-    for key, value in (extra_conf or {}).items():
+    conf = dict(extra_conf or {})
+    theirs = conf.pop("spark.driver.extraJavaOptions", "")
+    for key, value in conf.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    if SparkSession.getActiveSession() is not None:
+        # getOrCreate returns that session; its JVM started long ago.
+        return builder.getOrCreate()
+
+    cache = classcache.cache_for(java.executable, java.home)
+    plan = classcache.plan(cache)
+    short = expected_rows is not None and expected_rows <= SHORT_RUN_ROWS
+    jit = DRIVER_JIT if short else []
+    try:
+        spark = _start(builder, [*jit, *plan.options], theirs)
+    except Exception:
+        if plan.recording is not None:
+            plan.recording.unlink(missing_ok=True)
+        if plan.archive is None or cache is None:
+            raise
+        spark = _start(builder, jit, theirs)
+        # It starts without the archive and did not with it: never use that one again.
+        cache.forget(plan.archive, f"the driver did not start from {plan.archive}")
+        plan = classcache.Plan([])
     spark.sparkContext.setLogLevel("ERROR")
+    if plan.recording is not None and cache is not None:
+        jvm = spark._jvm
+        _recording = _Recording(
+            cache,
+            str(plan.recording),
+            str(jvm.java.lang.System.getProperty("java.class.path")),
+            int(jvm.java.lang.ProcessHandle.current().pid()),
+        )
     return spark
+
+
+def _start(builder: Any, ours: list[str], theirs: str) -> Any:
+    options = " ".join([*ours, theirs]).strip()
+    return builder.config("spark.driver.extraJavaOptions", options).getOrCreate()
+
+
+def stop_session(spark: Any) -> None:
+    """Stop a session of ``build_session``; after a recording run, start the archive's build."""
+    global _recording
+    try:
+        spark.stop()
+    finally:
+        recording, _recording = _recording, None
+        if recording is not None:
+            from pathlib import Path
+
+            classcache.start_builder(
+                recording.cache, Path(recording.path), recording.classpath, recording.jvm_pid
+            )
 
 
 def is_local(master: str | None) -> bool:

@@ -57,13 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, help="where archives are written (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep each archive")
     p.add_argument("--window", default="hour")
+    p.add_argument(
+        "--conf", action="append", default=[], metavar="KEY=VALUE", help="a Spark setting"
+    )
     args = p.parse_args(argv)
+    conf = dict(item.split("=", 1) for item in args.conf)
     sizes = [int(s) for s in args.sizes.split(",") if s]
 
     from nmbus.stats import job
 
     base = args.dir or Path(tempfile.mkdtemp(prefix="nmbus-archive-bench-"))
-    spark = job.build_session(args.master, None, args.driver_memory, need_jdbc=False)
+    spark = job.build_session(
+        args.master,
+        None,
+        args.driver_memory,
+        need_jdbc=False,
+        extra_conf=conf,
+        expected_rows=max(sizes),
+    )
     print(
         f"spark {spark.version} on {args.master}, java "
         f"{spark._jvm.java.lang.System.getProperty('java.version')}",
@@ -103,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.keep:
                 shutil.rmtree(archive, ignore_errors=True)
     finally:
-        spark.stop()
+        job.stop_session(spark)
         if not args.dir and not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     return 0

@@ -7,11 +7,13 @@ what is missing before the bus part starts, and run the bus part anyway.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 from pathlib import Path
 from typing import Any
 
+from nmbus.admin import Admin
 from nmbus.errors import NmbusError
 from nmbus.tools.demo import QUEUES, DemoOptions
 
@@ -65,6 +67,19 @@ def check_report() -> Any:
     return job
 
 
+def rows_estimate(dsn: str, schema: str, queues: list[str] | None = None) -> int | None:
+    """About how many rows the queue tables hold (no scan); None when it cannot be told."""
+
+    async def estimate() -> int:
+        async with Admin(dsn, schema) as admin:
+            return await admin.rows_estimate(queues)
+
+    try:
+        return asyncio.run(estimate())
+    except NmbusError:
+        return None
+
+
 def run_report(
     dsn: str,
     options: DemoOptions,
@@ -88,7 +103,8 @@ def run_report(
     with contextlib.suppress(TypeError, AttributeError):
         opts.title = "nmbus demo"
     with jvm_output_to(str(jvm_log)) if jvm_log else contextlib.nullcontext():
-        spark = job.build_session(master, None, "1g")
+        expected = rows_estimate(dsn, options.schema, list(QUEUES))
+        spark = job.build_session(master, None, "1g", expected_rows=expected)
     try:
         with Progress() as progress:
             progress.attach(spark)
@@ -96,4 +112,4 @@ def run_report(
     except job.StatsError as exc:
         raise ReportUnavailable(str(exc)) from exc
     finally:
-        spark.stop()
+        job.stop_session(spark)

@@ -102,14 +102,16 @@ def time_job(
             "spark.eventLog.compress": "false",
             "spark.eventLog.rolling.enabled": "false",
         }
-    spark = job.build_session(master, extra_conf=conf)
+    from nmbus.tools.demo_report import rows_estimate
+
+    spark = job.build_session(master, extra_conf=conf, expected_rows=rows_estimate(dsn, schema))
     try:
         with tempfile.TemporaryDirectory(prefix="nmbus-bench-") as out:
             result = job.run(
                 spark, job.Options(dsn=dsn, out=out, schema=schema, partitions=partitions)
             )
     finally:
-        spark.stop()
+        job.stop_session(spark)
     return result.rows, result.seconds, time.perf_counter() - started
 
 

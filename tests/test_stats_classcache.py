@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -260,3 +261,31 @@ def test_only_a_run_known_to_be_short_gives_up_c2(
     options = seen[0].split()
     assert ("-XX:TieredStopAtLevel=1" in options) is c1
     assert options[-1] == "-Dmine=1"  # the caller's own come last, and win
+
+
+@pytest.mark.parametrize(("expected_rows", "c1"), [(10_000, True), (5_000_000, False)])
+def test_a_short_run_on_a_cluster_gives_up_c2_in_its_executors_too(
+    monkeypatch: pytest.MonkeyPatch, expected_rows: int, c1: bool
+) -> None:
+    from pyspark.sql import SparkSession
+
+    from nmbus.stats import session
+
+    seen: list[str] = []
+
+    def start(builder: Any, ours: list[str], theirs: str) -> None:
+        seen.append(builder._options.get("spark.executor.extraJavaOptions", ""))
+        raise _Stop
+
+    monkeypatch.setattr(session, "_start", start)
+    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: None))
+    with pytest.raises(_Stop):
+        session.build_session(
+            "spark://127.0.0.1:7077",
+            need_jdbc=False,
+            expected_rows=expected_rows,
+            extra_conf={"spark.executor.extraJavaOptions": "-Dmine=1"},
+        )
+    options = seen[0].split()
+    assert ("-XX:TieredStopAtLevel=1" in options) is c1
+    assert options[-1] == "-Dmine=1"

@@ -179,13 +179,14 @@ def spark_ready_home(home: str) -> str:
     return target
 
 
-# The driver JVM of a run known to be short: C1 only. On two cores the C2
-# compiler's threads take CPU from the run itself, and a job that ends in
-# seconds never reaches the code C2 would make; a long one does, and C1's code
-# doubles its cost per row (docs/performance.md, "Fixed cost": 10k rows 12.7
-# against 16 s; 1M rows even; 10M rows 231 against 121 s). So C1 only when the
-# caller expects at most SHORT_RUN_ROWS rows. A setting of the caller's own in
-# spark.driver.extraJavaOptions comes after this one, and wins.
+# The JVMs of a run known to be short (the driver, and a cluster's executors):
+# C1 only. On two cores the C2 compiler's threads take CPU from the run itself,
+# and a job that ends in seconds never reaches the code C2 would make; a long
+# one does, and C1's code doubles its cost per row (docs/performance.md, "Fixed
+# cost": 10k rows 12.7 against 16 s; 1M rows even; 10M rows 231 against 121 s;
+# on the two-worker test cluster 16.9 against 24 s). So C1 only when the caller
+# expects at most SHORT_RUN_ROWS rows. The caller's own extraJavaOptions come
+# after these, and win.
 DRIVER_JIT = ["-XX:TieredStopAtLevel=1"]
 SHORT_RUN_ROWS = 1_000_000
 
@@ -261,6 +262,12 @@ def build_session(
         builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
     conf = dict(extra_conf or {})
     theirs = conf.pop("spark.driver.extraJavaOptions", "")
+    short = expected_rows is not None and expected_rows <= SHORT_RUN_ROWS
+    jit = DRIVER_JIT if short else []
+    if jit and not local:
+        # A cluster's executors are as cold as the driver, and as short-lived here.
+        executors = conf.pop("spark.executor.extraJavaOptions", "")
+        conf["spark.executor.extraJavaOptions"] = " ".join([*jit, executors]).strip()
     for key, value in conf.items():
         builder = builder.config(key, value)
     if SparkSession.getActiveSession() is not None:
@@ -269,8 +276,6 @@ def build_session(
 
     cache = classcache.cache_for(java.executable, java.home)
     plan = classcache.plan(cache)
-    short = expected_rows is not None and expected_rows <= SHORT_RUN_ROWS
-    jit = DRIVER_JIT if short else []
     try:
         spark = _start(builder, [*jit, *plan.options], theirs)
     except Exception:

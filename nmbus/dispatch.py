@@ -300,11 +300,22 @@ class Dispatcher:
         # valid while the registry is unchanged.
         self._plans: dict[type[Message], tuple[tuple[Handler, ...], Any, RetryPolicy]] = {}
         self._plans_for = -1
+        # The tracing of the current batch: None unless spans are recorded (start_batch).
+        self._batch_tracing: Tracing | None = None
         # structlog's context variables for the two keys bound per message.
         tokens = structlog.contextvars.bind_contextvars(message_id=None, message_type=None)
         structlog.contextvars.reset_contextvars(**tokens)
         self._id_var = tokens["message_id"].var
         self._type_var = tokens["message_type"].var
+
+    def start_batch(self) -> None:
+        """Once per batch: whether its messages get spans.
+
+        A global tracer provider can be set at any time, and looking for one costs
+        OpenTelemetry an environment lookup: once per batch, not per message.
+        """
+        tracing = self.tracing
+        self._batch_tracing = tracing if tracing is not None and tracing.on() else None
 
     async def handle(
         self,
@@ -377,9 +388,7 @@ class Dispatcher:
             return
 
         serial = SerialBatch(tx, lock) if lock is not None else None
-        tracing = self.tracing
-        if tracing is not None and not tracing.on():
-            tracing = None
+        tracing = self._batch_tracing
         handle_tx: Any = Unguarded(tx) if unguarded else (serial or tx)
         ctx = Context(self.queue, row, handle_tx, self.builder, tracing)
         effects = ctx.effects

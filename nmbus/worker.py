@@ -415,6 +415,7 @@ class Worker:
         outcomes = Outcomes()
         done: list[Effects] = []
         debug = debug_enabled()
+        self.dispatcher.start_batch()
         partial = False
         async with session.batch() as tx:
             if self.settings.handler_concurrency > 1 and len(batch) > 1:

@@ -410,6 +410,9 @@ class Bus:
 
         The publisher's subscriptions table is the one its publish reads, so a
         subscriber in another database registers (and renews) its rows there.
+        The stores are opened by the subscriptions when they first write: a
+        publisher's database that is down does not keep this endpoint from
+        starting (docs/routes.md).
         """
         from nmbus.postgres import PostgresStore
 
@@ -420,7 +423,6 @@ class Bus:
                 continue
             if dsn not in by_dsn:
                 store = PostgresStore(dsn, self.settings.schema_name, 1)
-                await store.open()
                 self._remote_stores.append(store)
                 by_dsn[dsn] = store
             self.subscriptions.remote[publisher] = by_dsn[dsn]

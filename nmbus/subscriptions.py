@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from nmbus.errors import ConfigurationError, StoreError
+from nmbus.errors import ConfigurationError, DatabaseUnavailable, StoreError
 from nmbus.messages import Message, type_name
 from nmbus.store import validate_queue_name
 
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from nmbus.store import Store
 
 log = structlog.get_logger("nmbus.subscriptions")
+
+# Seconds between tries to write the rows a publisher's database still owes.
+RETRY_PENDING = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,11 @@ class Subscriptions:
         # Publishers living in other databases (routes), by name: their
         # subscriptions table is there, so this endpoint registers there.
         self.remote: dict[str, Store] = {}
+        # Those remote stores opened so far, by id: a publisher's database may be
+        # down when this endpoint starts, and is opened once it answers.
+        self._opened: set[int] = set()
+        # Remote publishers whose rows are not written yet: their database was down.
+        self._pending: set[str] = set()
 
     def publishers(self) -> set[str]:
         """Every publisher a declared (or to be removed) subscription names."""
@@ -81,9 +89,20 @@ class Subscriptions:
         return self.remote.get(publisher, self.store)
 
     async def _write(self, publisher: str, names: list[str], ttl: float | None) -> None:
-        await self._store(publisher).subscribe(
-            publisher, self.endpoint, names, ttl, remote=publisher in self.remote
-        )
+        store = await self._open(publisher)
+        await store.subscribe(publisher, self.endpoint, names, ttl, remote=publisher in self.remote)
+
+    async def _open(self, publisher: str) -> Store:
+        store = self._store(publisher)
+        if publisher in self.remote and id(store) not in self._opened:
+            await store.open()
+            self._opened.add(id(store))
+        return store
+
+    @property
+    def pending(self) -> set[str]:
+        """Remote publishers whose database has not answered yet: rows still to write."""
+        return set(self._pending)
 
     def __len__(self) -> int:
         return len(self._declared)
@@ -111,60 +130,138 @@ class Subscriptions:
             # Applied at start, when the store is open.
             self._removed.add(key)
             return
-        await self._store(publisher).unsubscribe(publisher, self.endpoint, [key[1]])
+        await (await self._open(publisher)).unsubscribe(publisher, self.endpoint, [key[1]])
         log.info("unsubscribed", queue=self.endpoint, publisher=publisher, message_type=key[1])
 
     async def start(self) -> None:
-        """Apply unsubscriptions made before start, then write every declared row."""
+        """Apply unsubscriptions made before start, then write every declared row.
+
+        A publisher in another database that does not answer does not stop the
+        endpoint: its rows are written by ``run_renewer`` once it does.
+        """
         self._started = True
         for publisher, name in sorted(self._removed):
-            await self._store(publisher).unsubscribe(publisher, self.endpoint, [name])
-        self._removed.clear()
-        await self.renew(include_permanent=True)
+            try:
+                await (await self._open(publisher)).unsubscribe(publisher, self.endpoint, [name])
+            except DatabaseUnavailable as exc:
+                if publisher not in self.remote:
+                    raise
+                self._wait_for(publisher, exc)
+                continue
+            self._removed.discard((publisher, name))
+        try:
+            await self.renew(include_permanent=True)
+        except DatabaseUnavailable:
+            if not self._pending:
+                raise
         for sub in self._declared.values():
-            log.info(
-                "subscribed",
+            if sub.publisher not in self._pending:
+                self._subscribed(sub)
+
+    def _subscribed(self, sub: Subscription) -> None:
+        log.info(
+            "subscribed",
+            queue=self.endpoint,
+            publisher=sub.publisher,
+            message_type=sub.type_name,
+            ttl=None if sub.permanent else self.ttl,
+        )
+
+    def _wait_for(self, publisher: str, exc: StoreError) -> None:
+        if publisher not in self._pending:
+            log.warning(
+                "subscription_pending",
                 queue=self.endpoint,
-                publisher=sub.publisher,
-                message_type=sub.type_name,
-                ttl=None if sub.permanent else self.ttl,
+                publisher=publisher,
+                error=str(exc),
+                retry_in=RETRY_PENDING,
             )
+        self._pending.add(publisher)
 
     @property
     def renewing(self) -> bool:
-        """Whether any declared subscription expires (and so needs renewing)."""
-        return self.ttl is not None and any(not s.permanent for s in self._declared.values())
+        """Whether a renewer must run: a subscription expires, or one is still to write."""
+        expiring = self.ttl is not None and any(not s.permanent for s in self._declared.values())
+        return expiring or bool(self._pending)
 
     async def renew(self, include_permanent: bool = False) -> None:
-        """Upsert the rows: one statement per (publisher, lifetime)."""
+        """Upsert the rows: one statement per (publisher, lifetime).
+
+        A remote publisher's database that does not answer leaves its rows
+        pending (every one of them, permanent ones too, is written once it
+        does) and the others are still written; DatabaseUnavailable is raised
+        at the end. A failure of this endpoint's own database is raised at once.
+        """
         groups: dict[tuple[str, float | None], list[str]] = {}
         for sub in self._declared.values():
             ttl = None if sub.permanent else self.ttl
-            if ttl is None and not include_permanent:
+            if ttl is None and not include_permanent and sub.publisher not in self._pending:
                 continue
             groups.setdefault((sub.publisher, ttl), []).append(sub.type_name)
+        failed: DatabaseUnavailable | None = None
+        down: set[str] = set()
         for (publisher, ttl), names in sorted(groups.items(), key=lambda g: g[0][0]):
-            await self._write(publisher, sorted(names), ttl)
+            if publisher in down:
+                continue
+            try:
+                await self._write(publisher, sorted(names), ttl)
+            except DatabaseUnavailable as exc:
+                if publisher not in self.remote:
+                    raise
+                self._wait_for(publisher, exc)
+                down.add(publisher)
+                failed = exc
+        removing = {publisher for publisher, _ in self._removed}
+        for publisher in sorted(self._pending - down - removing):
+            self._pending.discard(publisher)  # every row it owed was written just now
+            for sub in self._declared.values():
+                if sub.publisher == publisher:
+                    self._subscribed(sub)
+        if failed is not None:
+            raise failed
+
+    async def _retry_removals(self) -> None:
+        """Unsubscriptions made before start that a database that was down still owes."""
+        for publisher, name in sorted(self._removed):
+            try:
+                await (await self._open(publisher)).unsubscribe(publisher, self.endpoint, [name])
+            except DatabaseUnavailable as exc:
+                self._wait_for(publisher, exc)
+                continue
+            self._removed.discard((publisher, name))
+
+    def _open_stores(self) -> list[Store]:
+        stores = [self.store, *(s for s in self.remote.values() if id(s) in self._opened)]
+        return list({id(s): s for s in stores}.values())
 
     async def run_renewer(self) -> None:
-        """Renew every ttl/3 until cancelled; after a failure, retry sooner."""
-        assert self.ttl is not None
-        interval = self.ttl / 3
-        delay = interval
+        """Renew every ttl/3 until cancelled; after a failure, retry sooner.
+
+        With nothing that expires, it only writes what a database that was down
+        at start still owes, and returns once that is done.
+        """
+        expiring = self.ttl is not None and any(not s.permanent for s in self._declared.values())
+        interval = self.ttl / 3 if expiring and self.ttl is not None else RETRY_PENDING
+        delay = min(interval, RETRY_PENDING) if self._pending or self._removed else interval
         while True:
             await asyncio.sleep(delay)
             try:
+                await self._retry_removals()
                 await self.renew()
-                for store in {id(s): s for s in [self.store, *self.remote.values()]}.values():
-                    await store.purge_expired_subscriptions(self.ttl)
+                if self.ttl is not None:
+                    for store in self._open_stores():
+                        await store.purge_expired_subscriptions(self.ttl)
             except StoreError as exc:
-                delay = min(interval, 1.0)
-                log.warning(
-                    "subscription_renewal_failed",
-                    queue=self.endpoint,
-                    error=str(exc),
-                    retry_in=round(delay, 3),
-                )
+                delay = min(interval, RETRY_PENDING)
+                if not isinstance(exc, DatabaseUnavailable) or not self._pending:
+                    log.warning(
+                        "subscription_renewal_failed",
+                        queue=self.endpoint,
+                        error=str(exc),
+                        retry_in=round(delay, 3),
+                    )
                 continue
-            delay = interval
+            if not expiring and not self._pending and not self._removed:
+                return  # nothing left to write, and nothing expires
+            delay = min(interval, RETRY_PENDING) if self._pending or self._removed else interval
             log.debug("subscriptions_renewed", queue=self.endpoint, ttl=self.ttl)

@@ -432,6 +432,29 @@ async def test_subscriptions_are_renewed_and_removed_in_the_publishers_database(
         assert await db.fetchval("SELECT count(*) FROM nmbus.subscriptions") == 0
 
 
+async def test_the_renewer_keeps_a_remote_subscription_alive_by_itself(
+    dsn: str, dsn_b: str, db: asyncpg.Connection
+) -> None:
+    # A lifetime of 1.5 s: the renewer writes every 0.5 s, in the publisher's database.
+    billing = Bus("billing", dsn=dsn_b, routes={"orders": dsn}, concurrency=0, subscription_ttl=1.5)
+    billing.subscribe(OrderPlaced, publisher="orders")
+    expiry = "SELECT expiration_date FROM nmbus.subscriptions WHERE subscriber_endpoint = 'billing'"
+    async with billing:
+        first = await db.fetchval(expiry)
+        seen = [first]
+
+        async def moved_twice() -> bool:
+            now = await db.fetchval(expiry)
+            if now != seen[-1]:
+                seen.append(now)
+            return len(seen) >= 3
+
+        await wait_until(moved_twice, timeout=15)
+        assert seen == sorted(seen)
+        # Still there long after its first lifetime ended.
+        assert await db.fetchval(expiry) is not None
+
+
 # -- schema -----------------------------------------------------------------------------
 
 

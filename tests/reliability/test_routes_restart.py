@@ -104,6 +104,77 @@ async def test_the_remote_server_stopped_and_restarted_mid_run(
     assert {r[0] for r in rows} == set(sent)
 
 
+class Returned(Message, type_name="test.routes.Returned"):
+    n: int
+
+
+async def test_a_subscriber_starts_while_its_publishers_database_is_down(
+    dsn: str, remote_server: PrivateServer
+) -> None:
+    admin_conn = await asyncpg.connect(remote_server.dsn)
+    try:
+        await admin_conn.execute("CREATE DATABASE orders")
+    finally:
+        await admin_conn.close()
+    publisher_dsn = with_database(remote_server.dsn, "orders")
+    remote_server.stop()
+
+    got: list[int] = []
+    billing = Bus(
+        "billing",
+        dsn=dsn,
+        routes={"orders": publisher_dsn},
+        poll_interval=1.0,
+        reconnect_max_delay=0.5,
+        subscription_ttl=3600,
+    )
+
+    @billing.handler
+    async def on_shipped(msg: Shipped, ctx: object) -> None:
+        got.append(msg.n)
+
+    billing.handler(Returned)(_nothing)
+    billing.subscribe(Shipped, publisher="orders")
+    billing.subscribe(Returned, publisher="orders", permanent=True)
+
+    async def rows() -> list[tuple[str, bool]]:
+        try:
+            conn = await asyncpg.connect(publisher_dsn)
+        except OSError:
+            return []
+        try:
+            if not await conn.fetchval("SELECT to_regclass('nmbus.subscriptions')"):
+                return []
+            found = await conn.fetch(
+                "SELECT message_type, expiration_date IS NULL FROM nmbus.subscriptions "
+                "WHERE subscriber_endpoint = 'billing' AND subscriber_remote ORDER BY 1"
+            )
+            return [(r[0], r[1]) for r in found]
+        finally:
+            await conn.close()
+
+    async def have(n: int) -> bool:
+        return n in got
+
+    async def written() -> bool:
+        return await rows() == [("test.routes.Returned", True), ("test.routes.Shipped", False)]
+
+    async with billing:  # the publisher's database is down: it starts all the same
+        assert billing.subscriptions.pending == {"orders"}
+        await billing.send(Shipped(n=1), to="billing")  # its own queue works meanwhile
+        await wait_until(lambda: have(1))
+        remote_server.start()
+        # Nothing is done by hand: both rows, the permanent one too, get written.
+        await wait_until(written)
+        assert billing.subscriptions.pending == set()
+        orders = Bus("orders", dsn=publisher_dsn, routes={"billing": dsn}, poll_interval=1.0)
+        orders.handler(Returned)(_nothing)
+        async with orders:
+            assert await orders.publish(Shipped(n=2)) == ["billing"]
+            await wait_until(lambda: have(2))
+    assert got == [1, 2]
+
+
 async def _nothing(msg: Shipped, ctx: object) -> None:
     pass
 

@@ -294,6 +294,39 @@ async def _count(db: asyncpg.Connection, sql: str, want: int) -> bool:
     return bool(await db.fetchval(sql) == want)
 
 
+async def test_a_queue_another_forwarder_holds_does_not_hold_back_the_others(
+    dsn: str, dsn_b: str, db_b: asyncpg.Connection
+) -> None:
+    routes = {"billing": dsn_b, "shipping": dsn_b}  # two queues of one remote database
+    sender = Bus("orders", dsn=dsn, routes=routes, concurrency=0)
+    holder = await asyncpg.connect(dsn)
+    forwarder = Forwarder(dsn, routes)
+    try:
+        async with sender:
+            await sender.send(OrderPlaced(order_id=1), to="billing", unique_id="b-1")
+            await sender.send(OrderPlaced(order_id=2), to="shipping", unique_id="s-2")
+        held = holder.transaction()
+        await held.start()  # another forwarder is moving billing's rows
+        assert await holder.fetchval("SELECT pg_try_advisory_xact_lock(hashtext($1))",
+                                     "nmbus.outbox.nmbus.billing")  # fmt: skip
+        await forwarder.forward_pending()
+        assert await remote_ids(db_b, "billing") == []
+        assert await remote_ids(db_b, "shipping") == ["s-2"]
+        # billing waits for its lock; shipping's next row does not wait with it.
+        async with Bus("orders", dsn=dsn, routes=routes, concurrency=0) as again:
+            await again.send(OrderPlaced(order_id=3), to="shipping", unique_id="s-3")
+        forwarder.wake("shipping")
+        await forwarder.forward_pending()
+        assert await remote_ids(db_b, "shipping") == ["s-2", "s-3"]
+        await held.rollback()
+        await asyncio.sleep(0.25)  # billing's pause
+        await forwarder.forward_pending()
+        assert await remote_ids(db_b, "billing") == ["b-1"]
+    finally:
+        await forwarder.close()
+        await holder.close()
+
+
 async def test_a_remote_that_is_unreachable_keeps_the_rows(
     dsn: str, db: asyncpg.Connection
 ) -> None:

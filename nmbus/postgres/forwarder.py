@@ -45,7 +45,8 @@ from nmbus.store import validate_queue_name, validate_schema_name
 
 log = structlog.get_logger("nmbus.forwarder")
 
-# A queue whose lock another forwarder holds is looked at again after this long.
+# A queue whose lock another forwarder holds is looked at again after this long
+# (that queue alone: the others of its database are not held back).
 BUSY_RETRY = 0.2
 # Longest wait for one remote statement before the remote is treated as down.
 REMOTE_TIMEOUT = 30.0
@@ -107,6 +108,9 @@ class Forwarder:
         self._local: asyncpg.Connection | None = None
         self._wake = asyncio.Event()
         self._pending: set[str] = set(self.routes)
+        # A queue another forwarder holds is looked at again from then on, alone:
+        # the other queues of its database go on meanwhile.
+        self._busy_until: dict[str, float] = {}
 
     def __repr__(self) -> str:
         dsn = scrub(self.dsn)
@@ -171,7 +175,7 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         timeout = self.poll_interval
         if self._pending:
-            due = [self._remotes[self.routes[q]].retry_at for q in self._pending]
+            due = [self._due(q) for q in self._pending]
             if min(due) <= loop.time():
                 return
             soonest = min(due)
@@ -188,7 +192,7 @@ class Forwarder:
         queues, self._pending = sorted(self._pending), set()
         for queue in queues:
             remote = self._remotes[self.routes[queue]]
-            if remote.retry_at > loop.time():
+            if self._due(queue) > loop.time():
                 self._pending.add(queue)
                 continue
             try:
@@ -198,7 +202,13 @@ class Forwarder:
                 continue
             if moved is None:
                 self._pending.add(queue)
-                remote.retry_at = max(remote.retry_at, loop.time() + BUSY_RETRY)
+                self._busy_until[queue] = loop.time() + BUSY_RETRY
+            else:
+                self._busy_until.pop(queue, None)
+
+    def _due(self, queue: str) -> float:
+        """When ``queue`` can be tried: its database's backoff, or its own busy pause."""
+        return max(self._remotes[self.routes[queue]].retry_at, self._busy_until.get(queue, 0.0))
 
     # -- one queue -----------------------------------------------------------------------
 

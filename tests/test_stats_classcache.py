@@ -10,12 +10,17 @@ from ever being mapped, without a JVM.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -39,35 +44,58 @@ def test_it_is_off_when_asked_or_when_its_folder_cannot_be_named_safely(
         monkeypatch.setenv(classcache.ENV, off)
         assert classcache.cache_for("/bin/true", str(tmp_path)) is None
         assert classcache.plan(None).options == []
-    # Spark splits extraJavaOptions like a shell: a folder it would split is not used.
-    monkeypatch.setenv(classcache.ENV, str(tmp_path / "with space"))
+    # Spark splits extraJavaOptions like a shell, and Java's launcher mangles
+    # non-ASCII under a C locale: such a folder is not used.
+    for name in ("with space", "it's", "caf\u00e9"):
+        monkeypatch.setenv(classcache.ENV, str(tmp_path / name))
+        assert classcache.cache_for("/bin/true", str(tmp_path), str(tmp_path)) is None
+
+
+def test_the_folder_is_private_or_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JVM maps the archive as code: a folder others can write to is never used."""
+    folder = tmp_path / "classes"
+    monkeypatch.setenv(classcache.ENV, str(folder))
+    assert classcache.cache_for("/bin/true", str(tmp_path), str(tmp_path)) is not None
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    folder.chmod(0o777)
     assert classcache.cache_for("/bin/true", str(tmp_path), str(tmp_path)) is None
-    monkeypatch.setenv(classcache.ENV, str(tmp_path / "it's"))
+    folder.chmod(0o700)
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    monkeypatch.setenv(classcache.ENV, str(link))
     assert classcache.cache_for("/bin/true", str(tmp_path), str(tmp_path)) is None
 
 
-def test_the_key_changes_with_the_java_and_the_spark_jars(
+def test_the_key_changes_with_the_java_the_spark_jars_and_the_class_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(classcache.ENV, str(tmp_path / "classes"))
+    monkeypatch.delenv("SPARK_CONF_DIR", raising=False)
     java, spark = tmp_path / "java", tmp_path / "spark"
     (java / "lib" / "server").mkdir(parents=True)
     (spark / "jars").mkdir(parents=True)
     (java / "release").write_text('JAVA_VERSION="17.0.15"\n')
-    (spark / "jars" / "spark-core.jar").write_bytes(b"x" * 10)
+    jar = spark / "jars" / "spark-core.jar"
+    jar.write_bytes(b"x" * 10)
 
-    def key() -> str:
-        cache = classcache.cache_for("/bin/true", str(java), str(spark))
+    def key(extra: str = "") -> str:
+        cache = classcache.cache_for("/bin/true", str(java), str(spark), extra)
         assert cache is not None
         return cache.key
 
-    first = key()
-    assert key() == first
+    seen = [key()]
+    assert key() == seen[0]
     (java / "release").write_text('JAVA_VERSION="17.0.16"\n')
-    second = key()
-    assert second != first
-    (spark / "jars" / "spark-core.jar").write_bytes(b"x" * 11)
-    assert key() not in (first, second)
+    seen.append(key())
+    jar.write_bytes(b"x" * 11)
+    seen.append(key())
+    os.utime(jar, ns=(1, 1))  # the same size, reinstalled: Java checks jar times
+    seen.append(key())
+    (spark / "conf").mkdir()
+    (spark / "conf" / "log4j2.properties.template").write_text("")
+    seen.append(key())
+    seen.append(key("/opt/extra.jar"))
+    assert len(set(seen)) == len(seen)
 
 
 def test_a_damaged_archive_is_deleted_not_mapped(
@@ -87,24 +115,45 @@ def test_a_damaged_archive_is_deleted_not_mapped(
     assert plan.archive is None and plan.recording is not None  # records for a new one
 
 
+@contextmanager
+def _held(lock: Path) -> Iterator[None]:
+    """The lock a live builder holds."""
+    fd = os.open(lock, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def test_one_builder_at_a_time_and_none_after_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = _cache(tmp_path, monkeypatch)
-    cache.lock.write_text(str(os.getpid()))  # a live builder
-    assert classcache.plan(cache) == classcache.Plan([])
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    cache.lock.write_text(dead.stdout.strip())  # its builder died
+    with _held(cache.lock):
+        assert cache.building()
+        assert classcache.plan(cache) == classcache.Plan([])
+    # A builder killed with SIGKILL leaves its lock file, but not its lock.
+    assert cache.lock.exists() and not cache.building()
     assert classcache.plan(cache).recording is not None
 
-    cache.lock.unlink()
     cache.failed.write_text("java -Xshare:dump exited with 1\n")
     assert classcache.plan(cache) == classcache.Plan([])
+
+
+def test_a_builder_that_loses_the_race_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = _cache(tmp_path, monkeypatch)
+    recording = cache.folder / "run.classlist"
+    recording.write_text("java/lang/Object\n")
+    cp_file = cache.folder / "run.classpath"
+    cp_file.write_text("/nowhere.jar")
+    with _held(cache.lock):
+        assert classcache.build(cache, recording, cp_file, wait_for=0) == 0
+        assert cache.building()  # the winner's lock is not touched
+    assert not recording.exists() and not cp_file.exists()
+    assert list(cache.folder.glob("spark-*.jsa")) == []
 
 
 def test_what_a_killed_builder_left_is_swept_when_nobody_builds(
@@ -118,28 +167,20 @@ def test_what_a_killed_builder_left_is_swept_when_nobody_builds(
     old = cache.folder / ".0123456789abcdef-2-3.classlist"
     old.write_text("java/lang/Object\n")
     os.utime(old, (time.time() - 2 * 86400, time.time() - 2 * 86400))
-    cache.lock.write_text(str(os.getpid()))
-    classcache.plan(cache)
-    assert half.exists()  # its builder may be alive: left alone
-    cache.lock.unlink()
+    with _held(cache.lock):
+        classcache.plan(cache)
+        assert half.exists()  # its builder is alive: left alone
     classcache.plan(cache)
     assert not half.exists() and not old.exists()
     assert other.exists()
 
 
-def test_a_builder_that_loses_the_race_leaves_nothing_behind(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache = _cache(tmp_path, monkeypatch)
-    cache.lock.write_text(str(os.getpid()))
+def _recorded(cache: classcache.ClassCache, classpath: str) -> tuple[Path, Path]:
     recording = cache.folder / "run.classlist"
     recording.write_text("java/lang/Object\n")
     cp_file = cache.folder / "run.classpath"
-    cp_file.write_text("/nowhere.jar")
-    assert classcache.build(cache, recording, cp_file, wait_for=0) == 0
-    assert not recording.exists() and not cp_file.exists()
-    assert cache.lock.read_text() == str(os.getpid())  # the winner's lock is not touched
-    assert list(cache.folder.glob("spark-*.jsa")) == []
+    cp_file.write_text(classpath)
+    return recording, cp_file
 
 
 def test_a_failed_dump_installs_nothing_and_is_not_retried(
@@ -148,15 +189,53 @@ def test_a_failed_dump_installs_nothing_and_is_not_retried(
     monkeypatch.setenv(classcache.ENV, str(tmp_path / "classes"))
     cache = classcache.cache_for("/bin/false", str(tmp_path), str(tmp_path))
     assert cache is not None
-    recording = cache.folder / "run.classlist"
-    recording.write_text("java/lang/Object\n")
-    cp_file = cache.folder / "run.classpath"
-    cp_file.write_text("/nowhere.jar")
+    recording, cp_file = _recorded(cache, "/nowhere.jar")
     assert classcache.build(cache, recording, cp_file, wait_for=0) == 1
-    assert cache.failed.exists()
+    assert "exited with 1" in cache.failed.read_text()
     assert list(cache.folder.glob("*.jsa")) == []
-    assert not cache.lock.exists() and not recording.exists()
+    assert not cache.building() and not recording.exists()
     assert classcache.plan(cache) == classcache.Plan([])
+
+
+def test_a_class_path_with_a_full_folder_fails_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spark's launcher puts its conf folder first; Java archives nothing then."""
+    cache = _cache(tmp_path, monkeypatch)
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "spark-defaults.conf.template").write_text("")
+    recording, cp_file = _recorded(cache, f"{conf}:/nowhere.jar")
+    assert classcache.build(cache, recording, cp_file, wait_for=0) == 1
+    assert f"not empty: {conf}" in cache.failed.read_text()
+
+
+def test_an_archive_is_installed_only_once_java_maps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fake java: the dump writes a file, the check refuses it, nothing is installed."""
+    java = tmp_path / "java"
+    java.write_text(
+        "#!/bin/sh\n"
+        "for a; do case $a in -XX:SharedArchiveFile=*) f=${a#*=};; -Xshare:on) on=1;; esac; done\n"
+        'if [ -n "$on" ]; then exit 7; fi\n'
+        'printf x > "$f"\n'
+    )
+    java.chmod(0o755)
+    monkeypatch.setenv(classcache.ENV, str(tmp_path / "classes"))
+    cache = classcache.cache_for(str(java), str(tmp_path), str(tmp_path))
+    assert cache is not None
+    recording, cp_file = _recorded(cache, "/nowhere.jar")
+    assert classcache.build(cache, recording, cp_file, wait_for=0) == 1
+    assert "refused the new archive (7)" in cache.failed.read_text()
+    assert list(cache.folder.glob("*.jsa")) == [] and list(cache.folder.glob(".*.jsa")) == []
+
+    cache.failed.unlink()
+    java.write_text(java.read_text().replace("exit 7", "exit 0"))
+    recording, cp_file = _recorded(cache, "/nowhere.jar")
+    assert classcache.build(cache, recording, cp_file, wait_for=0) == 0
+    assert [p.name for p in cache.folder.glob("*.jsa")] == [f"spark-{cache.key}-1.jsa"]
+    assert cache.archive() == cache.folder / f"spark-{cache.key}-1.jsa"
 
 
 # --------------------------------------------------------------------------- with Spark
@@ -181,12 +260,16 @@ def _wait_for_archive(folder: Path, timeout: float = 600) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         built = list(folder.glob("spark-*.jsa"))
-        if built and not list(folder.glob(".building-*")):
+        locks = [
+            classcache.ClassCache(folder, p.name.removeprefix(".building-"), "").building()
+            for p in folder.glob(".building-*")
+        ]
+        if built and not any(locks):
             return built[0]
         failed = list(folder.glob("*.failed"))
-        assert not failed, (folder / "build.log").read_text()
+        assert not failed, [p.read_text() for p in folder.glob("build-*.log")]
         time.sleep(0.5)
-    raise AssertionError(f"no archive after {timeout}s: {(folder / 'build.log').read_text()}")
+    raise AssertionError(f"no archive after {timeout}s: {sorted(folder.iterdir())}")
 
 
 def _figures(summary: dict) -> dict:
@@ -207,8 +290,11 @@ def test_the_next_report_starts_from_the_archive_the_first_one_left(
 
     first = _report(dsn, tmp_path / "first", env)
     archive = _wait_for_archive(folder)
+    key = archive.name.split("-")[1]
     left = sorted(p.name for p in folder.iterdir())
-    assert left == ["build.log", archive.name], left  # no recording, class path or lock
+    # No recording, no class path, no half-written archive: the lock file, unlocked.
+    assert left == [f".building-{key}", f"build-{key}.log", archive.name], left
+    assert "wrote" in (folder / f"build-{key}.log").read_text()
     assert archive.stat().st_size == int(archive.stem.rsplit("-", 1)[1])
 
     # The JVM logs where each class came from; the caller's own options still apply.
@@ -234,51 +320,76 @@ class _Stop(Exception):
     pass
 
 
+class FakeSpark:
+    """What build_session asks of a started session, with a JVM that says ``vm_info``."""
+
+    def __init__(self, vm_info: str = "mixed mode, sharing") -> None:
+        props = {"java.vm.info": vm_info, "java.class.path": "/nowhere.jar"}
+        system = SimpleNamespace(getProperty=props.__getitem__)
+        handle = SimpleNamespace(current=lambda: SimpleNamespace(pid=lambda: 0))
+        lang = SimpleNamespace(System=system, ProcessHandle=handle)
+        self._jvm = SimpleNamespace(java=SimpleNamespace(lang=lang))
+        self.sparkContext = SimpleNamespace(setLogLevel=lambda level: None)
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class Starts(list[dict[str, str]]):
+    """The settings of each start, and what the next starts answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: list[Any] = []
+
+
+@pytest.fixture
+def starts(monkeypatch: pytest.MonkeyPatch) -> Starts:
+    """Every start build_session makes: the settings its builder holds; each start answers
+    with the next of ``starts.answers`` (an exception is raised), by default _Stop."""
+    from pyspark.sql import SparkSession
+
+    seen = Starts()
+    monkeypatch.setattr("pyspark.SparkContext._gateway", None)  # no JVM in this process yet
+
+    def get_or_create(builder: Any) -> Any:
+        seen.append(dict(builder._options))
+        answer = seen.answers.pop(0) if seen.answers else _Stop()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(SparkSession.Builder, "getOrCreate", get_or_create)
+    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: None))
+    return seen
+
+
 @pytest.mark.parametrize(
     ("expected_rows", "c1"), [(10_000, True), (1_000_000, True), (5_000_000, False), (None, False)]
 )
 def test_only_a_run_known_to_be_short_gives_up_c2(
-    monkeypatch: pytest.MonkeyPatch, expected_rows: int | None, c1: bool
+    starts: Starts, expected_rows: int | None, c1: bool
 ) -> None:
-    from pyspark.sql import SparkSession
-
     from nmbus.stats import session
 
-    seen: list[str] = []
-
-    def start(builder: object, ours: list[str], theirs: str) -> None:
-        seen.append(" ".join([*ours, theirs]))
-        raise _Stop
-
-    monkeypatch.setattr(session, "_start", start)
-    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: None))
     with pytest.raises(_Stop):
         session.build_session(
             "local[2]",
             expected_rows=expected_rows,
             extra_conf={"spark.driver.extraJavaOptions": "-Dmine=1"},
         )
-    options = seen[0].split()
+    options = starts[0]["spark.driver.extraJavaOptions"].split()
     assert ("-XX:TieredStopAtLevel=1" in options) is c1
     assert options[-1] == "-Dmine=1"  # the caller's own come last, and win
 
 
 @pytest.mark.parametrize(("expected_rows", "c1"), [(10_000, True), (5_000_000, False)])
 def test_a_short_run_on_a_cluster_gives_up_c2_in_its_executors_too(
-    monkeypatch: pytest.MonkeyPatch, expected_rows: int, c1: bool
+    starts: Starts, expected_rows: int, c1: bool
 ) -> None:
-    from pyspark.sql import SparkSession
-
     from nmbus.stats import session
 
-    seen: list[str] = []
-
-    def start(builder: Any, ours: list[str], theirs: str) -> None:
-        seen.append(builder._options.get("spark.executor.extraJavaOptions", ""))
-        raise _Stop
-
-    monkeypatch.setattr(session, "_start", start)
-    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: None))
     with pytest.raises(_Stop):
         session.build_session(
             "spark://127.0.0.1:7077",
@@ -286,6 +397,134 @@ def test_a_short_run_on_a_cluster_gives_up_c2_in_its_executors_too(
             expected_rows=expected_rows,
             extra_conf={"spark.executor.extraJavaOptions": "-Dmine=1"},
         )
-    options = seen[0].split()
+    options = starts[0]["spark.executor.extraJavaOptions"].split()
     assert ("-XX:TieredStopAtLevel=1" in options) is c1
     assert options[-1] == "-Dmine=1"
+
+
+def test_spark_defaults_java_options_are_kept(
+    starts: Starts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --conf value replaces spark-defaults.conf's: nmbus sets one only with something
+    to add, and then puts the file's options after its own."""
+    from nmbus.stats import session
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "spark-defaults.conf").write_text(
+        "# site settings\n"
+        "spark.driver.extraJavaOptions   -Djava.security.krb5.conf=/etc/krb5.conf\n"
+        "spark.executor.extraJavaOptions=-Dsite=1\n"
+    )
+    monkeypatch.setenv("SPARK_CONF_DIR", str(conf))
+    with pytest.raises(_Stop):
+        session.build_session("local[2]")  # nothing to add (the cache is off here)
+    assert "spark.driver.extraJavaOptions" not in starts[-1]
+    with pytest.raises(_Stop):
+        session.build_session("spark://127.0.0.1:7077", need_jdbc=False, expected_rows=10)
+    assert starts[-1]["spark.driver.extraJavaOptions"] == (
+        "-XX:TieredStopAtLevel=1 -Djava.security.krb5.conf=/etc/krb5.conf"
+    )
+    assert starts[-1]["spark.executor.extraJavaOptions"] == "-XX:TieredStopAtLevel=1 -Dsite=1"
+
+
+def _installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Path]:
+    """The cache build_session will use, holding an archive of the right size."""
+    from nmbus.stats import session
+
+    monkeypatch.setenv(classcache.ENV, str(tmp_path / "classes"))
+    java = session.ensure_java()
+    cache = classcache.cache_for(java.executable, java.home)
+    assert cache is not None
+    archive = cache.folder / f"spark-{cache.key}-10.jsa"
+    archive.write_bytes(b"\0" * 10)
+    return cache, archive
+
+
+def test_an_archive_the_jvm_did_not_take_is_deleted_and_recorded_anew(
+    starts: Starts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nmbus.stats import session
+
+    cache, archive = _installed(tmp_path, monkeypatch)
+    starts.answers.append(FakeSpark("mixed mode, sharing"))
+    session.build_session("local[2]")
+    assert f"-XX:SharedArchiveFile={archive}" in starts[-1]["spark.driver.extraJavaOptions"]
+    assert archive.exists()
+    starts.answers.append(FakeSpark("mixed mode"))
+    session.build_session("local[2]")
+    assert not archive.exists() and not cache.failed.exists()
+    starts.answers.append(FakeSpark())
+    session.build_session("local[2]")
+    assert "-XX:DumpLoadedClassList=" in starts[-1]["spark.driver.extraJavaOptions"]
+    session._recording = None
+
+
+def test_a_jvm_that_dies_with_the_archive_and_starts_without_it_gives_it_up(
+    starts: Starts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+
+    from nmbus.stats import session
+
+    cache, archive = _installed(tmp_path, monkeypatch)
+    starts.answers.extend([RuntimeError("JAVA_GATEWAY_EXITED"), FakeSpark()])
+    session.build_session("local[2]")
+    assert "SharedArchiveFile" not in starts[-1].get("spark.driver.extraJavaOptions", "")
+    assert not archive.exists() and "did not start" in cache.failed.read_text()
+
+
+def test_a_failure_inside_a_live_jvm_does_not_blame_the_archive(
+    starts: Starts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pyspark import SparkContext
+
+    from nmbus.stats import session
+
+    cache, archive = _installed(tmp_path, monkeypatch)
+
+    def failing(builder: Any) -> Any:
+        starts.append(dict(builder._options))
+        SparkContext._gateway = object()  # the JVM came up; Spark failed inside it
+        raise RuntimeError("bad master URL")
+
+    from pyspark.sql import SparkSession
+
+    monkeypatch.setattr(SparkSession.Builder, "getOrCreate", failing)
+    with pytest.raises(RuntimeError, match="bad master URL"):
+        session.build_session("local[2]")
+    assert len(starts) == 1  # not started again
+    assert archive.exists() and not cache.failed.exists()
+
+
+def test_the_end_of_a_run_never_fails_on_the_builder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from nmbus.stats import session
+
+    cache = _cache(tmp_path, monkeypatch)
+    recording = cache.folder / ".run.classlist"
+    recording.write_text("java/lang/Object\n")
+    session._recording = session._Recording(cache, str(recording), "/nowhere.jar", 0)
+    shutil.rmtree(cache.folder)  # deleted while the run ran
+    spark = FakeSpark()
+    session.stop_session(spark)
+    assert spark.stopped and session._recording is None
+
+
+def test_the_report_estimates_an_archive_from_its_footers(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nmbus.cli.report import _rows_in_archive
+
+    for day in ("2026-11-01", "2026-11-02"):
+        folder = tmp_path / "queue=orders" / f"day={day}"
+        folder.mkdir(parents=True)
+        pq.write_table(pa.table({"id": list(range(7))}), folder / "part-0.parquet")
+    assert _rows_in_archive(str(tmp_path)) == 14
+    assert _rows_in_archive(f"file://{tmp_path}") == 14
+    assert _rows_in_archive("hdfs://namenode/archive") is None  # unknown: a big run
+    (tmp_path / "queue=orders" / "day=2026-11-01" / "bad.parquet").write_text("not parquet")
+    assert _rows_in_archive(str(tmp_path)) is None

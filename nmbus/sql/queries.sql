@@ -931,9 +931,12 @@ SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
 FROM open;
 
 -- ops_rows_estimate --
--- Rows of the given queue tables together, as the statistics system counts them: pg_stat_user_tables.n_live_tup, kept up to date by every insert and delete, never a scan. $1: schema, $2: queue names (both unquoted).
-SELECT coalesce(sum(n_live_tup), 0)::bigint FROM pg_stat_user_tables
-WHERE schemaname = $1 AND relname = ANY($2::text[]);
+-- Rows of the given queue tables together, estimated without a scan: per table the larger of the statistics system's live rows (pg_stat_user_tables.n_live_tup: current on a primary, but zero after a crash, a stats reset, or on a standby) and the planner's row count (pg_class.reltuples: as of the last vacuum or analyze, replicated, -1 before the first). The larger one errs towards a big run. $1: schema, $2: queue names (both unquoted).
+SELECT coalesce(sum(greatest(coalesce(s.n_live_tup, 0), c.reltuples::bigint, 0)), 0)::bigint
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE n.nspname = $1 AND c.relname = ANY($2::text[]) AND c.relkind IN ('r', 'p');
 
 -- ops_count_processed --
 -- How many X rows a queue holds, exactly: a walk of the X part of the done index (for small tables only; see ops_queue_counts).

@@ -9,31 +9,42 @@ instead. The archive is made from what a real run loaded:
    (``-XX:DumpLoadedClassList``) and otherwise runs as always.
 2. When that run's session stops, a builder process starts in the background at
    the lowest CPU priority. It waits for the run's JVM to exit, then has the
-   same Java write the archive (``-Xshare:dump``) under a temporary name, and
-   renames it into place only when Java says it succeeded. A reader never sees
-   a partial file, and at most one builder runs at a time.
-3. Later runs start their driver with ``-XX:SharedArchiveFile``.
+   same Java write the archive (``-Xshare:dump``) under a temporary name,
+   checks that Java maps it, and only then renames it into place. A reader
+   never sees a partial file. The builder holds an exclusive lock
+   (``flock``) on its key for its whole life, so at most one builds a given
+   archive, and the kernel lets go of it if the builder is killed.
+3. Later runs start their driver with ``-XX:SharedArchiveFile``; a run whose
+   JVM did not take the archive (``java.vm.info`` without "sharing") deletes
+   it, and the next run records again.
 
 The archive belongs to one Java, one Spark install and one class path: its
-name carries a digest of those, so another Java or an upgraded pyspark makes a
-new one (and the old one is deleted). The size in the name guards against a
-damaged file: a Java that maps a truncated archive crashes, so a file whose
-size is not the one written is deleted instead of used.
+name carries a digest of those (jar sizes and times, the conf folder, the
+extra class path), so another Java or an upgraded pyspark makes a new one.
+Archives of other keys are deleted once unused for ``KEEP_DAYS``. The size
+in the name guards against a damaged file: a Java that maps a truncated
+archive crashes, so a file whose size is not the one written is deleted
+instead of used.
 
+The folder must be this user's alone (the JVM maps the archive as code):
 ``NMBUS_SPARK_CLASS_CACHE=off`` turns all of this off; any other value is the
 folder to keep the archive in (default: ``$XDG_CACHE_HOME/nmbus/spark-classes``,
-else ``~/.cache/nmbus/spark-classes``). A failed build leaves its reason in
-``build.log`` and a ``.failed`` marker there, and is not tried again until the
-folder is emptied. Standard library only: it runs under spark-submit too.
+else ``~/.cache/nmbus/spark-classes``), which is made with mode 0700 and not
+used when another user owns it or others may write to it. A failed build
+leaves its reason in ``build-<key>.log`` and a ``.failed`` marker there, and
+is not tried again until the marker is deleted. Standard library only: it runs
+under spark-submit too.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import os
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -42,10 +53,12 @@ from pathlib import Path
 
 ENV = "NMBUS_SPARK_CLASS_CACHE"
 OFF = frozenset({"off", "0", "no", "false"})
-# Spark splits extraJavaOptions like a shell; a folder with such characters is not used.
-_SAFE_PATH = re.compile(r"^[\w./+:@%,=-]+$")
+# Spark splits extraJavaOptions like a shell, and Java's launcher mangles
+# non-ASCII under a C locale: a folder with other characters is not used.
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+:@%,=-]+$")
 BUILD_TIMEOUT = 900.0  # seconds for -Xshare:dump, on a loaded two-core machine
 JVM_EXIT_WAIT = 600.0  # seconds the builder waits for the recording run's JVM to exit
+KEEP_DAYS = 30  # archives of other keys (other Javas, venvs) unused this long go
 
 
 @dataclass(frozen=True)
@@ -66,7 +79,7 @@ class ClassCache:
 
     @property
     def log(self) -> Path:
-        return self.folder / "build.log"
+        return self.folder / f"build-{self.key}.log"
 
     def archive(self) -> Path | None:
         """The complete archive, or None; a damaged one is deleted."""
@@ -74,6 +87,8 @@ class ClassCache:
             expected = path.stem.rsplit("-", 1)[1]
             try:
                 if str(path.stat().st_size) == expected:
+                    with contextlib.suppress(OSError):
+                        os.utime(path)  # in use: kept while other keys come and go
                     return path
             except OSError:
                 continue
@@ -81,23 +96,37 @@ class ClassCache:
                 path.unlink()
         return None
 
-    def forget(self, archive: Path, reason: str) -> None:
-        """Delete an archive Java could not use, and build no other for this key."""
-        with contextlib.suppress(OSError):
-            self.failed.write_text(reason + "\n", encoding="utf-8")
+    def forget(self, archive: Path) -> None:
+        """Delete an archive Java did not take; the next run records a new one."""
         with contextlib.suppress(OSError):
             archive.unlink()
 
+    def give_up(self, archive: Path, reason: str) -> None:
+        """Delete an archive the driver could not start with, and build no other."""
+        with contextlib.suppress(OSError):
+            self.failed.write_text(reason + "\n", encoding="utf-8")
+        self.forget(archive)
+
     def building(self) -> bool:
-        """True while a live builder holds the lock."""
+        """True while a builder holds this key's lock."""
         try:
-            pid = int(self.lock.read_text().strip() or "0")
-        except (OSError, ValueError):
+            fd = os.open(self.lock, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
             return False
-        return _alive(pid)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)  # closing drops the shared lock, if it was taken
+        return False
 
 
-def cache_for(java: str, java_home: str, spark_home: str | None = None) -> ClassCache | None:
+def cache_for(
+    java: str, java_home: str, spark_home: str | None = None, extra_classpath: str = ""
+) -> ClassCache | None:
     """The class cache of this Java and Spark, or None when it is off or cannot be used."""
     setting = os.environ.get(ENV, "").strip()
     if setting.lower() in OFF:
@@ -108,38 +137,59 @@ def cache_for(java: str, java_home: str, spark_home: str | None = None) -> Class
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         folder = Path(base) / "nmbus" / "spark-classes"
     folder = folder.absolute()
-    if not _SAFE_PATH.match(str(folder)):
+    if not _SAFE_PATH.match(str(folder)) or not _private_folder(folder):
         return None
+    return ClassCache(folder, _key(java_home, spark_home, extra_classpath), java)
+
+
+def _private_folder(folder: Path) -> bool:
+    """Make ``folder`` (0700) if needed; True when it is a directory only this user can write."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+        st = os.lstat(folder)
     except OSError:
-        return None
-    if not os.access(folder, os.W_OK):
-        return None
-    return ClassCache(folder, _key(java_home, spark_home), java)
+        return False
+    return (
+        stat.S_ISDIR(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
 
 
-def _key(java_home: str, spark_home: str | None) -> str:
+def _key(java_home: str, spark_home: str | None, extra_classpath: str = "") -> str:
     """A digest of what the archive depends on: the Java, the Spark jars, the class path."""
     digest = hashlib.sha256()
     home = os.path.realpath(java_home)
     digest.update(home.encode())
     for name in ("release", os.path.join("lib", "server", "libjvm.so")):
-        try:
-            st = os.stat(os.path.join(home, name))
-            digest.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        except OSError:
-            digest.update(f"{name}:-".encode())
+        digest.update(f"{name}:{_stamp(os.path.join(home, name))}".encode())
     if spark_home is None:
         spark_home = _spark_home()
-    jars = os.path.join(spark_home, "jars")
     digest.update(os.path.realpath(spark_home).encode())
+    jars = os.path.join(spark_home, "jars")
     with contextlib.suppress(OSError):
         for name in sorted(os.listdir(jars)):
-            digest.update(f"{name}:{os.path.getsize(os.path.join(jars, name))}".encode())
+            digest.update(f"{name}:{_stamp(os.path.join(jars, name))}".encode())
+    # The launcher puts the conf folder first on the class path.
+    conf = os.environ.get("SPARK_CONF_DIR") or os.path.join(spark_home, "conf")
+    try:
+        digest.update(f"conf:{sorted(os.listdir(conf))}".encode())
+    except OSError:
+        digest.update(b"conf:-")
     for var in ("SPARK_CONF_DIR", "SPARK_DIST_CLASSPATH", "HADOOP_CONF_DIR"):
         digest.update(f"{var}={os.environ.get(var, '')}".encode())
+    digest.update(f"extra={extra_classpath}".encode())
     return digest.hexdigest()[:16]
+
+
+def _stamp(path: str) -> str:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "-"
+    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 def _spark_home() -> str:
@@ -194,6 +244,11 @@ def plan(cache: ClassCache | None) -> Plan:
     return Plan([f"-XX:DumpLoadedClassList={recording}"], recording=recording)
 
 
+def took_archive(vm_info: str) -> bool:
+    """Whether a JVM started with an archive uses it (``java.vm.info`` says "sharing")."""
+    return "sharing" in vm_info
+
+
 def _sweep(cache: ClassCache, age: float = 86400.0) -> None:
     """Delete what runs and builders that died mid-way left behind.
 
@@ -216,7 +271,8 @@ def start_builder(cache: ClassCache, recording: Path, classpath: str, jvm_pid: i
     """Start the background builder of ``cache``'s archive from ``recording``.
 
     It runs in a session of its own, so it outlives this process, which is the
-    point: the recording is complete only once the run's JVM has exited.
+    point: the recording is complete only once the run's JVM has exited. The
+    shell in between exits at once, so this process has no child left to wait for.
     """
     if cache.building():
         _remove(recording)
@@ -226,6 +282,7 @@ def start_builder(cache: ClassCache, recording: Path, classpath: str, jvm_pid: i
     cp_file.write_text(classpath, encoding="utf-8")
     command = [
         sys.executable,
+        "-I",  # isolated: not this folder, nor PYTHON* variables, on its path
         os.path.abspath(__file__),
         "--folder",
         str(cache.folder),
@@ -240,81 +297,100 @@ def start_builder(cache: ClassCache, recording: Path, classpath: str, jvm_pid: i
         "--wait-for",
         str(jvm_pid),
     ]
-    with open(cache.log, "wb") as log:
-        subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-        )
+    subprocess.run(
+        ["/bin/sh", "-c", 'exec "$@" </dev/null >/dev/null 2>&1 &', "sh", *command],
+        cwd=cache.folder,
+        start_new_session=True,
+        check=True,
+        timeout=30,
+    )
 
 
 def build(cache: ClassCache, recording: Path, cp_file: Path, wait_for: int) -> int:
-    """The builder: lock, wait for the run's JVM to exit, dump, install. 0 on success."""
+    """The builder: lock, wait for the run's JVM to exit, dump, check, install. 0 on success."""
     try:
-        fd = os.open(cache.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        if cache.building():
-            print("another build of this archive is running", flush=True)
-            _remove(recording, cp_file)
-            return 0
-        cache.lock.unlink(missing_ok=True)  # its builder died: take it over
-        try:
-            fd = os.open(cache.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            _remove(recording, cp_file)
-            return 0
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
+        lock = os.open(cache.lock, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        _remove(recording, cp_file)
+        print(f"no lock: {exc}", flush=True)
+        return 1
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        _remove(recording, cp_file)
+        print("another build of this archive is running", flush=True)
+        return 0
     temporary = cache.folder / f".{cache.key}-{os.getpid()}.jsa"
     try:
-        deadline = time.monotonic() + JVM_EXIT_WAIT
-        while _alive(wait_for) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _alive(wait_for):
-            print(f"the run's JVM (pid {wait_for}) did not exit; no archive", flush=True)
-            return 1
-        if not recording.exists() or recording.stat().st_size == 0:
-            print("the run recorded no classes; no archive", flush=True)
-            return 1
-        classpath = cp_file.read_text(encoding="utf-8")
-        command = [
-            cache.java,
-            "-Xshare:dump",
-            f"-XX:SharedClassListFile={recording}",
-            f"-XX:SharedArchiveFile={temporary}",
-            "-Xlog:cds=error",
-            "-cp",
-            classpath,
-        ]
+        return _build_locked(cache, recording, cp_file, wait_for, temporary)
+    finally:
+        _remove(recording, cp_file, temporary)
+        os.close(lock)  # lets go of the flock
+
+
+def _build_locked(
+    cache: ClassCache, recording: Path, cp_file: Path, wait_for: int, temporary: Path
+) -> int:
+    deadline = time.monotonic() + JVM_EXIT_WAIT
+    while _alive(wait_for) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(wait_for):
+        print(f"the run's JVM (pid {wait_for}) did not exit; no archive", flush=True)
+        return 1
+    if not recording.exists() or recording.stat().st_size == 0:
+        print("the run recorded no classes; no archive", flush=True)
+        return 1
+    classpath = cp_file.read_text(encoding="utf-8")
+    crowded = [p for p in classpath.split(os.pathsep) if os.path.isdir(p) and os.listdir(p)]
+    if crowded:
+        # Java archives classes from jars only, and refuses a class path with a
+        # folder that holds anything (Spark's conf folder, in a full distribution).
+        return _fail(cache, f"the class path has a folder that is not empty: {crowded[0]}")
+    base = [f"-XX:SharedArchiveFile={temporary}", "-Xlog:cds=error", "-cp", classpath]
+    try:
         started = time.monotonic()
-        proc = subprocess.run(command, stdin=subprocess.DEVNULL, timeout=BUILD_TIMEOUT, check=False)
+        dump = [cache.java, "-Xshare:dump", f"-XX:SharedClassListFile={recording}", *base]
+        proc = subprocess.run(dump, stdin=subprocess.DEVNULL, timeout=BUILD_TIMEOUT, check=False)
         size = temporary.stat().st_size if temporary.exists() else 0
         if proc.returncode != 0 or size == 0:
-            cache.failed.write_text(
-                f"java -Xshare:dump exited with {proc.returncode}; see build.log\n",
-                encoding="utf-8",
-            )
-            print(f"java -Xshare:dump exited with {proc.returncode}; no archive", flush=True)
-            return 1
+            return _fail(cache, f"java -Xshare:dump exited with {proc.returncode}")
+        # Java must map what it wrote, with this very class path, before anyone may.
+        check = [cache.java, "-Xshare:on", *base, "-version"]
+        proc = subprocess.run(check, stdin=subprocess.DEVNULL, timeout=120, check=False)
+        if proc.returncode != 0:
+            return _fail(cache, f"java -Xshare:on refused the new archive ({proc.returncode})")
+        with open(temporary, "rb") as fh:
+            os.fsync(fh.fileno())
         final = cache.folder / f"spark-{cache.key}-{size}.jsa"
         os.replace(temporary, final)
-        for old in cache.folder.glob("spark-*.jsa"):
-            if old != final:
-                with contextlib.suppress(OSError):
-                    old.unlink()
-        print(f"wrote {final} ({size} bytes) in {time.monotonic() - started:.1f}s", flush=True)
-        return 0
+        fd = os.open(cache.folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except (OSError, subprocess.SubprocessError) as exc:
         print(f"no archive: {exc}", flush=True)
         return 1
-    finally:
-        _remove(recording, cp_file, temporary)
+    _retire_others(cache, final)
+    print(f"wrote {final} ({size} bytes) in {time.monotonic() - started:.1f}s", flush=True)
+    return 0
+
+
+def _fail(cache: ClassCache, reason: str) -> int:
+    print(f"{reason}; no archive", flush=True)
+    with contextlib.suppress(OSError):
+        cache.failed.write_text(reason + f"; see {cache.log.name}\n", encoding="utf-8")
+    return 1
+
+
+def _retire_others(cache: ClassCache, keep: Path) -> None:
+    """Archives of other keys that no run has used for KEEP_DAYS."""
+    old = time.time() - KEEP_DAYS * 86400
+    for path in cache.folder.glob("spark-*.jsa"):
         with contextlib.suppress(OSError):
-            if cache.lock.read_text().strip() == str(os.getpid()):
-                cache.lock.unlink()
+            if path != keep and path.stat().st_mtime < old:
+                path.unlink()
 
 
 def _remove(*paths: Path) -> None:
@@ -335,6 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     cache = ClassCache(args.folder, args.key, args.java)
     with contextlib.suppress(OSError):
         os.nice(19)  # the user's next work comes first
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as fh:
+        fh.write("1000")  # and under memory pressure, this goes first
+    # Its own log, appended to: not the user's terminal, not another key's log.
+    fd = os.open(cache.log, os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    print(time.strftime("%Y-%m-%dT%H:%M:%S"), "building", cache.key, flush=True)
     return build(cache, args.recording, args.classpath_file, args.wait_for)
 
 

@@ -261,35 +261,46 @@ def build_session(
     if shuffle_partitions:
         builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
     conf = dict(extra_conf or {})
-    theirs = conf.pop("spark.driver.extraJavaOptions", "")
+    theirs = conf.pop("spark.driver.extraJavaOptions", None)
     short = expected_rows is not None and expected_rows <= SHORT_RUN_ROWS
     jit = DRIVER_JIT if short else []
     if jit and not local:
         # A cluster's executors are as cold as the driver, and as short-lived here.
-        executors = conf.pop("spark.executor.extraJavaOptions", "")
-        conf["spark.executor.extraJavaOptions"] = " ".join([*jit, executors]).strip()
+        key = "spark.executor.extraJavaOptions"
+        conf[key] = _joined(jit, conf.pop(key, None), key)
     for key, value in conf.items():
         builder = builder.config(key, value)
     if SparkSession.getActiveSession() is not None:
         # getOrCreate returns that session; its JVM started long ago.
-        return builder.getOrCreate()
+        spark = builder.getOrCreate()
+        spark.sparkContext.setLogLevel("ERROR")
+        return spark
 
-    cache = classcache.cache_for(java.executable, java.home)
+    cache = classcache.cache_for(
+        java.executable, java.home, extra_classpath=conf.get("spark.driver.extraClassPath", "")
+    )
+    if not _gateway_died():
+        # This process's JVM is still up from an earlier session: it starts nothing new.
+        cache = None
     plan = classcache.plan(cache)
     try:
         spark = _start(builder, [*jit, *plan.options], theirs)
     except Exception:
         if plan.recording is not None:
             plan.recording.unlink(missing_ok=True)
-        if plan.archive is None or cache is None:
+        if plan.archive is None or cache is None or not _gateway_died():
             raise
         spark = _start(builder, jit, theirs)
-        # It starts without the archive and did not with it: never use that one again.
-        cache.forget(plan.archive, f"the driver did not start from {plan.archive}")
+        # The JVM died with the archive and started without it: never use that one again.
+        cache.give_up(plan.archive, f"the driver's JVM did not start from {plan.archive}")
         plan = classcache.Plan([])
     spark.sparkContext.setLogLevel("ERROR")
+    jvm = spark._jvm
+    if plan.archive is not None and cache is not None:
+        info = str(jvm.java.lang.System.getProperty("java.vm.info"))
+        if not classcache.took_archive(info):
+            cache.forget(plan.archive)  # its class path no longer matches: record anew
     if plan.recording is not None and cache is not None:
-        jvm = spark._jvm
         _recording = _Recording(
             cache,
             str(plan.recording),
@@ -299,13 +310,58 @@ def build_session(
     return spark
 
 
-def _start(builder: Any, ours: list[str], theirs: str) -> Any:
-    options = " ".join([*ours, theirs]).strip()
-    return builder.config("spark.driver.extraJavaOptions", options).getOrCreate()
+def _gateway_died() -> bool:
+    """Whether this process has no JVM: none started yet, or the last one died starting."""
+    from pyspark import SparkContext
+
+    return SparkContext._gateway is None
+
+
+def _start(builder: Any, ours: list[str], theirs: str | None) -> Any:
+    key = "spark.driver.extraJavaOptions"
+    # A second start (without the archive) must not keep the first one's options.
+    builder._options.pop(key, None)
+    if ours or theirs is not None:
+        builder = builder.config(key, _joined(ours, theirs, key))
+    return builder.getOrCreate()
+
+
+def _joined(ours: list[str], theirs: str | None, key: str) -> str:
+    """Our JVM options, then the caller's (or spark-defaults.conf's): the later ones win.
+
+    A value given on the command line replaces the one in spark-defaults.conf, so
+    when the caller gave none, that file's is kept after ours.
+    """
+    if theirs is None:
+        theirs = spark_default(key) or ""
+    return " ".join([*ours, theirs]).strip()
+
+
+def spark_default(key: str) -> str | None:
+    """``key``'s value in the spark-defaults.conf Spark's launcher reads, if any."""
+    conf_dir = os.environ.get("SPARK_CONF_DIR") or os.path.join(classcache._spark_home(), "conf")
+    try:
+        with open(os.path.join(conf_dir, "spark-defaults.conf"), encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        # Java properties: the key, then '=', ':' or blanks, then the value.
+        m = re.match(r"([^\s=:]+)\s*[=:\s]\s*(.*)$", line)
+        if m and m.group(1) == key:
+            found = m.group(2).strip()
+    return found
 
 
 def stop_session(spark: Any) -> None:
-    """Stop a session of ``build_session``; after a recording run, start the archive's build."""
+    """Stop a session of ``build_session``; after a recording run, start the archive's build.
+
+    The build is an extra: nothing about it can fail the run that is ending.
+    """
     global _recording
     try:
         spark.stop()
@@ -314,9 +370,14 @@ def stop_session(spark: Any) -> None:
         if recording is not None:
             from pathlib import Path
 
-            classcache.start_builder(
-                recording.cache, Path(recording.path), recording.classpath, recording.jvm_pid
-            )
+            path = Path(recording.path)
+            try:
+                classcache.start_builder(
+                    recording.cache, path, recording.classpath, recording.jvm_pid
+                )
+            except (OSError, subprocess.SubprocessError):
+                path.unlink(missing_ok=True)
+                path.with_suffix(".classpath").unlink(missing_ok=True)
 
 
 def is_local(master: str | None) -> bool:

@@ -36,6 +36,16 @@ def remote_server() -> Iterator[PrivateServer]:
         server.remove()
 
 
+async def _database(server: PrivateServer, name: str) -> str:
+    """A new database on ``server``; its DSN."""
+    conn = await asyncpg.connect(server.dsn)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    return with_database(server.dsn, name)
+
+
 async def wait_until(check: Callable[[], Any], timeout: float = 60.0) -> None:
     async with asyncio.timeout(timeout):
         while not await check():
@@ -45,12 +55,7 @@ async def wait_until(check: Callable[[], Any], timeout: float = 60.0) -> None:
 async def test_the_remote_server_stopped_and_restarted_mid_run(
     dsn: str, db: asyncpg.Connection, remote_server: PrivateServer
 ) -> None:
-    admin_conn = await asyncpg.connect(remote_server.dsn)
-    try:
-        await admin_conn.execute("CREATE DATABASE shipping")
-    finally:
-        await admin_conn.close()
-    remote = with_database(remote_server.dsn, "shipping")
+    remote = await _database(remote_server, "shipping")
     bus = Bus(
         "orders",
         dsn=dsn,
@@ -111,12 +116,7 @@ class Returned(Message, type_name="test.routes.Returned"):
 async def test_a_subscriber_starts_while_its_publishers_database_is_down(
     dsn: str, remote_server: PrivateServer
 ) -> None:
-    admin_conn = await asyncpg.connect(remote_server.dsn)
-    try:
-        await admin_conn.execute("CREATE DATABASE orders")
-    finally:
-        await admin_conn.close()
-    publisher_dsn = with_database(remote_server.dsn, "orders")
+    publisher_dsn = await _database(remote_server, "orders")
     remote_server.stop()
 
     got: list[int] = []

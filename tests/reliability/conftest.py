@@ -6,18 +6,14 @@ import pytest
 
 from tests.pg import Databases
 from tests.reliability.pgserver import PrivateServer
+from tests.reliability.pgserver import private_server as started_server
 
 
 @pytest.fixture(scope="session")
 def private_server() -> Iterator[PrivateServer]:
     """A PostgreSQL cluster of this test session's own, which tests may restart."""
-    server = PrivateServer()
-    try:
-        server.init()
-        server.start()
+    with started_server() as server:
         yield server
-    finally:
-        server.remove()
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,8 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -140,3 +142,15 @@ class PrivateServer:
                 self.stop("immediate")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextmanager
+def private_server() -> Iterator[PrivateServer]:
+    """A server of its own, initialised and started; removed, data and all, afterwards."""
+    server = PrivateServer()
+    try:
+        server.init()
+        server.start()
+        yield server
+    finally:
+        server.remove()

@@ -18,7 +18,7 @@ import pytest
 from nmbus import Bus, Message
 from nmbus.admin import Admin
 from tests.pg import with_database
-from tests.reliability.pgserver import PrivateServer
+from tests.reliability.pgserver import PrivateServer, private_server
 
 
 class Shipped(Message, type_name="test.routes.Shipped"):
@@ -27,13 +27,9 @@ class Shipped(Message, type_name="test.routes.Shipped"):
 
 @pytest.fixture
 def remote_server() -> Iterator[PrivateServer]:
-    server = PrivateServer()
-    try:
-        server.init()
-        server.start()
+    """A server of this test's own: it stops and starts it."""
+    with private_server() as server:
         yield server
-    finally:
-        server.remove()
 
 
 async def _database(server: PrivateServer, name: str) -> str:

@@ -40,7 +40,13 @@ def bench(
     batch_size: Annotated[
         int, typer.Option(min=1, max=10_000, help="rows a worker claims in one statement")
     ] = 100,
-    concurrency: Annotated[int, typer.Option(min=1, help="worker loops")] = 1,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "--loops", min=1, help="worker loops (per process)")
+    ] = 1,
+    processes: Annotated[
+        int, typer.Option(min=1, help="saga: worker processes of the contended run")
+    ] = 1,
+    sagas: Annotated[int, typer.Option(min=1, help="saga: sagas of the contended run")] = 3,
     baseline_messages: Annotated[
         int, typer.Option(min=1, help="messages of the per-message-transaction loop")
     ] = 5_000,
@@ -102,6 +108,8 @@ def bench(
         sequences=sequences,
         sequence_members=sequence_members,
         repeat=repeat,
+        processes=processes,
+        sagas=sagas,
     )
     err = Console(stderr=True)
 

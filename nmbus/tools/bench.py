@@ -32,7 +32,9 @@ medians, with the settings they ran under. The modes:
 ``xrows``          drain on an empty table, then with millions of X rows in the
                    same table, and ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
 ``saga``           drain through a saga that updates its state on every message,
-                   against the same handler without a saga (``bench_saga.py``).
+                   against the same handler without a saga; then ``processes``
+                   processes of ``concurrency`` loops on ``sagas`` sagas: wall
+                   time, deadlocks, messages in F (``bench_saga.py``).
 ``routed``         a send through the outbox and the forwarder to a queue in a
                    second database, against a local send, in one run: p50/p99
                    latency and burst throughput (``bench_routed.py``).
@@ -315,6 +317,10 @@ async def run(
 
             for name, value in (await measure_saga(options, Scratch)).items():
                 unit = "x" if name.startswith("ratio") else "msg/s"
+                if name.endswith("_wall_s"):
+                    unit = "s"
+                elif name in ("contended_deadlocks", "contended_messages_in_f"):
+                    unit = ""
                 results["saga"].add(name, value, unit)
         load = os.getloadavg()[0]
         for result in results.values():
@@ -347,7 +353,13 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
     if mode == "saga":
         from nmbus.tools.bench_saga import SAGAS
 
-        return {**base, "messages": o.messages, "sagas": SAGAS}
+        return {
+            **base,
+            "messages": o.messages,
+            "sagas": SAGAS,
+            "contended_processes": o.processes,
+            "contended_sagas": o.sagas,
+        }
     if mode == "fanout":
         return {
             "messages": o.fanout_messages,

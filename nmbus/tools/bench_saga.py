@@ -7,10 +7,23 @@ with a handler that counts into a saga's state (lock, load, save on every
 message, ``sagas`` sagas keyed by ``n % sagas``), one with the same handler
 body and no saga. The ratio is the figure to read; the rates depend on the
 machine.
+
+Then the same saga handler under contention (:func:`measure_contended`):
+``--processes`` worker processes of ``--concurrency`` loops each drain the
+messages into ``--sagas`` sagas (few sagas: every batch needs the same rows).
+Its figures are the wall time from the first handler call to the last commit,
+messages per second, the deadlocks PostgreSQL counted in the database meanwhile
+(``pg_stat_database.deadlocks``, read after the processes have exited, so each
+has flushed its statistics) and the messages that ended in F. The sagas must
+have counted every message once: a lost update fails the run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import sys
 import time
 
 from pydantic import BaseModel
@@ -20,6 +33,8 @@ from nmbus.context import Context
 from nmbus.tools.bench_scenarios import _deadline, wait_until
 from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
+
+DEADLOCKS = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
 
 SAGAS = 100
 
@@ -83,15 +98,135 @@ async def _drain(options: BenchOptions, scratch: Scratch, kind: str) -> float:
 
 
 async def measure_saga(options: BenchOptions, fresh: type[Scratch]) -> dict[str, float]:
-    """Saga vs plain handler, each drained in a scratch schema of its own."""
+    """Saga vs plain handler, each drained in a scratch schema of its own; then contention."""
     rates: dict[str, float] = {}
     for kind in ("plain", "table", "saga"):
         async with fresh(options.dsn) as scratch:
             rates[kind] = await _drain(options, scratch, kind)
+    async with fresh(options.dsn) as scratch:
+        contended = await measure_contended(options, scratch)
     return {
         "saga_per_s": rates["saga"],
         "plain_per_s": rates["plain"],
         "hand_written_table_per_s": rates["table"],
         "ratio_saga_to_plain": rates["saga"] / rates["plain"],
         "ratio_saga_to_hand_written": rates["saga"] / rates["table"],
+        **contended,
     }
+
+
+def _counting_bus(
+    dsn: str, schema: str, batch_size: int, loops: int, sagas: int
+) -> tuple[Bus, list[float]]:
+    """The bench's saga endpoint (every Tick counts into saga ``n % sagas``), and when
+    its first handler call was."""
+    options = BenchOptions(dsn=dsn, batch_size=batch_size)
+    bus = Bus(QUEUE, settings=options.bus_settings(schema, concurrency=loops))
+    saga = bus.saga(TickCount, key=lambda msg: msg.n % sagas)
+
+    first: list[float] = []
+
+    @saga.handler(start=True)
+    async def count(msg: Tick, state: TickCount, ctx: Context) -> None:
+        if not first:
+            first.append(time.time())
+        state.count += 1
+        state.last = msg.n
+
+    return bus, first
+
+
+async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str, float]:
+    """``processes`` x ``concurrency`` saga loops on ``sagas`` sagas: time, deadlocks, F."""
+    total, processes, sagas = options.messages, options.processes, options.sagas
+    await scratch.create_queue()
+    # The saga table, made before the processes start.
+    async with _counting_bus(options.dsn, scratch.schema, options.batch_size, 0, sagas)[0]:
+        pass
+    await scratch.preload(total)
+    await scratch.checkpoint()
+    deadlocks_before = int(await scratch.c.fetchval(DEADLOCKS))
+    env = {**os.environ, "NMBUS_DSN": options.dsn}
+    args = [sys.executable, "-m", "nmbus.tools.bench_saga", scratch.schema]
+    args += [str(options.batch_size), str(options.concurrency), str(sagas)]
+    procs = [
+        await asyncio.create_subprocess_exec(
+            *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
+        )
+        for _ in range(processes)
+    ]
+    count_done = render("bench_count_done", scratch.schema, QUEUE)
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 120)
+            if line.strip() != b"ready":
+                raise RuntimeError(f"bench saga process did not start: {line!r}")
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+        deadline = time.monotonic() + _deadline(total) + 300
+        while int(await scratch.c.fetchval(count_done)) < total:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the saga processes did not finish in time")
+            await asyncio.sleep(0.02)
+        ended = time.time()
+        reports = []
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(b"stop\n")
+            await proc.stdin.drain()
+            out, _ = await asyncio.wait_for(proc.communicate(), 60)
+            reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    # Each process flushed its statistics when it exited; the collector may lag a moment.
+    await asyncio.sleep(1.0)
+    await scratch.c.execute("SELECT pg_stat_clear_snapshot()")
+    deadlocks = int(await scratch.c.fetchval(DEADLOCKS)) - deadlocks_before
+    failed = await scratch.count("F")
+    started = min(r["first"] for r in reports if r["first"] is not None)
+    elapsed = ended - started
+    bus, _ = _counting_bus(options.dsn, scratch.schema, options.batch_size, 0, sagas)
+    async with bus:
+        saga = bus.sagas["TickCount"]
+        states = [await saga.load(k) for k in range(min(sagas, total))]
+    counted = sum(state.count for state in states if state is not None)
+    if counted != total - failed:
+        raise RuntimeError(
+            f"the sagas counted {counted} messages, expected {total - failed}: updates were lost"
+        )
+    return {
+        "contended_wall_s": elapsed,
+        "contended_per_s": total / elapsed,
+        "contended_deadlocks": float(deadlocks),
+        "contended_messages_in_f": float(failed),
+    }
+
+
+async def _work(schema: str, batch_size: int, loops: int, sagas: int) -> None:
+    bus, first = _counting_bus(os.environ["NMBUS_DSN"], schema, batch_size, loops, sagas)
+    print("ready", flush=True)
+    read = asyncio.get_running_loop().run_in_executor
+    await read(None, sys.stdin.readline)
+    async with bus:
+        await read(None, sys.stdin.readline)
+    report = {"first": first[0] if first else None, "handled": bus.worker.handled}
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    import logging
+
+    import structlog
+
+    # Warnings and errors to stderr, as ``nmbus bench`` itself; stdout is for the report.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    asyncio.run(_work(sys.argv[1], *(int(a) for a in sys.argv[2:5])))

@@ -53,6 +53,8 @@ class BenchOptions:
     sequences: int = 50
     sequence_members: int = 1_000
     repeat: int = 1
+    processes: int = 1
+    sagas: int = 3
 
     def bus_settings(self, schema: str, **extra: Any) -> Settings:
         values: dict[str, Any] = {

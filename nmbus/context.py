@@ -21,6 +21,7 @@ from nmbus.envelopes import (
     REPLY_TO_HEADER,
     REQUESTER_HEADER,
     SAGA_HEADER,
+    SAGA_INSTANCE_HEADER,
     SAGA_KEY_HEADER,
     Delivery,
     EnvelopeBuilder,
@@ -49,12 +50,15 @@ class Effects:
     handler touched the connection (a savepoint was taken); ``tainted`` that a
     statement failed on it or ``raw()`` handed it out, so the savepoint may be
     aborted and must be released (or rolled back) before the next handler.
+    ``note``: why a message that succeeded did nothing (a stale saga timeout),
+    stored as its ``error_info`` in X.
     """
 
     sends: list[tuple[str, Envelope]] = field(default_factory=list)
     publishes: list[Envelope] = field(default_factory=list)
     savepoint: bool = False
     tainted: bool = False
+    note: str | None = None
 
 
 class HandlerConnection:
@@ -120,26 +124,35 @@ class HandlerConnection:
 class SagaControl:
     """``ctx.saga`` in a saga handler: which saga, its timeouts, its completion."""
 
-    __slots__ = ("_ctx", "completed", "key", "name")
+    __slots__ = ("_ctx", "completed", "instance", "key", "name")
 
-    def __init__(self, ctx: Context, name: str, key: str) -> None:
+    def __init__(self, ctx: Context, name: str, key: str, instance: str) -> None:
         self._ctx = ctx
         self.name = name
         self.key = key
+        #: This life of the saga: a saga completed and started again with the same
+        #: key is another instance, which the first one's timeouts do not touch.
+        self.instance = instance
         self.completed = False
 
     async def timeout(self, seconds: float, message: Message) -> str:
         """Send ``message`` to this endpoint in ``seconds``, for this saga's handler of its type.
 
         It is an ordinary deferred message (in R until due) carrying the saga's
-        name and key in headers, stored when the handler's transaction commits.
-        Returns its unique id.
+        name, key and instance in headers, stored when the handler's transaction
+        commits. It acts on this saga instance only: once the saga has
+        completed (even if started again with the same key) it goes to X
+        without running, with a note in its ``error_info``. Returns its unique id.
         """
         return await self._ctx.send(
             message,
             to=self._ctx.queue,
             delay=seconds,
-            headers={SAGA_HEADER: self.name, SAGA_KEY_HEADER: self.key},
+            headers={
+                SAGA_HEADER: self.name,
+                SAGA_KEY_HEADER: self.key,
+                SAGA_INSTANCE_HEADER: self.instance,
+            },
         )
 
     def complete(self) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import math
+import random
 import time
 import traceback
 from collections.abc import Coroutine, Generator, Mapping
@@ -47,7 +48,7 @@ from nmbus.errors import (
 )
 from nmbus.handlers import Handler, Registry
 from nmbus.messages import Message, StoredMessage, lookup_type
-from nmbus.recovery import DIED_ALONE
+from nmbus.recovery import DIED_ALONE, is_conflict
 from nmbus.replies import Replies
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
@@ -441,7 +442,10 @@ class Dispatcher:
                 return
             if metrics is not None:
                 metrics.handler_ran(row.label, time.perf_counter() - started)
-            outcomes.processed(row.id)
+            if effects.note is None:
+                outcomes.processed(row.id)
+            else:
+                outcomes.add(row.id, "X", error_info=effects.note)
             if effects.sends or effects.publishes:
                 done.append(effects)
             if debug:
@@ -567,6 +571,16 @@ class Dispatcher:
         elif isinstance(exc, asyncio.CancelledError):
             exc = because(HandlerCancelled("cancelled by something other than the worker"), exc)
         info = error_info(exc)
+        if is_conflict(exc):
+            # A deadlock or serialization failure says nothing about the message: its
+            # writes were rolled back, it is tried again soon, and the attempt is not spent.
+            seconds = _retry_delay(random.uniform(0.05, 0.5))
+            outcomes.add(row.id, "R", delay=seconds, error_info=info, correction=-1)
+            if chatty:
+                log.info(
+                    "message_conflict_retry", retry_in=round(seconds, 3), error=info.splitlines()[0]
+                )
+            return
         if isinstance(exc, PermanentError | SagaNotFound) or policy.gives_up_after(row.retry_count):
             outcomes.add(row.id, "F", error_info=info)
             if chatty:

@@ -28,9 +28,11 @@ TYPE_CHAIN_HEADER = "nmbus-type-chain"
 #: Headers whose name starts with this belong to one message and never travel
 #: onto what its handler sends (see :func:`travelling`).
 INTERNAL_PREFIX = "nmbus-"
-#: On a saga timeout: the saga's name and key, so the timeout finds its saga.
+#: On a saga timeout: the saga's name and key, so the timeout finds its saga,
+#: and the saga instance that set it (a timeout acts on that instance only).
 SAGA_HEADER = "nmbus-saga"
 SAGA_KEY_HEADER = "nmbus-saga-key"
+SAGA_INSTANCE_HEADER = "nmbus-saga-instance"
 #: Where the answer to a message goes (``ctx.reply``): an endpoint name.
 REPLY_TO_HEADER = "nmbus-reply-to"
 #: On a reply: the unique id of the message it answers.

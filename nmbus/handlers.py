@@ -14,12 +14,15 @@ import math
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nmbus.context import Context
 from nmbus.errors import MAX_SECONDS, HandlerError
-from nmbus.messages import Message
+from nmbus.messages import Message, StoredMessage
 from nmbus.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from nmbus.store import Batch
 
 HandlerFunc = Callable[[Any, Context], Awaitable[None]]
 
@@ -51,6 +54,9 @@ class Registry:
         self._outside = 0
         # Changes with every registration: caches built on the registry check it.
         self.version = 0
+        # Run in each batch's transaction before its handlers: ``await hook(tx, rows)``
+        # (the saga locks of the batch, taken in one order: nmbus/sagas.py).
+        self.batch_hooks: list[Callable[[Batch, list[StoredMessage]], Awaitable[None]]] = []
 
     def add(
         self,

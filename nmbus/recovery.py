@@ -71,6 +71,23 @@ class Gate:
             self._open.set()
 
 
+#: SQLSTATEs of a transaction that lost to a concurrent one: deadlock_detected and
+#: serialization_failure. Rolled back and tried again, they cost no attempt.
+CONFLICT_STATES = frozenset({"40P01", "40001"})
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a deadlock or a serialization failure."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if getattr(current, "sqlstate", None) in CONFLICT_STATES:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 _GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Gate] = weakref.WeakKeyDictionary()
 
 

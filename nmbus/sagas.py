@@ -10,12 +10,18 @@ message's move to X commit together, or not at all.
 
 A saga is found by its key: a field of the message (or a callable of the
 message), turned into text with ``str()``; a timeout (``ctx.saga.timeout``)
-carries its saga's name and key in headers instead.
+carries its saga's name, key and instance in headers instead, and acts on that
+instance only.
+
+Before a batch's handlers run, :class:`SagaLocks` locks every saga that the
+batch's messages name, in one statement and one order (sorted lock keys), so
+that concurrent batches of several loops and processes never deadlock on them.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import typing
 import uuid
 from collections.abc import Awaitable, Callable
@@ -25,7 +31,8 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from nmbus.context import Context, SagaControl
-from nmbus.envelopes import SAGA_HEADER, SAGA_KEY_HEADER
+from nmbus.dispatch import per_message_logs
+from nmbus.envelopes import SAGA_HEADER, SAGA_INSTANCE_HEADER, SAGA_KEY_HEADER, decode_type
 from nmbus.errors import (
     ConfigurationError,
     HandlerError,
@@ -34,9 +41,9 @@ from nmbus.errors import (
     SagaNotFound,
 )
 from nmbus.handlers import Registry
-from nmbus.messages import Message, check_text
+from nmbus.messages import Message, StoredMessage, check_text
 from nmbus.retry import RetryPolicy
-from nmbus.store import SagaTable, Store
+from nmbus.store import Batch, SagaTable, Store
 
 log = structlog.get_logger("nmbus.saga")
 
@@ -91,6 +98,86 @@ def _first_annotation(func: SagaFunc, param: inspect.Parameter) -> Any:
     return None if annotation is inspect.Parameter.empty else annotation
 
 
+class SagaLocks:
+    """The batch hook of an endpoint with sagas: lock its batch's sagas up front, in order.
+
+    A saga handler locks its saga's row when it runs; two batches that need the
+    same sagas in different orders would each hold one and wait for the other
+    (a deadlock, its attempt spent). So before any handler of a batch runs, the
+    sagas of all its messages are found (the key of each message for each saga
+    handler of its type, or a timeout's headers) and locked in one statement,
+    sorted: a batch waits only for batches that hold none of what it needs next.
+    A message whose key cannot be found here (a body that does not decode, a key
+    callable that raises) is left to its handler, which fails it as before.
+    """
+
+    __slots__ = ("_handlers", "_registry", "_sagas")
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        # The handler function registered for each saga handler: its saga and key field.
+        self._handlers: dict[Callable[..., Any], tuple[Saga[Any], str | None]] = {}
+        self._sagas: dict[str, Saga[Any]] = {}
+
+    @classmethod
+    def of(cls, registry: Registry) -> SagaLocks:
+        """The registry's hook, added to its batch hooks the first time."""
+        for hook in registry.batch_hooks:
+            if isinstance(hook, SagaLocks):
+                return hook
+        made = cls(registry)
+        registry.batch_hooks.append(made)
+        return made
+
+    def add(self, func: Callable[..., Any], saga: Saga[Any], field: str | None) -> None:
+        self._handlers[func] = (saga, field)
+        self._sagas[saga.name] = saga
+
+    async def __call__(self, tx: Batch, batch: list[StoredMessage]) -> None:
+        wanted: set[tuple[str, str]] = set()
+        table: SagaTable | None = None
+        for row in batch:
+            for saga, key in self._sagas_of(row):
+                wanted.add((saga.name, key))
+                table = saga.table
+        if table is not None:
+            await tx.begin()
+            await table.lock_keys(tx.connection, wanted)
+
+    def _sagas_of(self, row: StoredMessage) -> list[tuple[Saga[Any], str]]:
+        headers = row.msg_headers
+        if headers and SAGA_HEADER in headers:
+            try:
+                parsed = json.loads(headers)
+                saga = self._sagas.get(parsed.get(SAGA_HEADER))
+                if saga is not None:
+                    return [(saga, key_text(parsed.get(SAGA_KEY_HEADER)))]
+            except (ValueError, AttributeError, PermanentError):
+                return []
+        cls = decode_type(row.label, headers)
+        if cls is None:
+            return []
+        found: list[tuple[Saga[Any], str]] = []
+        message: Message | None = None
+        for handler in self._registry.handlers_for(cls):
+            entry = self._handlers.get(handler.func)
+            if entry is None:
+                continue
+            saga, field = entry
+            try:
+                if message is None:
+                    message = cls.model_validate_json(row.msg_text or "")
+                if field is not None:
+                    value = getattr(message, field)
+                else:
+                    value = cast("Callable[[Any], object]", saga.key)(message)
+                found.append((saga, key_text(value)))
+            except Exception:
+                # Its handler meets the same error and fails the message.
+                continue
+        return found
+
+
 class Saga(Generic[S]):
     """A saga type of one endpoint: its state model, how messages find it, its handlers.
 
@@ -134,6 +221,7 @@ class Saga(Generic[S]):
         self._registry = registry
         self._store = store
         self._table: SagaTable | None = None
+        self._locks = SagaLocks.of(registry)
 
     def __repr__(self) -> str:
         return f"<Saga {self.name!r} of {self.endpoint!r}>"
@@ -226,7 +314,9 @@ class Saga(Generic[S]):
                 f"saga {self.name!r} is keyed by {field!r}, which start message "
                 f"{message_type.__type_name__} does not have"
             )
-        self._registry.add(self._wrap(func, start, field), message_type, retry, timeout)
+        run = self._wrap(func, start, field)
+        self._registry.add(run, message_type, retry, timeout)
+        self._locks.add(run, self, field)
 
     def _wrap(self, func: SagaFunc, start: bool, field: str | None) -> Callable[..., Any]:
         saga = self
@@ -234,6 +324,9 @@ class Saga(Generic[S]):
         async def run(msg: Message, ctx: Context) -> None:
             headers = ctx.headers
             is_timeout = bool(headers) and headers.get(SAGA_HEADER) == saga.name
+            # The saga instance a timeout belongs to; None for a timeout sent before
+            # schema version 8 (handled as then: by name and key alone).
+            owner = headers.get(SAGA_INSTANCE_HEADER) if is_timeout else None
             if is_timeout:
                 key = key_text(headers.get(SAGA_KEY_HEADER))
             elif field is not None:
@@ -247,21 +340,32 @@ class Saga(Generic[S]):
                 key = key_text(cast("Callable[[Any], object]", saga.key)(msg))
             table = saga.table
             conn = ctx.connection
-            row = await table.lock(conn, saga.name, key, start)
-            if row is None:
+            instance = str(uuid.uuid4())
+            # A timeout of a known instance never creates a saga: its own is gone.
+            row = await table.lock(conn, saga.name, key, start and owner is None, instance)
+            if row is None or (owner is not None and row.instance != owner):
                 if is_timeout:
                     # A completed saga's timeouts are expected: nothing to do.
-                    log.info("saga_timeout_ignored", saga=saga.name, key=key)
+                    why = "completed" if row is None else "completed and started again"
+                    ctx.effects.note = (
+                        f"saga timeout ignored: the {saga.name} saga with key {key!r} "
+                        f"that set it has {why}"
+                    )
+                    if per_message_logs():
+                        log.info("saga_timeout_ignored", saga=saga.name, key=key, reason=why)
                     return
                 if saga.on_missing == "ignore":
-                    log.info("saga_not_found_ignored", saga=saga.name, key=key)
+                    if per_message_logs():
+                        log.info("saga_not_found_ignored", saga=saga.name, key=key)
                     return
                 raise SagaNotFound(
                     f"no {saga.name} saga with key {key!r} for {msg.__type_name__}, "
                     "and this handler may not start one"
                 )
+            if row.instance is not None:
+                instance = row.instance
             state = saga.model() if row.state is None else saga.model.model_validate_json(row.state)
-            control = SagaControl(ctx, saga.name, key)
+            control = SagaControl(ctx, saga.name, key, instance)
             ctx.use_saga(control)
             try:
                 await func(msg, state, ctx)
@@ -270,7 +374,7 @@ class Saga(Generic[S]):
             if control.completed:
                 await table.delete(conn, saga.name, key)
             else:
-                await table.save(conn, saga.name, key, state.model_dump_json())
+                await table.save(conn, saga.name, key, state.model_dump_json(), instance)
 
         run.__module__ = func.__module__
         run.__qualname__ = func.__qualname__

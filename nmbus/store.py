@@ -12,7 +12,7 @@ stays in I or R with ``handling_client_id`` and ``lease_expires`` set.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,7 +21,7 @@ from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.settings import Settings
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # Checked with fullmatch: `$` would also match before a final "\n".
 _QUEUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
@@ -141,11 +141,14 @@ class SagaRow:
     """A saga's row, locked in a handler's transaction.
 
     ``state`` is the JSON of the state model, None for a saga that the lock
-    has just created (a start message, no saga yet); ``version`` counts saves.
+    has just created (a start message, no saga yet); ``version`` counts saves;
+    ``instance`` names this life of the saga (None for a row created before
+    schema version 8 and not saved since: its next save sets one).
     """
 
     state: str | None
     version: int
+    instance: str | None = None
 
 
 class SagaTable(Protocol):
@@ -155,11 +158,24 @@ class SagaTable(Protocol):
     locked, saved and deleted in the handler's own transaction and savepoint.
     """
 
-    async def lock(self, conn: Any, saga: str, key: str, create: bool) -> SagaRow | None:
-        """Lock the row until the transaction ends; with ``create``, create it when missing."""
+    async def lock_keys(self, conn: Any, keys: Iterable[tuple[str, str]]) -> None:
+        """Lock the sagas ``(name, key)`` until the transaction ends, in one fixed order.
+
+        Taken before a batch's handlers run, whether the sagas exist or not, so
+        that concurrent batches never wait for each other in a cycle.
+        """
         ...
 
-    async def save(self, conn: Any, saga: str, key: str, state: str) -> None: ...
+    async def lock(
+        self, conn: Any, saga: str, key: str, create: bool, instance: str
+    ) -> SagaRow | None:
+        """Lock the row until the transaction ends; with ``create``, create it when missing,
+        as saga instance ``instance`` (a UUID's text)."""
+        ...
+
+    async def save(self, conn: Any, saga: str, key: str, state: str, instance: str) -> None:
+        """Save the state; a row without an instance takes ``instance``."""
+        ...
 
     async def delete(self, conn: Any, saga: str, key: str) -> None: ...
 

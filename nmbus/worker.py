@@ -12,7 +12,10 @@ Where a message is at every step:
    that touches ``ctx.connection`` gets a savepoint (lazily), so its failure
    undoes only its own writes; what handlers send is buffered. The transaction
    itself begins only with the first such write: a batch of handlers that
-   write nothing costs no BEGIN and no COMMIT round trip.
+   write nothing costs no BEGIN and no COMMIT round trip. The registry's batch
+   hooks run first (an endpoint with sagas locks the batch's sagas there, in
+   one order). A batch that loses a deadlock outside its handlers is rolled
+   back and run again under the same claim: no attempt is spent.
 3. The buffered messages are inserted and the outcomes (X, R with
    ``retry_time``, F with ``error_info``) are written by one statement, which
    also claims the next batch; then one COMMIT (or, with no transaction, the
@@ -26,6 +29,7 @@ client id) and owns its side tasks: the loops, lease renewal and wake-ups.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
@@ -46,7 +50,7 @@ from nmbus.envelopes import IN_REPLY_TO_HEADER, chain_of, dead_letter_copy, deco
 from nmbus.errors import DatabaseUnavailable, LeaseLost, OutcomeNotRecorded, StoreError
 from nmbus.logs import log_failure
 from nmbus.messages import Envelope, StoredMessage
-from nmbus.recovery import Gate, isolate, process_gate
+from nmbus.recovery import Gate, is_conflict, isolate, process_gate
 from nmbus.settings import Settings
 from nmbus.store import Batch, Outcomes, Store, WorkerSession
 from nmbus.supervise import supervise
@@ -55,6 +59,9 @@ if TYPE_CHECKING:
     from nmbus.metrics import WorkerMetrics
 
 log = structlog.get_logger("nmbus.worker")
+
+#: Times a batch that lost a deadlock outside its handlers is run again at once.
+MAX_CONFLICT_RETRIES = 5
 
 
 class Worker:
@@ -382,6 +389,7 @@ class Worker:
         # could have effects elsewhere ran in it.
         unguarded = self.settings.handler_concurrency == 1 and self._replayable(batch)
         failed: dict[int, BaseException] = {}
+        conflicts = 0
         while True:
             try:
                 return await self._run_batch_once(
@@ -392,6 +400,13 @@ class Worker:
                 unguarded = False
                 if replay.error is not None:
                     failed[replay.row.id] = replay.error
+            except StoreError as exc:
+                # A deadlock or serialization failure outside the handlers: the batch
+                # was rolled back; run it again under the same claim (no attempt spent).
+                if conflicts >= MAX_CONFLICT_RETRIES or not is_conflict(exc):
+                    raise
+                conflicts += 1
+                await asyncio.sleep(random.uniform(0.01, 0.05) * conflicts)
 
     def _replayable(self, batch: list[StoredMessage]) -> bool:
         registry = self.dispatcher.registry
@@ -418,6 +433,8 @@ class Worker:
         self.dispatcher.start_batch()
         partial = False
         async with session.batch() as tx:
+            for hook in self.dispatcher.registry.batch_hooks:
+                await hook(tx, batch)
             if self.settings.handler_concurrency > 1 and len(batch) > 1:
                 await self._handle_concurrently(tx, batch, outcomes, done, debug, started)
             else:

@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS "nmbus".outbox (
 );
 CREATE INDEX IF NOT EXISTS "outbox$queue" ON "nmbus".outbox (to_endpoint, id);
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('7') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('8') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")

@@ -4,6 +4,8 @@ python -m tests.saga_workers counter DSN QUEUE CONCURRENCY BATCH KILL_ON
     count Increments into a Counter saga; the Increment numbered KILL_ON
     SIGKILLs the process on its first attempt, after the saga was loaded and
     before it is saved (-1: never)
+python -m tests.saga_workers starts DSN QUEUE CONCURRENCY BATCH
+    the same, but an Increment may start its Counter saga (start=True)
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ class Counter(BaseModel):
     pids: list[int] = []
 
 
-def counter_bus(dsn: str, queue: str, kill_on: int = -1, **settings: object) -> Bus:
+def counter_bus(
+    dsn: str, queue: str, kill_on: int = -1, starts: bool = False, **settings: object
+) -> Bus:
     bus = Bus(queue, dsn=dsn, **settings)  # type: ignore[arg-type]
     saga = bus.saga(Counter, key="counter")
 
@@ -41,7 +45,7 @@ def counter_bus(dsn: str, queue: str, kill_on: int = -1, **settings: object) -> 
     async def open_(msg: Open, state: Counter, ctx: Context) -> None:
         pass
 
-    @saga.handler
+    @saga.handler(start=starts)
     async def increment(msg: Increment, state: Counter, ctx: Context) -> None:
         state.count += 1
         state.seen.append(msg.n)
@@ -56,11 +60,14 @@ def counter_bus(dsn: str, queue: str, kill_on: int = -1, **settings: object) -> 
     return bus
 
 
-async def counter(dsn: str, queue: str, concurrency: int, batch: int, kill_on: int) -> None:
+async def counter(
+    dsn: str, queue: str, concurrency: int, batch: int, kill_on: int, starts: bool = False
+) -> None:
     bus = counter_bus(
         dsn,
         queue,
         kill_on,
+        starts,
         concurrency=concurrency,
         batch_size=batch,
         lease_seconds=1.0,
@@ -77,3 +84,6 @@ if __name__ == "__main__":
     if mode == "counter":
         concurrency, batch, kill_on = (int(x) for x in sys.argv[4:7])
         asyncio.run(counter(dsn, queue, concurrency, batch, kill_on))
+    elif mode == "starts":
+        concurrency, batch = (int(x) for x in sys.argv[4:6])
+        asyncio.run(counter(dsn, queue, concurrency, batch, -1, starts=True))

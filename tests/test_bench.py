@@ -183,6 +183,10 @@ async def test_saga_compares_a_saga_with_the_same_handler_without(dsn: str) -> N
         figures["saga_per_s"] / figures["plain_per_s"]
     )
     assert result.settings["sagas"] == 100
+    # The contended run: one process of one loop on three sagas, counted whole.
+    assert figures["contended_per_s"] == pytest.approx(300 / figures["contended_wall_s"])
+    assert figures["contended_messages_in_f"] == 0
+    assert (result.settings["contended_processes"], result.settings["contended_sagas"]) == (1, 3)
     assert await _schemas(dsn) == []
 
 

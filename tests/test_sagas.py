@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -479,3 +480,328 @@ async def test_the_sql_of_the_sagas_page_runs_as_written(
     assert waiting == []  # created just now
     assert [r["label"] for r in timeouts] == ["test.saga.Overdue"]
     assert len(not_found) == 1
+
+
+# -- a timeout belongs to the saga instance that set it ----------------------------
+
+
+class Begin(Message, type_name="test.saga.Begin"):
+    order_id: int
+    after: float
+
+
+class Finish(Message, type_name="test.saga.Finish"):
+    order_id: int
+
+
+class Due(Message, type_name="test.saga.Due"):
+    order_id: int
+
+
+class Life(BaseModel):
+    due: int = 0
+
+
+def life_bus(
+    make_bus: Callable[..., Bus], events: list[str], due_starts: bool = False
+) -> tuple[Bus, Saga[Life]]:
+    """Begin sets a timeout ``after`` seconds; Finish completes; Due counts (and may start)."""
+    bus = make_bus("lives", poll_interval=0.2, max_attempts=2, retry_delay=0.1)
+    saga = bus.saga(Life, key="order_id")
+
+    @saga.handler(start=True)
+    async def begin(msg: Begin, state: Life, ctx: Context) -> None:
+        await ctx.saga.timeout(msg.after, Due(order_id=msg.order_id))
+        events.append(f"begin {msg.order_id}")
+
+    @saga.handler
+    async def finish(msg: Finish, state: Life, ctx: Context) -> None:
+        ctx.saga.complete()
+        events.append(f"finish {msg.order_id}")
+
+    @saga.handler(start=due_starts)
+    async def due(msg: Due, state: Life, ctx: Context) -> None:
+        state.due += 1
+        events.append(f"due {msg.order_id}")
+
+    return bus, saga
+
+
+async def _first_timeout_done(db: asyncpg.Connection, first_id: int) -> asyncpg.Record:
+    async with asyncio.timeout(20):
+        while True:
+            row = await db.fetchrow(
+                "SELECT subqueue, error_info, retry_count FROM nmbus.lives WHERE id = $1",
+                first_id,
+            )
+            if row["subqueue"] in ("X", "F"):
+                return row
+            await asyncio.sleep(0.05)
+
+
+async def test_an_old_sagas_timeout_does_not_act_on_a_new_saga_with_the_same_key(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    events: list[str] = []
+    bus, saga = life_bus(make_bus, events)
+    async with bus:
+        await bus.send(Begin(order_id=5, after=1.0), to="lives")
+        await drain(bus)
+        first_id = await db.fetchval("SELECT id FROM nmbus.lives WHERE label = 'test.saga.Due'")
+        await bus.send(Finish(order_id=5), to="lives")
+        await drain(bus)
+        # The same key again: a new saga, whose own timeout is an hour away.
+        await bus.send(Begin(order_id=5, after=3600), to="lives")
+        await drain(bus)
+        first = await _first_timeout_done(db, first_id)
+        await drain(bus)
+        state = await saga.load(5)
+    assert events == ["begin 5", "finish 5", "begin 5"]
+    assert state == Life(due=0)
+    assert first["subqueue"] == "X"
+    assert first["error_info"].startswith("saga timeout ignored: the Life saga with key '5'")
+    assert "completed and started again" in first["error_info"]
+    # The new saga's own timeout still waits, and names the new instance.
+    pending = await db.fetchval(
+        "SELECT msg_headers->>'nmbus-saga-instance' FROM nmbus.lives "
+        "WHERE label = 'test.saga.Due' AND subqueue = 'R'"
+    )
+    assert pending == await db.fetchval('SELECT instance::text FROM nmbus."lives$saga"')
+
+
+async def test_an_old_sagas_timeout_does_not_start_the_completed_saga_again(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    events: list[str] = []
+    # Due may start a saga too: a stale one must still not re-create the completed saga.
+    bus, saga = life_bus(make_bus, events, due_starts=True)
+    async with bus:
+        await bus.send(Begin(order_id=6, after=0.5), to="lives")
+        await drain(bus)
+        first_id = await db.fetchval("SELECT id FROM nmbus.lives WHERE label = 'test.saga.Due'")
+        await bus.send(Finish(order_id=6), to="lives")
+        await drain(bus)
+        first = await _first_timeout_done(db, first_id)
+        await drain(bus)
+        state = await saga.load(6)
+    assert events == ["begin 6", "finish 6"]
+    assert state is None
+    assert await db.fetchval('SELECT count(*) FROM nmbus."lives$saga"') == 0
+    assert first["subqueue"] == "X"
+    assert first["error_info"] == (
+        "saga timeout ignored: the Life saga with key '6' that set it has completed"
+    )
+
+
+async def test_a_timeout_from_before_the_instance_header_acts_as_it_did(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    events: list[str] = []
+    bus, saga = life_bus(make_bus, events)
+    async with bus:
+        await bus.send(Begin(order_id=7, after=1.0), to="lives")
+        await drain(bus)
+        # As a timeout sent by an older nmbus: name and key only.
+        await db.execute(
+            "UPDATE nmbus.lives SET msg_headers = msg_headers - 'nmbus-saga-instance' "
+            "WHERE label = 'test.saga.Due'"
+        )
+        async with asyncio.timeout(20):
+            while (state := await saga.load(7)) is None or state.due == 0:
+                await asyncio.sleep(0.05)
+    assert events == ["begin 7", "due 7"]
+    assert await db.fetchval("SELECT count(*) FROM nmbus.lives WHERE subqueue <> 'X'") == 0
+
+
+async def test_schema_8_adds_the_instance_column_to_existing_saga_tables_in_place(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    events: list[str] = []
+    bus, saga = life_bus(make_bus, events)
+    async with bus:
+        await bus.send(Begin(order_id=8, after=3600), to="lives")
+        await drain(bus)
+    # Back to a schema 7 saga table: no instance column, a running saga in it.
+    await db.execute('ALTER TABLE nmbus."lives$saga" DROP COLUMN instance')
+    await db.execute('VACUUM FULL nmbus."lives$saga"')
+    await db.execute("UPDATE nmbus.schema_version SET version = 7 WHERE version = 8")
+    await db.execute("UPDATE nmbus.lives SET msg_headers = msg_headers - 'nmbus-saga-instance'")
+    file_before = await db.fetchval("SELECT pg_relation_filenode('nmbus.\"lives$saga\"')")
+    bus, saga = life_bus(make_bus, events)
+    async with bus:
+        # Migrated in place (catalog-only): the same file, the row kept, no instance yet.
+        assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 8
+        file_after = await db.fetchval("SELECT pg_relation_filenode('nmbus.\"lives$saga\"')")
+        assert file_after == file_before
+        assert await db.fetchval('SELECT instance FROM nmbus."lives$saga"') is None
+        assert await saga.load(8) == Life()
+        # Its next message gives it an instance, which its new timeouts carry.
+        await bus.send(Begin(order_id=8, after=0.3), to="lives")
+        await drain(bus)
+        instance = await db.fetchval('SELECT instance::text FROM nmbus."lives$saga"')
+        assert instance is not None
+        carried = await db.fetchval(
+            "SELECT msg_headers->>'nmbus-saga-instance' FROM nmbus.lives "
+            "WHERE label = 'test.saga.Due' AND msg_headers ? 'nmbus-saga-instance'"
+        )
+        assert carried == instance
+        async with asyncio.timeout(20):
+            while (state := await saga.load(8)) is None or state.due == 0:
+                await asyncio.sleep(0.05)
+    assert events.count("due 8") == 1
+
+
+# -- several loops and processes on few sagas ---------------------------------------
+
+
+async def _deadlocks(db: asyncpg.Connection) -> int:
+    await db.execute("SELECT pg_stat_clear_snapshot()")
+    return int(
+        await db.fetchval(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        )
+    )
+
+
+@pytest.mark.timeout(240)
+async def test_two_processes_of_two_loops_on_three_sagas_never_deadlock_nor_lose_an_update(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    keys, per_key = ["a", "b", "c"], 40
+    total = len(keys) * per_key
+    async with counter_bus(dsn, "counting", concurrency=0) as bus:
+        # Interleaved: every batch of 10 needs all three sagas; any Increment may start one.
+        for n in range(total):
+            await bus.send(Increment(counter=keys[n % 3], n=n), to="counting")
+    before = await _deadlocks(db)
+    procs = [Proc("tests.saga_workers", "starts", dsn, "counting", "2", "10") for _ in "ab"]
+    try:
+        for proc in procs:
+            await proc.wait_for("ready")
+        await _wait_count(db, "counting", total, 200)
+    finally:
+        for proc in procs:
+            proc.kill()
+    async with counter_bus(dsn, "counting", concurrency=0) as bus:
+        states = {key: await bus.sagas["Counter"].load(key) for key in keys}
+    for i, key in enumerate(keys):
+        state = states[key]
+        assert state is not None
+        assert sorted(state.seen) == list(range(i, total, 3)), (key, state.seen)
+        assert state.count == per_key
+    assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue = 'F'") == 0
+    assert await db.fetchval('SELECT count(*) FROM nmbus."counting$saga"') == len(keys)
+    # The processes have exited, so their statistics are flushed (give the server a moment).
+    await asyncio.sleep(1.0)
+    assert await _deadlocks(db) - before == 0
+
+
+# -- a deadlock costs no attempt ---------------------------------------------------
+
+
+class Pair(Message, type_name="test.saga.Pair"):
+    note: str = ""
+
+
+async def _deadlock_once(
+    dsn: str, db: asyncpg.Connection, holding: asyncio.Event, go: asyncio.Event
+) -> None:
+    """When the worker holds row 1 and is about to want row 2: hold row 2, want row 1.
+
+    This connection waits 60 s before it looks for a deadlock, the worker's 0.1 s:
+    the worker's statement is the one PostgreSQL aborts.
+    """
+    other = await asyncpg.connect(dsn)
+    try:
+        await other.execute("SET deadlock_timeout = '60s'")
+        async with asyncio.timeout(20):
+            await holding.wait()
+        async with other.transaction():
+            await other.execute("UPDATE pair SET v = v + 10 WHERE id = 2")
+            go.set()
+            async with asyncio.timeout(20):
+                await other.execute("UPDATE pair SET v = v + 10 WHERE id = 1")
+    finally:
+        await other.close()
+
+
+async def _wait_done(db: asyncpg.Connection, queue: str) -> asyncpg.Record:
+    async with asyncio.timeout(20):
+        while True:
+            row = await db.fetchrow(
+                f"SELECT subqueue, retry_count, error_info FROM nmbus.{queue} WHERE id = 1"
+            )
+            if row is not None and row["subqueue"] in ("X", "F"):
+                return row
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("outside_effects", [True, False], ids=["savepoint", "replayed"])
+async def test_a_handler_that_loses_a_deadlock_is_retried_without_spending_an_attempt(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, outside_effects: bool
+) -> None:
+    await db.execute("CREATE TABLE pair (id int PRIMARY KEY, v int NOT NULL)")
+    await db.execute("INSERT INTO pair VALUES (1, 0), (2, 0)")
+    # One attempt only: a deadlock that counted would send the message to F.
+    bus = make_bus("locking", poll_interval=0.2, max_attempts=1)
+    holding, go = asyncio.Event(), asyncio.Event()
+    runs: list[int] = []
+
+    @bus.handler(outside_effects=outside_effects)
+    async def both(msg: Pair, ctx: Context) -> None:
+        runs.append(ctx.retry_count)
+        await ctx.connection.execute("SET LOCAL deadlock_timeout = '100ms'")
+        await ctx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 1")
+        if len(runs) == 1:
+            holding.set()
+            await go.wait()
+        await ctx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 2")
+
+    async with bus:
+        await bus.send(Pair(), to="locking")
+        await _deadlock_once(dsn, db, holding, go)
+        row = await _wait_done(db, "locking")
+    assert row["subqueue"] == "X", row["error_info"]
+    assert row["retry_count"] == 1
+    assert runs == [1, 1]
+    # The lost run left nothing; the run that won and the other transaction did.
+    assert dict(await db.fetch("SELECT id, v FROM pair")) == {1: 11, 2: 11}
+
+
+async def test_a_batch_that_loses_a_deadlock_outside_its_handlers_runs_again_at_no_cost(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+) -> None:
+    await db.execute("CREATE TABLE pair (id int PRIMARY KEY, v int NOT NULL)")
+    await db.execute("INSERT INTO pair VALUES (1, 0), (2, 0)")
+    bus = make_bus("locking", poll_interval=0.2, max_attempts=1)
+    holding, go = asyncio.Event(), asyncio.Event()
+    hooks: list[int] = []
+    runs: list[int] = []
+
+    async def before_handlers(tx: Any, rows: list[Any]) -> None:
+        # Statements of the batch's own, outside any handler's savepoint (as the
+        # saga locks are): a deadlock here aborts the whole batch's transaction.
+        hooks.append(len(rows))
+        await tx.begin()
+        await tx.connection.execute("SET LOCAL deadlock_timeout = '100ms'")
+        await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 1")
+        if len(hooks) == 1:
+            holding.set()
+            await go.wait()
+        await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 2")
+
+    bus.registry.batch_hooks.append(before_handlers)
+
+    @bus.handler
+    async def handled(msg: Pair, ctx: Context) -> None:
+        runs.append(ctx.retry_count)
+
+    async with bus:
+        await bus.send(Pair(), to="locking")
+        await _deadlock_once(dsn, db, holding, go)
+        row = await _wait_done(db, "locking")
+    assert row["subqueue"] == "X", row["error_info"]
+    assert row["retry_count"] == 1
+    assert hooks == [1, 1]
+    assert runs == [1]
+    assert dict(await db.fetch("SELECT id, v FROM pair")) == {1: 11, 2: 11}

@@ -387,7 +387,7 @@ async def test_a_version_5_queue_gets_the_done_index(dsn: str, db: asyncpg.Conne
            INSERT INTO nmbus.schema_version (version) VALUES (6)"""
     )
     await install_schema(db, "nmbus")
-    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 7
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION
     done = await db.fetchval("SELECT pg_get_indexdef('nmbus.\"billing$done\"'::regclass)")
     assert "(subqueue, last_processed, id)" in done and "WHERE (subqueue = ANY" in done
     assert await own_objects(db, "nmbus", "billing") == expected_objects("billing")

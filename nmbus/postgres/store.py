@@ -43,6 +43,7 @@ MIGRATIONS: dict[int, list[str]] = {
     5: ["migrate_5_delivery"],
     6: ["migrate_6_routes"],
     7: ["migrate_7_done"],
+    8: ["migrate_8_saga_instance"],
 }
 
 

@@ -805,3 +805,26 @@ async def test_a_batch_that_loses_a_deadlock_outside_its_handlers_runs_again_at_
     assert hooks == [1, 1]
     assert runs == [1]
     assert dict(await db.fetch("SELECT id, v FROM pair")) == {1: 11, 2: 11}
+
+
+@pytest.mark.timeout(240)
+async def test_a_thousand_starts_on_five_hundred_keys_from_two_processes_make_five_hundred_sagas(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    keys = 500
+    async with counter_bus(dsn, "counting", concurrency=0) as bus:
+        for n in range(2 * keys):
+            await bus.send(Increment(counter=f"k{n % keys}", n=n), to="counting")
+    procs = [Proc("tests.saga_workers", "starts", dsn, "counting", "2", "20") for _ in "ab"]
+    try:
+        for proc in procs:
+            await proc.wait_for("ready")
+        await _wait_count(db, "counting", 2 * keys, 200)
+    finally:
+        for proc in procs:
+            proc.kill()
+    rows = await db.fetch('SELECT saga_key, state FROM nmbus."counting$saga"')
+    assert len(rows) == keys
+    counts = {r["saga_key"]: Counter.model_validate_json(r["state"]).count for r in rows}
+    assert counts == {f"k{k}": 2 for k in range(keys)}
+    assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0

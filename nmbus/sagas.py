@@ -146,14 +146,17 @@ class SagaLocks:
 
     def _sagas_of(self, row: StoredMessage) -> list[tuple[Saga[Any], str]]:
         headers = row.msg_headers
+        # A timeout names its saga and key in headers; the message's other sagas
+        # (if its type has handlers in several) find theirs as any message does.
+        timeout: tuple[Saga[Any], str] | None = None
         if headers and SAGA_HEADER in headers:
             try:
                 parsed = json.loads(headers)
                 saga = self._sagas.get(parsed.get(SAGA_HEADER))
                 if saga is not None:
-                    return [(saga, key_text(parsed.get(SAGA_KEY_HEADER)))]
-            except (ValueError, AttributeError, PermanentError):
-                return []
+                    timeout = (saga, key_text(parsed.get(SAGA_KEY_HEADER)))
+            except (ValueError, AttributeError, TypeError, PermanentError):
+                pass
         cls = decode_type(row.label, headers)
         if cls is None:
             return []
@@ -164,6 +167,9 @@ class SagaLocks:
             if entry is None:
                 continue
             saga, field = entry
+            if timeout is not None and saga is timeout[0]:
+                found.append(timeout)
+                continue
             try:
                 if message is None:
                     message = cls.model_validate_json(row.msg_text or "")

@@ -11,7 +11,9 @@ machine.
 Then the same saga handler under contention (:func:`measure_contended`):
 ``--processes`` worker processes of ``--concurrency`` loops each drain the
 messages into ``--sagas`` sagas (few sagas: every batch needs the same rows).
-Its figures are the wall time from the first handler call to the last commit,
+The processes start first; then the messages are stored in one statement and
+all loops woken at once. Its figures are the wall time from the first handler
+call to the last commit,
 messages per second, the deadlocks PostgreSQL counted in the database meanwhile
 (``pg_stat_database.deadlocks``, read after the processes have exited, so each
 has flushed its statistics) and the messages that ended in F. The sagas must
@@ -25,13 +27,15 @@ import json
 import os
 import sys
 import time
+import uuid
 
 from pydantic import BaseModel
 
 from nmbus.bus import Bus
 from nmbus.context import Context
+from nmbus.postgres.store import notify_channel
 from nmbus.tools.bench_scenarios import _deadline, wait_until
-from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
+from nmbus.tools.bench_scratch import QUEUE, TICK, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
 
 DEADLOCKS = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
@@ -143,7 +147,6 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
     # The saga table, made before the processes start.
     async with _counting_bus(options.dsn, scratch.schema, options.batch_size, 0, sagas)[0]:
         pass
-    await scratch.preload(total)
     await scratch.checkpoint()
     deadlocks_before = int(await scratch.c.fetchval(DEADLOCKS))
     env = {**os.environ, "NMBUS_DSN": options.dsn}
@@ -162,10 +165,14 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
             line = await asyncio.wait_for(proc.stdout.readline(), 120)
             if line.strip() != b"ready":
                 raise RuntimeError(f"bench saga process did not start: {line!r}")
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(b"go\n")
-            await proc.stdin.drain()
+        # Every loop of every process is up and idle: the messages arrive in one
+        # statement, and a wake-up sends all loops at them at once (start-up costs
+        # are not in the figures).
+        prefix = f"I{uuid.uuid4().hex[:8]}-"
+        await scratch.c.execute(
+            render("bench_preload", scratch.schema, QUEUE), total, "I", TICK, prefix
+        )
+        await scratch.c.execute("SELECT pg_notify($1, $2)", notify_channel(scratch.schema), QUEUE)
         deadline = time.monotonic() + _deadline(total) + 300
         while int(await scratch.c.fetchval(count_done)) < total:
             if time.monotonic() > deadline:
@@ -210,10 +217,9 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
 
 async def _work(schema: str, batch_size: int, loops: int, sagas: int) -> None:
     bus, first = _counting_bus(os.environ["NMBUS_DSN"], schema, batch_size, loops, sagas)
-    print("ready", flush=True)
     read = asyncio.get_running_loop().run_in_executor
-    await read(None, sys.stdin.readline)
     async with bus:
+        print("ready", flush=True)
         await read(None, sys.stdin.readline)
     report = {"first": first[0] if first else None, "handled": bus.worker.handled}
     print(json.dumps(report), flush=True)

@@ -4,8 +4,9 @@ python -m tests.saga_workers counter DSN QUEUE CONCURRENCY BATCH KILL_ON
     count Increments into a Counter saga; the Increment numbered KILL_ON
     SIGKILLs the process on its first attempt, after the saga was loaded and
     before it is saved (-1: never)
-python -m tests.saga_workers starts DSN QUEUE CONCURRENCY BATCH
-    the same, but an Increment may start its Counter saga (start=True)
+python -m tests.saga_workers starts DSN QUEUE CONCURRENCY BATCH [KILL_ON,...]
+    the same, but an Increment may start its Counter saga (start=True), and
+    each Increment numbered in KILL_ON kills the process on its first attempt
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class Counter(BaseModel):
 
 
 def counter_bus(
-    dsn: str, queue: str, kill_on: int = -1, starts: bool = False, **settings: object
+    dsn: str, queue: str, kill_on: int | set[int] = -1, starts: bool = False, **settings: object
 ) -> Bus:
+    pills = kill_on if isinstance(kill_on, set) else {kill_on}
     bus = Bus(queue, dsn=dsn, **settings)  # type: ignore[arg-type]
     saga = bus.saga(Counter, key="counter")
 
@@ -51,7 +53,7 @@ def counter_bus(
         state.seen.append(msg.n)
         if os.getpid() not in state.pids:
             state.pids.append(os.getpid())
-        if msg.n == kill_on and ctx.retry_count == 1:
+        if msg.n in pills and ctx.retry_count == 1:
             print(f"killing at {msg.n}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         # Give the other loops and processes a chance to come at the same saga.
@@ -61,7 +63,12 @@ def counter_bus(
 
 
 async def counter(
-    dsn: str, queue: str, concurrency: int, batch: int, kill_on: int, starts: bool = False
+    dsn: str,
+    queue: str,
+    concurrency: int,
+    batch: int,
+    kill_on: int | set[int],
+    starts: bool = False,
 ) -> None:
     bus = counter_bus(
         dsn,
@@ -86,4 +93,5 @@ if __name__ == "__main__":
         asyncio.run(counter(dsn, queue, concurrency, batch, kill_on))
     elif mode == "starts":
         concurrency, batch = (int(x) for x in sys.argv[4:6])
-        asyncio.run(counter(dsn, queue, concurrency, batch, -1, starts=True))
+        pills = {int(x) for x in sys.argv[6].split(",")} if len(sys.argv) > 6 else set()
+        asyncio.run(counter(dsn, queue, concurrency, batch, pills, starts=True))

@@ -828,3 +828,48 @@ async def test_a_thousand_starts_on_five_hundred_keys_from_two_processes_make_fi
     counts = {r["saga_key"]: Counter.model_validate_json(r["state"]).count for r in rows}
     assert counts == {f"k{k}": 2 for k in range(keys)}
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+
+
+@pytest.mark.timeout(300)
+async def test_sigkills_of_two_processes_of_two_loops_on_five_sagas_lose_and_double_nothing(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    keys, total = 5, 600
+    # Whichever process handles one of these first SIGKILLs itself, between load and save.
+    pills = "100,250,400,550"
+    async with counter_bus(dsn, "counting", concurrency=0) as bus:
+        for n in range(total):
+            await bus.send(Increment(counter=f"k{n % keys}", n=n), to="counting")
+
+    def start() -> Proc:
+        return Proc("tests.saga_workers", "starts", dsn, "counting", "2", "10", pills)
+
+    procs = [start(), start()]
+    lines: list[str] = []
+    done = "SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'"
+    try:
+        for proc in procs:
+            await proc.wait_for("ready")
+        async with asyncio.timeout(240):
+            while await db.fetchval(done) < total:
+                failed = "SELECT error_info FROM nmbus.counting WHERE subqueue = 'F'"
+                assert not await db.fetch(failed)
+                for index, proc in enumerate(procs):
+                    if proc.popen.poll() is not None:
+                        proc.kill()
+                        lines.extend(proc.lines)
+                        procs[index] = start()
+                        await procs[index].wait_for("ready")
+                await asyncio.sleep(0.1)
+    finally:
+        for proc in procs:
+            proc.kill()
+            lines.extend(proc.lines)
+    kills = sorted(line for line in lines if line.startswith("killing"))
+    assert kills == ["killing at 100", "killing at 250", "killing at 400", "killing at 550"]
+    rows = await db.fetch('SELECT saga_key, state FROM nmbus."counting$saga"')
+    seen = {r["saga_key"]: Counter.model_validate_json(r["state"]).seen for r in rows}
+    # Every increment counted exactly once: none lost, none doubled.
+    assert {k: sorted(v) for k, v in seen.items()} == {
+        f"k{k}": list(range(k, total, keys)) for k in range(keys)
+    }

@@ -84,7 +84,11 @@ def is_conflict(exc: BaseException) -> bool:
         seen.add(id(current))
         if getattr(current, "sqlstate", None) in CONFLICT_STATES:
             return True
-        current = current.__cause__ or current.__context__
+        # As a traceback reads the chain: the cause, else the unsuppressed context.
+        if current.__cause__ is not None:
+            current = current.__cause__
+        else:
+            current = None if current.__suppress_context__ else current.__context__
     return False
 
 

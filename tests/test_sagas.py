@@ -15,7 +15,8 @@ import pytest
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, HandlerError, Message, Saga
-from nmbus.errors import ConfigurationError
+from nmbus.errors import ConfigurationError, StoreError
+from nmbus.recovery import is_conflict
 from nmbus.testing import MemoryStore, drain
 from tests.procs import Proc
 from tests.saga_workers import Counter, Increment, Open, counter_bus
@@ -873,3 +874,19 @@ async def test_sigkills_of_two_processes_of_two_loops_on_five_sagas_lose_and_dou
     assert {k: sorted(v) for k, v in seen.items()} == {
         f"k{k}": list(range(k, total, keys)) for k in range(keys)
     }
+
+
+def test_a_conflict_is_found_through_the_chain_a_traceback_shows() -> None:
+    deadlock = asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+    wrapped = StoreError("batch transaction: DeadlockDetectedError: deadlock detected")
+    wrapped.__cause__ = deadlock
+    assert is_conflict(deadlock) and is_conflict(wrapped)
+    assert is_conflict(asyncpg.exceptions.SerializationError("could not serialize"))
+    try:
+        try:
+            raise deadlock
+        except asyncpg.PostgresError:
+            raise ValueError("the handler's own error, raised while handling it") from None
+    except ValueError as own:
+        assert not is_conflict(own)
+    assert not is_conflict(StoreError("unique violation"))

@@ -27,6 +27,7 @@ from nmbus.errors import ConfigurationError, InvalidSetting
 from nmbus.postgres import install_schema
 from nmbus.postgres.forwarder import Forwarder, RemoteUnavailable
 from nmbus.settings import Settings, build_settings
+from nmbus.store import SCHEMA_VERSION
 from tests.pg import Databases
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -502,7 +503,7 @@ async def test_a_version_5_schema_gets_the_outbox_and_keeps_its_subscriptions(
            UPDATE nmbus.schema_version SET version = 5"""
     )
     await install_schema(db, "nmbus")
-    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 7
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION
     assert await db.fetchval("SELECT count(*) FROM nmbus.outbox") == 0
     rows = await db.fetch("SELECT subscriber_endpoint, subscriber_remote FROM nmbus.subscriptions")
     assert [tuple(r) for r in rows] == [("billing", False)]

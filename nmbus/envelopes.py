@@ -132,9 +132,14 @@ def dead_letter_copy(
     msg_headers: str | None,
     correlation_id: str | None,
     error: str | None,
-) -> Envelope:
+) -> Envelope | None:
     """The copy of a row that landed in F, for the failure port: same body, type and
-    headers, plus the FAILED_* headers (the error is its first line, as error_info's)."""
+    headers, plus the FAILED_* headers (the error is its first line, as error_info's).
+
+    None when the row is itself a failure port's copy (it has FAILED_QUEUE_HEADER):
+    a copy of a copy is never made, so failure ports that point at each other,
+    in a cycle of any length, stop after one copy instead of copying for ever.
+    """
     headers: dict[str, str] = {}
     if msg_headers:
         try:
@@ -142,6 +147,8 @@ def dead_letter_copy(
         except ValueError:
             loaded = {}
         if isinstance(loaded, dict):
+            if FAILED_QUEUE_HEADER in loaded:
+                return None
             headers = {str(k): str(v) for k, v in loaded.items()}
     headers[FAILED_QUEUE_HEADER] = queue
     headers[FAILED_ID_HEADER] = str(id)

@@ -535,7 +535,7 @@ class Worker:
         """Store a copy of every row going to F in the failure port, in ``tx``."""
         assert self.dead_letter is not None
         rows = {m.id: m for m in batch}
-        copies = [
+        made = [
             dead_letter_copy(
                 self.queue,
                 m.id,
@@ -549,6 +549,8 @@ class Worker:
             for i, id in enumerate(outcomes.ids)
             if outcomes.subqueue[i] == "F" and (m := rows.get(id)) is not None
         ]
+        # A failure port's copy that fails in turn stays in F here, uncopied.
+        copies = [c for c in made if c is not None]
         if copies:
             await tx.insert(self.dead_letter, self.queue, copies)
 

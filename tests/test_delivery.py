@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from collections.abc import Callable
@@ -262,3 +263,38 @@ async def test_the_failure_port_endpoint_never_copies_into_itself(
         await bus.send(Ping(n=1), to="errors")
         await drain(bus)
     assert [r["subqueue"] for r in await rows(db, "errors")] == ["F"]
+
+
+@pytest.mark.parametrize(
+    "cycle", [["billing", "errors"], ["billing", "errors", "audit"]], ids=["2-cycle", "3-cycle"]
+)
+async def test_failure_ports_in_a_cycle_copy_a_failure_once_and_never_a_copy(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, cycle: list[str]
+) -> None:
+    # Each endpoint's failure port is the next one; the last one's is the first.
+    buses = [
+        make_bus(name, dead_letter=cycle[(i + 1) % len(cycle)], poll_interval=0.2)
+        for i, name in enumerate(cycle)
+    ]
+    for bus in buses:
+
+        @bus.handler
+        async def on_ping(msg: Ping, ctx: Context) -> None:
+            raise PermanentError("always broken")
+
+    async with contextlib.AsyncExitStack() as stack:
+        for bus in buses:
+            await stack.enter_async_context(bus)
+        await buses[0].send(Ping(n=1), to="billing")
+        # Copying for ever would keep some queue busy: drain would time out.
+        for _ in range(2):
+            for bus in buses:
+                await drain(bus, timeout=15, queues=cycle)
+    original, *others = await rows(db, "billing")
+    assert others == []
+    assert original["subqueue"] == "F"
+    (copy,) = await rows(db, "errors")
+    assert copy["subqueue"] == "F"  # it failed too, and was not copied on
+    assert json.loads(copy["msg_headers"])["nmbus-failed-id"] == str(original["id"])
+    for name in cycle[2:]:
+        assert await rows(db, name) == []

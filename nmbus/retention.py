@@ -29,6 +29,9 @@ protocol loses no row and archives none twice, even when the process dies:
 A pending file left by a crash is settled by the next run (:func:`recover`):
 if none of its ids are in the table any more, the delete committed and the
 file is published; if all of them are, it rolled back and the file is removed.
+A pending file that is not a whole Parquet file (the run died while writing
+it: empty, or cut short) is removed too: step 2 runs only after step 1 has
+returned, so its rows were never deleted.
 """
 
 from __future__ import annotations
@@ -73,8 +76,14 @@ ARCHIVE_COLUMNS: tuple[str, ...] = (
     "unique_id",
     "handling_client_id",
     "lease_expires",
+    "isolated",
+    "priority",
+    "sequence_key",
+    "expires_at",
 )
-_TIMESTAMPS = frozenset({"insert_time", "last_processed", "retry_time", "lease_expires"})
+_TIMESTAMPS = frozenset(
+    {"insert_time", "last_processed", "retry_time", "lease_expires", "expires_at"}
+)
 _PENDING = ".pending-"
 
 
@@ -260,6 +269,8 @@ def archive_schema() -> Any:
     types = {
         "id": pa.int64(),
         "retry_count": pa.int32(),
+        "isolated": pa.bool_(),
+        "priority": pa.int16(),
         **{name: ts for name in _TIMESTAMPS},
     }
     return pa.schema([(name, types.get(name, pa.string())) for name in ARCHIVE_COLUMNS])
@@ -291,11 +302,12 @@ def write_pending(archive_dir: Path, queue: str, rows: Sequence[Any]) -> list[Pa
             table = pa.Table.from_pydict(
                 {name: [r[name] for r in day_rows] for name in ARCHIVE_COLUMNS}, schema=schema
             )
+            # Listed before it is written: a write that fails leaves no half file.
+            written.append(path)
             with open(path, "wb") as f:
                 pq.write_table(table, f)
                 f.flush()
                 os.fsync(f.fileno())
-            written.append(path)
             _fsync_dir(folder)
     except BaseException:
         for path in written:
@@ -323,10 +335,20 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _pending_ids(path: Path) -> list[int]:
+def _pending_ids(path: Path) -> list[int] | None:
+    """The ids a pending file holds; None when it is not a whole Parquet file.
+
+    A Parquet file is whole only once its footer, written last, is there: a
+    file the writer was killed in (empty, or cut short) has none.
+    """
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return [int(i) for i in pq.read_table(path, columns=["id"]).column("id").to_pylist()]
+    try:
+        table = pq.read_table(path, columns=["id"])
+    except pa.ArrowInvalid:
+        return None
+    return [int(i) for i in table.column("id").to_pylist()]
 
 
 async def recover(conn: asyncpg.Connection, schema: str, queue: str, archive_dir: Path) -> int:
@@ -337,6 +359,17 @@ async def recover(conn: asyncpg.Connection, schema: str, queue: str, archive_dir
     settled = 0
     for path in sorted(root.glob(f"day=*/{_PENDING}*.parquet")):
         ids = await asyncio.to_thread(_pending_ids, path)
+        if ids is None:
+            # Rows are deleted only after their file is whole and synced, in
+            # the transaction that follows write_pending: a file that never
+            # became whole never had its rows deleted. They are still in the
+            # table, and a later batch archives them.
+            path.unlink()
+            log.warning(
+                "retention_recovered", queue=queue, file=str(path), outcome="discarded_incomplete"
+            )
+            settled += 1
+            continue
         present = await conn.fetchval(render("retention_present", schema, queue), ids)
         if present == 0:
             await asyncio.to_thread(publish, [path])

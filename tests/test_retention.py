@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from datetime import UTC, timedelta
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from nmbus import Bus
@@ -25,12 +28,17 @@ from nmbus.retention import (
 from nmbus.sql import render
 from tests import retention_bench as bench
 from tests.ops_data import populate
+from tests.procs import Proc
 
 ALL = "SELECT * FROM nmbus.billing ORDER BY id"
+# Every archived column (test_the_archive_holds_every_column_of_the_queue_table
+# checks that they are the table's), headers as the JSON text the archive holds.
 PICK = (
-    "SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count, "
-    "retry_time, error_info, correlation_id, label, msg_text, msg_headers::text AS msg_headers, "
-    "unique_id, handling_client_id, lease_expires FROM nmbus.billing WHERE {} ORDER BY id"
+    "SELECT "
+    + ", ".join(
+        "msg_headers::text AS msg_headers" if c == "msg_headers" else c for c in ARCHIVE_COLUMNS
+    )
+    + " FROM nmbus.billing WHERE {} ORDER BY id"
 )
 
 
@@ -144,6 +152,112 @@ async def test_a_crash_mid_batch_is_settled_by_the_next_run(
     assert not found(tmp_path, ".pending-*")
     assert read_archive(tmp_path).column("id").to_pylist() == [r["id"] for r in committed]
     assert publish([]) == []
+
+
+# -- a run killed while it writes, and the archive's columns (issue 23, defect 15) ------
+
+OLD = "subqueue = 'X' AND last_processed < now() - interval '12 hours'"
+
+
+async def advisory_locks(db: asyncpg.Connection) -> int:
+    return int(
+        await db.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+    )
+
+
+@pytest.mark.parametrize("mode", ["empty", "torn"])
+async def test_a_run_killed_while_writing_a_file_never_blocks_the_next_run(
+    dsn: str, db: asyncpg.Connection, tmp_path: Path, mode: str
+) -> None:
+    await populate(db)
+    expected = [r["id"] for r in await db.fetch(PICK.format(OLD))]
+    assert len(expected) > 9  # more than one batch
+    # The run stops inside its first write, the pending file empty or cut in
+    # half (and synced), and is killed there.
+    proc = Proc("tests.retention_kill", dsn, str(tmp_path), str(12 * 3600), "9", mode)
+    try:
+        line = await proc.wait_for("stuck ")
+    finally:
+        proc.kill()
+    stuck = Path(line.split(" ", 1)[1])
+    assert stuck.name.startswith(".pending-")
+    size = await asyncio.to_thread(os.path.getsize, stuck)
+    assert size == 0 if mode == "empty" else size > 0
+    assert await ids(db, OLD) == set(expected)  # the killed run deleted nothing
+    async with asyncio.timeout(30):  # the server ends the dead run's session
+        while await advisory_locks(db):
+            await asyncio.sleep(0.05)
+
+    policy = RetentionPolicy(max_age=timedelta(hours=12), batch_size=9, archive_dir=tmp_path)
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert result.recovered_files == 1
+    assert result.deleted["X"] == len(expected)
+    assert await ids(db, OLD) == set()
+    assert not found(tmp_path, ".pending-*")
+    # Every removed row archived, each exactly once.
+    assert read_archive(tmp_path).column("id").to_pylist() == expected
+    assert sorted(result.files) == found(tmp_path, "*.parquet")
+
+
+async def test_a_write_that_fails_leaves_no_half_file(
+    db: asyncpg.Connection, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await populate(db)
+    rows = await db.fetch(PICK.format(OLD))
+
+    def broken(table: pa.Table, where: Any, **kwargs: Any) -> None:
+        where.write(b"PAR1 and then the disk was full")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", broken)
+    with pytest.raises(OSError, match="No space"):
+        write_pending(tmp_path, "billing", rows)
+    assert found(tmp_path, "*.parquet") == []
+
+
+async def test_the_archive_holds_every_column_of_the_queue_table(
+    db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    await populate(db)
+    # Every column holds something, so a column left out would show.
+    await db.execute(
+        "UPDATE nmbus.billing SET priority = 7, sequence_key = 'acct-' || id, "
+        "expires_at = last_processed + interval '1 day', isolated = (id % 2 = 0), "
+        "correlation_id = 'c-' || id, handling_client_id = 'w1', "
+        f"lease_expires = last_processed WHERE {OLD}"
+    )
+    catalog = await db.fetch(
+        "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = 'nmbus.billing'::regclass AND attnum > 0 AND NOT attisdropped "
+        "ORDER BY attnum"
+    )
+    assert len(catalog) == len(ARCHIVE_COLUMNS)
+    expected = await db.fetch(PICK.format(OLD))
+    policy = RetentionPolicy(max_age=timedelta(hours=12), batch_size=50, archive_dir=tmp_path)
+    await clean_queue(db, "nmbus", "billing", policy)
+    archived = read_archive(tmp_path)
+    ts = pa.timestamp("us", tz="UTC")
+    as_parquet = {
+        "bigint": pa.int64(),
+        "integer": pa.int32(),
+        "smallint": pa.int16(),
+        "boolean": pa.bool_(),
+        "timestamp with time zone": ts,
+        "text": pa.string(),
+        "character(1)": pa.string(),
+        "jsonb": pa.string(),  # as JSON text
+    }
+    for f in found(tmp_path, "*.parquet"):
+        schema = pq.read_schema(f)
+        assert [(n.name, n.type) for n in schema] == [
+            (name, as_parquet[kind]) for name, kind in catalog
+        ]
+    for name, _ in catalog:
+        assert archived.column(name).to_pylist() == [r[name] for r in expected], name
+    assert set(archived.column("priority").to_pylist()) == {7}
 
 
 async def test_cli_sized_run_never_blocks_a_conflicting_lock_for_long(dsn: str) -> None:

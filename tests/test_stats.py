@@ -590,13 +590,15 @@ def test_since_until_filter(spark: Any, dsn: str, out_dir: Path) -> None:
     assert close(o["throughput_per_s"], exact[0] / (until - since).total_seconds())
 
 
-def _archive_rows(dsn: str, queue: str, where: str) -> list[dict]:
+def _archive_rows(dsn: str, queue: str, where: str, today: bool = False) -> list[dict]:
+    """Rows as archived by releases whose files had 16 columns, or (``today``) all 20."""
     rows = _run(
         _fetch(
             dsn,
             f"SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, "
             f"retry_count, retry_time, error_info, correlation_id, label, msg_text, "
-            f"msg_headers::text AS msg_headers, unique_id, handling_client_id, lease_expires "
+            f"msg_headers::text AS msg_headers, unique_id, handling_client_id, lease_expires"
+            f"{', isolated, priority, sequence_key, expires_at' if today else ''} "
             f"FROM nmbus.{jdbc.quote_ident(queue)} WHERE {where} ORDER BY id",
         )
     )
@@ -607,26 +609,33 @@ def _write_archive(root: Path, queue: str, rows: list[dict], name: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from nmbus.retention import archive_schema
+
     ts = pa.timestamp("us", tz="UTC")
-    schema = pa.schema(
-        [
-            ("id", pa.int64()),
-            ("from_endpoint", pa.string()),
-            ("to_endpoint", pa.string()),
-            ("subqueue", pa.string()),
-            ("insert_time", ts),
-            ("last_processed", ts),
-            ("retry_count", pa.int32()),
-            ("retry_time", ts),
-            ("error_info", pa.string()),
-            ("correlation_id", pa.string()),
-            ("label", pa.string()),
-            ("msg_text", pa.string()),
-            ("msg_headers", pa.string()),
-            ("unique_id", pa.string()),
-            ("handling_client_id", pa.string()),
-            ("lease_expires", ts),
-        ]
+    # An old file's columns: the first 16 of today's.
+    schema = (
+        archive_schema()
+        if rows and "priority" in rows[0]
+        else pa.schema(
+            [
+                ("id", pa.int64()),
+                ("from_endpoint", pa.string()),
+                ("to_endpoint", pa.string()),
+                ("subqueue", pa.string()),
+                ("insert_time", ts),
+                ("last_processed", ts),
+                ("retry_count", pa.int32()),
+                ("retry_time", ts),
+                ("error_info", pa.string()),
+                ("correlation_id", pa.string()),
+                ("label", pa.string()),
+                ("msg_text", pa.string()),
+                ("msg_headers", pa.string()),
+                ("unique_id", pa.string()),
+                ("handling_client_id", pa.string()),
+                ("lease_expires", ts),
+            ]
+        )
     )
     by_day: dict[str, list[dict]] = {}
     for r in rows:
@@ -644,10 +653,12 @@ def test_archived_and_live_rows_are_counted_once(spark: Any, dsn: str, out_dir: 
     exact = exact_levels(dsn, ["orders", "gone"])
     archive = out_dir / "archive"
     # Retention archived X rows up to id 1500 (twice, as after a retried batch) and
-    # deleted those up to 1000: 1001..1500 are both archived and live.
+    # deleted those up to 1000: 1001..1500 are both archived and live. The first
+    # files have the 16 columns of earlier releases, the retry today's 20.
     archived = _archive_rows(dsn, "orders", "subqueue = 'X' AND id <= 1500")
     _write_archive(archive, "orders", archived, "batch-1")
-    _write_archive(archive, "orders", archived[:200], "batch-1-retry")
+    retried = _archive_rows(dsn, "orders", "subqueue = 'X' AND id <= 1500", today=True)
+    _write_archive(archive, "orders", retried[:200], "batch-1-retry")
     # A queue whose table was dropped after everything was archived.
     _write_archive(archive, "gone", _archive_rows(dsn, "gone", "subqueue IN ('X', 'F')"), "b")
     _run(

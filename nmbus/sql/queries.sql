@@ -1194,7 +1194,7 @@ SELECT min(id), max(id) FROM {queue};
 -- Lock the next retention batch: rows of subqueue $1[] last processed more than $2 (interval) ago, ids in ($3, $4], lowest first, at most $5; every column, headers as JSON text.
 SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count,
        retry_time, error_info, correlation_id, label, msg_text, msg_headers::text AS msg_headers,
-       unique_id, handling_client_id, lease_expires
+       unique_id, handling_client_id, lease_expires, isolated, priority, sequence_key, expires_at
 FROM {queue}
 WHERE id > $3 AND id <= $4 AND subqueue = ANY($1::text[])
       AND last_processed < now() - $2::interval

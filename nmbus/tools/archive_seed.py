@@ -71,6 +71,10 @@ def _part(queue: str, day: int, first_id: int, rows: int) -> Any:
         "unique_id": pc.binary_join_element_wise(queue, ids.cast(pa.string()), "-"),
         "handling_client_id": pa.nulls(rows, pa.string()),
         "lease_expires": pa.nulls(rows, ts),
+        "isolated": pa.repeat(False, rows),
+        "priority": pa.repeat(pa.scalar(0, pa.int16()), rows),
+        "sequence_key": pa.nulls(rows, pa.string()),
+        "expires_at": pa.nulls(rows, ts),
     }
     return pa.Table.from_pydict(columns, schema=schema)
 

@@ -3,9 +3,13 @@
 ``@bus.periodic(every=60.0)`` or ``@bus.periodic(cron="*/5 * * * *")`` registers
 a schedule and its handler, ``async def sweep(tick: Tick, ctx: Context)``.
 Every process that runs the endpoint's workers also runs its schedules, and
-each of them inserts the tick of a due time with the unique id
-``nmbus.tick:<name>:<due time>``: the unique index stores it once, however many
-processes run. Due times are worked out from the schedule alone (multiples of
+each of them tries to insert the tick of a due time. The store records the
+latest due time enqueued per endpoint and schedule, in the same transaction as
+the tick (:meth:`nmbus.store.Store.insert_tick`), and inserts a tick only for a
+due time later than that record: so a due time is enqueued once, however many
+processes run, and also after retention removed the tick's row (the record is
+never removed). The tick's unique id ``nmbus.tick:<name>:<due time>`` still
+keeps one row per due time. Due times are worked out from the schedule alone (multiples of
 ``every`` seconds since the epoch, or the cron expression's times, in UTC), so
 every process names a due time the same way.
 
@@ -154,10 +158,10 @@ class Scheduler:
     async def enqueue(self, schedule: Schedule, due: datetime) -> bool:
         """Store the tick of ``due``; False when another process already did."""
         envelope = tick_envelope(self.builder, schedule, due)
-        inserted = await self.store.insert(self.queue, self.queue, [envelope])
+        inserted = await self.store.insert_tick(self.queue, schedule.name, due, envelope)
         if inserted:
             log.debug("tick_enqueued", queue=self.queue, schedule=schedule.name, due=str(due))
-        return bool(inserted)
+        return inserted
 
     async def run(self) -> None:
         """Run until cancelled. A failed insert is logged and tried again at the next step."""

@@ -15,13 +15,14 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.settings import Settings
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 # Checked with fullmatch: `$` would also match before a final "\n".
 _QUEUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
@@ -315,6 +316,17 @@ class Store(Protocol):
         envelopes: Sequence[Envelope],
         connection: Any = None,
     ) -> int: ...
+
+    async def insert_tick(
+        self, queue: str, schedule: str, due: datetime, envelope: Envelope
+    ) -> bool:
+        """Insert the tick of ``schedule`` due at ``due`` into ``queue`` (the endpoint's own).
+
+        Only when no tick of that schedule due at ``due`` or later was inserted
+        before; records ``due`` durably in the same transaction, in a record
+        retention never removes. False when the tick was already there.
+        """
+        ...
 
     async def subscribe(
         self,

@@ -251,6 +251,8 @@ class MemoryStore:
         self.subscriptions: dict[tuple[str, str, str], datetime | None] = {}
         self._ids = itertools.count(1)
         self._listeners: list[Callable[[str], None]] = []
+        # The latest due time enqueued per (queue, schedule): never removed.
+        self.ticks: dict[tuple[str, str], datetime] = {}
 
     def _require(self, queue: str) -> dict[int, Row]:
         table = self.tables.get(queue)
@@ -298,6 +300,16 @@ class MemoryStore:
             raise ConfigurationError("the in-memory store cannot send inside a connection")
         await self.ensure_queue(queue)
         return self._insert_now(queue, from_endpoint, envelopes)
+
+    async def insert_tick(
+        self, queue: str, schedule: str, due: datetime, envelope: Envelope
+    ) -> bool:
+        await self.ensure_queue(queue)
+        last = self.ticks.get((queue, schedule))
+        if last is not None and last >= due:
+            return False
+        self.ticks[(queue, schedule)] = due
+        return bool(self._insert_now(queue, queue, [envelope]))
 
     def _insert_now(
         self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope], create: bool = False

@@ -43,8 +43,15 @@ CREATE TABLE IF NOT EXISTS "nmbus".outbox (
     CONSTRAINT "outbox$uid" UNIQUE (to_endpoint, unique_id)
 );
 CREATE INDEX IF NOT EXISTS "outbox$queue" ON "nmbus".outbox (to_endpoint, id);
+CREATE TABLE IF NOT EXISTS "nmbus"."periodic$due" (
+    endpoint text NOT NULL,
+    schedule text NOT NULL,
+    last_due timestamptz NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT "periodic$due$pkey" PRIMARY KEY (endpoint, schedule)
+);
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('8') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('9') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")

@@ -14,7 +14,9 @@ import pytest
 from nmbus import Bus, ConfigurationError, Context, HandlerError, Tick
 from nmbus.envelopes import EnvelopeBuilder
 from nmbus.periodic import Schedule, Scheduler
-from nmbus.testing import MemoryStore
+from nmbus.postgres import PostgresStore
+from nmbus.retention import RetentionPolicy, clean_queue
+from nmbus.testing import MemoryStore, drain
 from tests import procs
 
 
@@ -155,3 +157,78 @@ async def test_two_processes_give_one_tick_per_second_none_twice(
     # Every stored tick was handled once (the last may still be waiting at shutdown).
     assert {r["subqueue"] for r in rows} <= {"X", "I"}
     assert sum(r["subqueue"] == "X" for r in rows) == len(handled)
+
+
+# -- once per due time, whatever retention does (issue 23, defect 2) ------------------
+
+
+async def test_a_tick_that_retention_removed_does_not_run_again_at_restart(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    handled: list[tuple[str, datetime]] = []
+
+    def endpoint(marker: bool) -> Bus:
+        bus = make_bus("clock", poll_interval=0.2)
+
+        @bus.periodic(every=3600)
+        async def hourly(tick: Tick, ctx: Context) -> None:
+            handled.append((tick.name, tick.scheduled_at))
+
+        if marker:
+            # New in the second run, so it is due at start; a scheduler tries its
+            # schedules in order, so once this tick is handled, hourly's try is done.
+            @bus.periodic(every=3600)
+            async def marker_(tick: Tick, ctx: Context) -> None:
+                handled.append((tick.name, tick.scheduled_at))
+
+        return bus
+
+    async with endpoint(marker=False) as bus:
+        async with asyncio.timeout(15):
+            while not handled:
+                await asyncio.sleep(0.05)
+        await drain(bus)
+    # nmbus cleanup --older-than 0s: the processed tick's row goes.
+    await clean_queue(db, "nmbus", "clock", RetentionPolicy(max_age=timedelta(0)))
+    assert await db.fetchval("SELECT count(*) FROM nmbus.clock") == 0
+
+    async with endpoint(marker=True) as bus:
+        async with asyncio.timeout(15):
+            while not any(name == "marker_" for name, _ in handled):
+                await asyncio.sleep(0.05)
+        await drain(bus)
+    due_times = Counter(at for name, at in handled if name == "hourly")
+    assert max(due_times.values()) == 1, due_times
+
+
+async def test_concurrent_processes_enqueue_a_due_time_once_before_and_after_retention(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    store = PostgresStore(dsn, pool_size=8)
+    await store.open()
+    try:
+        schedule = Schedule.of(noop, 3600.0, None, "hourly", "last")
+        due = schedule.latest(datetime.now(UTC))
+        # Eight processes' schedulers, each on its own connection, at once.
+        builder = EnvelopeBuilder(10_000)
+        processes = [Scheduler("clock", store, builder, [schedule]) for _ in range(8)]
+
+        async def everyone(at: datetime) -> list[bool]:
+            return sorted(await asyncio.gather(*(p.enqueue(schedule, at) for p in processes)))
+
+        assert await everyone(due) == [False] * 7 + [True]
+        await db.execute("DELETE FROM nmbus.clock")  # what retention does to the handled tick
+        assert await everyone(due) == [False] * 8
+        assert await everyone(due - timedelta(hours=1)) == [False] * 8  # the past stays past
+        following = due + timedelta(hours=1)
+        assert await everyone(following) == [False] * 7 + [True]
+        rows = await db.fetch("SELECT unique_id FROM nmbus.clock")
+        assert [r[0] for r in rows] == [schedule.unique_id(following)]
+        record = await db.fetchrow('SELECT * FROM nmbus."periodic$due"')
+        assert (record["endpoint"], record["schedule"], record["last_due"]) == (
+            "clock",
+            "hourly",
+            following,
+        )
+    finally:
+        await store.close()

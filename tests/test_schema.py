@@ -391,3 +391,21 @@ async def test_a_version_5_queue_gets_the_done_index(dsn: str, db: asyncpg.Conne
     done = await db.fetchval("SELECT pg_get_indexdef('nmbus.\"billing$done\"'::regclass)")
     assert "(subqueue, last_processed, id)" in done and "WHERE (subqueue = ANY" in done
     assert await own_objects(db, "nmbus", "billing") == expected_objects("billing")
+
+
+async def test_a_version_7_schema_gets_the_periodic_due_record(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    await store.close()
+    await db.execute(
+        """DROP TABLE nmbus."periodic$due";
+           DELETE FROM nmbus.schema_version;
+           INSERT INTO nmbus.schema_version (version) VALUES (7)"""
+    )
+    await install_schema(db, "nmbus")
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION
+    got = await own_objects(db, "nmbus", "periodic$due")
+    assert got == {"indexes": ["periodic$due$pkey"], "pkey": "periodic$due$pkey", "sequence": None}
+    assert await db.fetchval('SELECT count(*) FROM nmbus."periodic$due"') == 0

@@ -217,3 +217,18 @@ async def test_finishing_a_head_can_claim_its_successor_in_the_same_statement(
     # that claims nothing ahead hands it to the next claim.
     nxt = ahead or await claim(store)
     assert finished == 1 and [m.msg_text for m in nxt] == ['{"n":11}']
+
+
+async def test_a_tick_is_inserted_once_per_due_time_even_after_its_row_is_gone(
+    store: Store,
+) -> None:
+    due = datetime(2026, 11, 23, 13, 0, tzinfo=UTC)
+    assert await store.insert_tick("q", "hourly", due, envelope(1, uid="t1"))
+    assert not await store.insert_tick("q", "hourly", due, envelope(1, uid="t1-again"))
+    await store.drop_queue("q")  # the row is gone; the record of its due time is not
+    assert not await store.insert_tick("q", "hourly", due, envelope(1, uid="t1-later"))
+    earlier = due - timedelta(hours=1)
+    assert not await store.insert_tick("q", "hourly", earlier, envelope(0, uid="t0"))
+    assert await store.insert_tick("q", "other", earlier, envelope(0, uid="o0"))
+    assert await store.insert_tick("q", "hourly", due + timedelta(hours=1), envelope(2, uid="t2"))
+    assert await store.counts("q") == {"I": 2, "R": 0, "X": 0, "F": 0}

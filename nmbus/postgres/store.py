@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -44,6 +45,7 @@ MIGRATIONS: dict[int, list[str]] = {
     6: ["migrate_6_routes"],
     7: ["migrate_7_done"],
     8: ["migrate_8_saga_instance"],
+    9: ["migrate_9_periodic_due"],
 }
 
 
@@ -461,6 +463,25 @@ class PostgresStore:
                 await ensure_queue_on(connection, self.schema, queue, self._known_queues)
                 row = await connection.fetchrow(sql, *args)
         return int(row[0]) if row else 0
+
+    async def insert_tick(
+        self, queue: str, schedule: str, due: datetime, envelope: Envelope
+    ) -> bool:
+        await self.ensure_queue(queue)
+        with wrap_errors(f"enqueue tick {schedule} of {queue}"):
+            inserted = await self.pool.fetchval(
+                render("insert_tick", self.schema, queue),
+                queue,
+                envelope.correlation_id,
+                envelope.label,
+                envelope.msg_text,
+                envelope.msg_headers,
+                envelope.unique_id,
+                notify_channel(self.schema),
+                schedule,
+                due,
+            )
+        return bool(inserted)
 
     async def _insert_routed(
         self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope], connection: Any

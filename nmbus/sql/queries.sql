@@ -53,6 +53,13 @@ CREATE TABLE IF NOT EXISTS {schema}.outbox (
     CONSTRAINT "outbox$uid" UNIQUE (to_endpoint, unique_id)
 );
 CREATE INDEX IF NOT EXISTS "outbox$queue" ON {schema}.outbox (to_endpoint, id);
+CREATE TABLE IF NOT EXISTS {schema}."periodic$due" (
+    endpoint text NOT NULL,
+    schedule text NOT NULL,
+    last_due timestamptz NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT "periodic$due$pkey" PRIMARY KEY (endpoint, schedule)
+);
 
 -- schema_version --
 -- The highest schema version applied, NULL for a new schema.
@@ -262,6 +269,19 @@ BEGIN
 END
 $migrate$;
 
+-- migrate_9_periodic_due --
+-- Schema version 9 (docs/delivery.md, periodic messages): the latest due time
+-- enqueued per endpoint and schedule, which retention never removes, so a tick
+-- runs once per due time even after retention removed its row. Named with a '$',
+-- which no queue name contains, so no queue can already hold the name.
+CREATE TABLE IF NOT EXISTS {schema}."periodic$due" (
+    endpoint text NOT NULL,
+    schedule text NOT NULL,
+    last_due timestamptz NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT "periodic$due$pkey" PRIMARY KEY (endpoint, schedule)
+);
+
 -- register_queue --
 -- Remember that queue $1 exists, so tools can list every queue.
 INSERT INTO {schema}.queues (name) VALUES ($1) ON CONFLICT DO NOTHING;
@@ -318,6 +338,32 @@ WITH ins AS (
     RETURNING 1
 )
 SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
+
+-- insert_tick --
+-- Enqueue the tick of schedule $8 due at $9 into endpoint $1's own queue, unless a
+-- tick of that schedule due at $9 or later was enqueued before, and record $9 as
+-- its latest due time: one statement, so the record and the row commit together.
+-- Two processes trying the same due time serialise on the record's row; the
+-- second finds last_due = $9 and inserts nothing. The unique index still keeps a
+-- row whose tick was enqueued before the record existed. $2 correlation_id,
+-- $3 label, $4 msg_text, $5 msg_headers (JSON text), $6 unique_id, $7 notify
+-- channel. Returns how many rows were inserted (0 or 1).
+WITH due AS (
+    INSERT INTO {schema}."periodic$due" AS d (endpoint, schedule, last_due)
+    VALUES ($1, $8, $9)
+    ON CONFLICT (endpoint, schedule) DO UPDATE
+        SET last_due = excluded.last_due, recorded_at = now()
+        WHERE d.last_due < excluded.last_due
+    RETURNING 1
+), ins AS (
+    INSERT INTO {queue} (from_endpoint, to_endpoint, correlation_id, label, msg_text,
+                         msg_headers, unique_id)
+    SELECT $1, $1, $2, $3, $4, $5::jsonb, $6
+    WHERE EXISTS (SELECT 1 FROM due)
+    ON CONFLICT (unique_id) DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) AS inserted, pg_notify($7, $1) FROM ins;
 
 -- claim --
 -- Claim up to $1 ready rows (I, or R that is due) that no live lease holds,

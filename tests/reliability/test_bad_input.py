@@ -167,6 +167,7 @@ async def test_hostile_queue_names_are_refused_everywhere(
         "queues",
         "subscriptions",
         "outbox",
+        "periodic$due",
         "orders",
         "fine.name-1",
     }

@@ -13,8 +13,11 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, Context, InvalidMessage, PermanentError
+from nmbus.messages import Envelope
+from nmbus.postgres import PostgresStore
 from nmbus.testing import MemoryStore, drain
 from tests.messages import Ping
+from tests.procs import ROOT
 
 
 async def rows(db: asyncpg.Connection, queue: str = "billing") -> list[asyncpg.Record]:
@@ -76,6 +79,64 @@ async def test_priorities_mixed_are_claimed_highest_first_then_in_send_order(
 
     await _burst(bus)
     assert seen == [4, 1, 3, 0, 5, 2, 6]
+
+
+# docs/delivery.md, "Priority does not age", states what these two tests check.
+NO_AGEING = "### Priority does not age"
+
+
+def _ping(n: int, priority: int) -> Envelope:
+    return Envelope("test.Ping", json.dumps({"n": n}), None, f"ping-{n}", None, None, priority)
+
+
+async def test_priority_does_not_age_a_claim_takes_the_low_one_only_below_a_batch(
+    dsn: str,
+) -> None:
+    assert NO_AGEING in (ROOT / "docs" / "delivery.md").read_text()
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        await store.insert("billing", "me", [_ping(0, 0)])  # the low one, sent first
+        n = 1
+        async with store.worker_session() as session:
+            # A steady stream: every claim finds a batch (3) of higher ones ready.
+            for _ in range(20):
+                await store.insert("billing", "me", [_ping(n + k, 5) for k in range(3)])
+                n += 3
+                claimed = [
+                    json.loads(m.msg_text)["n"]
+                    for m in await session.claim("billing", 3, "w1", 30.0)
+                ]
+                assert claimed == [n - 3, n - 2, n - 1]  # never the low one
+            # The stream thins out: two higher ones ready, fewer than a batch.
+            await store.insert("billing", "me", [_ping(n, 5), _ping(n + 1, 5)])
+            claimed = [
+                json.loads(m.msg_text)["n"] for m in await session.claim("billing", 3, "w1", 30.0)
+            ]
+            assert claimed == [n, n + 1, 0]
+    finally:
+        await store.close()
+
+
+async def test_priority_does_not_age_batch_1_starves_for_as_long_as_the_stream_lasts(
+    make_bus: Callable[..., Bus],
+) -> None:
+    assert NO_AGEING in (ROOT / "docs" / "delivery.md").read_text()
+    stream = 30
+    bus = make_bus("billing", batch_size=1, concurrency=1)
+    seen: list[int] = []
+
+    @bus.handler
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        seen.append(msg.n)
+        if 0 < msg.n < stream:  # each higher one sends the next: one is always ready
+            await ctx.send(Ping(n=msg.n + 1), to="billing", priority=5)
+
+    async with make_bus("sender", concurrency=0) as sender:
+        await sender.send(Ping(n=0), to="billing")  # low (0), sent first
+        await sender.send(Ping(n=1), to="billing", priority=5)
+    await _burst(bus)
+    assert seen == [*range(1, stream + 1), 0]
 
 
 @pytest.mark.parametrize("priority", [101, -101, 2**15, 1.5, True, "9", None])

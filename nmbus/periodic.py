@@ -9,9 +9,9 @@ the tick (:meth:`nmbus.store.Store.insert_tick`), and inserts a tick only for a
 due time later than that record: so a due time is enqueued once, however many
 processes run, and also after retention removed the tick's row (the record is
 never removed). The tick's unique id ``nmbus.tick:<name>:<due time>`` still
-keeps one row per due time. Due times are worked out from the schedule alone (multiples of
-``every`` seconds since the epoch, or the cron expression's times, in UTC), so
-every process names a due time the same way.
+keeps one row per due time. Due times are worked out from the schedule alone
+(multiples of ``every`` seconds since the epoch, or the cron expression's times,
+in UTC), so every process names a due time the same way.
 
 Missed ticks (the endpoint was down): with ``missed="last"`` (the default) a
 process that starts, or wakes late, enqueues only the latest due time that has

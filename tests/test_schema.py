@@ -11,7 +11,8 @@ import pytest
 from nmbus import Bus
 from nmbus.errors import SchemaVersionError
 from nmbus.postgres import PostgresStore, install_schema
-from nmbus.sql import render
+from nmbus.postgres.store import MIGRATIONS
+from nmbus.sql import QUERIES, render
 from nmbus.store import MAX_QUEUE_NAME, SCHEMA_VERSION
 from tests.messages import Ping
 
@@ -409,3 +410,9 @@ async def test_a_version_7_schema_gets_the_periodic_due_record(
     got = await own_objects(db, "nmbus", "periodic$due")
     assert got == {"indexes": ["periodic$due$pkey"], "pkey": "periodic$due$pkey", "sequence": None}
     assert await db.fetchval('SELECT count(*) FROM nmbus."periodic$due"') == 0
+
+
+def test_the_schema_version_is_the_last_migration() -> None:
+    # Renumbering a migration means changing its key and SCHEMA_VERSION together.
+    assert max(MIGRATIONS) == SCHEMA_VERSION
+    assert all(name in QUERIES for names in MIGRATIONS.values() for name in names)

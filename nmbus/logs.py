@@ -13,17 +13,28 @@ import re
 import traceback
 from typing import Any
 
-# scheme://user:password@host: the password runs to the last '@' of the authority.
-_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/?#@'\"]*:)[^\s/?#'\"]*@")
-# password=... as a URL query parameter, a libpq keyword or a Python repr.
-_KEYWORD_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('[^']*'|\"[^\"]*\"|[^\s&,)'\"]*)", re.I)
+# scheme://user:password@host (also scheme:/ and scheme:): the password runs to
+# the last '@' of the line, so one holding '@', '/', ',', '%' or a space is
+# hidden whole (a few characters of the host may go with it).
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*:/{0,2}[^\s:/?#@'\"]*:)[^\n\r'\"]*@")
+# password=... as a URL query parameter: up to the next '&'.
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#\n\r'\"]*", re.I)
+# password=... as a libpq keyword or in a Python repr, quoted or not.
+_KEYWORD_PASSWORD = re.compile(
+    r"((?<![?&])\bpassword['\"]?\s*[=:]\s*)('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s'\"]*)", re.I
+)
 
 
 def scrub(text: str) -> str:
-    """``text`` with the password of every DSN in it replaced by ``***``."""
+    """``text`` with the password of every DSN in it replaced by ``***``.
+
+    The one place passwords are hidden: exception texts, reprs and log lines
+    that may hold a DSN all go through it.
+    """
     if "password" not in text.lower() and "@" not in text:
         return text
     text = _URL_PASSWORD.sub(r"\1***@", text)
+    text = _QUERY_PASSWORD.sub(r"\1***", text)
     return _KEYWORD_PASSWORD.sub(r"\1***", text)
 
 

@@ -42,26 +42,46 @@ _AGES = ("retention_max_age", "retention_failed_max_age")
 DATABASE_PREFIX = "NMBUS_DB_"
 _ALIAS = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,39}")
 _DSN_START = ("postgresql://", "postgres://")
+# A name that is safe to repeat in an error: no DSN punctuation, so no password.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,48}")
+# The commas that separate pairs: those followed by ``name=`` and a DSN scheme or
+# an alias. Any other comma belongs to the value (a password may hold one).
+_PAIR_COMMA = re.compile(
+    r",(?=\s*[A-Za-z_][A-Za-z0-9_.\-]*\s*=\s*"
+    r"(?:[A-Za-z][A-Za-z0-9+.\-]*:|[A-Za-z][A-Za-z0-9_]*\s*(?:,|$)))"
+)
 
 
 def _pairs(value: Any, what: str) -> Any:
-    """``"a=x, b=y"`` (the environment's form) as a dict; dicts pass through."""
+    """``"a=x, b=y"`` (the environment's form) as a dict; dicts pass through.
+
+    The values may be DSNs: an error never repeats one (nor a part of one).
+    """
     if not isinstance(value, str):
         return value
     found: dict[str, str] = {}
-    for part in value.split(","):
+    for part in _PAIR_COMMA.split(value):
         part = part.strip()
         if not part:
             continue
         name, sep, target = part.partition("=")
         if not sep or not name.strip() or not target.strip():
-            raise ValueError(f"expected {what} pairs separated by commas, got {part!r}")
+            raise ValueError(
+                f"expected {what} pairs separated by commas (a value that is not a "
+                "pair was left out of this message: it may hold a password)"
+            )
         found[name.strip()] = target.strip()
     return found
 
 
 def _looks_like_dsn(value: str) -> bool:
-    return value.startswith(_DSN_START)
+    # URL schemes are case-insensitive (asyncpg reads PostgreSQL:// too).
+    return value[:13].lower().startswith(_DSN_START)
+
+
+def _shown(name: str) -> str:
+    """``name`` quoted for an error when it cannot hold a password, else a placeholder."""
+    return repr(name) if _PLAIN_NAME.fullmatch(name) else "(not shown: it may hold a password)"
 
 
 class _Databases(PydanticBaseSettingsSource):
@@ -82,7 +102,10 @@ class _Databases(PydanticBaseSettingsSource):
 class Settings(BaseSettings):
     """Everything that can be tuned, with defaults that suit a small service."""
 
-    model_config = SettingsConfigDict(env_prefix="NMBUS_", extra="forbid", frozen=True)
+    # hide_input_in_errors: pydantic's own error text never repeats a value (a DSN).
+    model_config = SettingsConfigDict(
+        env_prefix="NMBUS_", extra="forbid", frozen=True, hide_input_in_errors=True
+    )
 
     dsn: str | None = Field(default=None, description="PostgreSQL DSN (postgresql://...)")
     schema_name: str = Field(default="nmbus", description="schema of the queue tables")
@@ -178,9 +201,10 @@ class Settings(BaseSettings):
     @classmethod
     def _check_databases(cls, value: dict[str, str]) -> dict[str, str]:
         for alias, dsn in value.items():
-            if not _ALIAS.fullmatch(alias):
+            if not isinstance(alias, str) or not _ALIAS.fullmatch(alias):
                 raise ValueError(
-                    f"database alias {alias!r}: 1-40 letters, digits or '_', starting with a letter"
+                    f"database alias {_shown(str(alias))}: 1-40 letters, digits or '_', "
+                    "starting with a letter (NMBUS_DATABASES takes alias=postgresql://... pairs)"
                 )
             if not _looks_like_dsn(dsn):
                 # Never echo the value: it may hold a password.
@@ -195,10 +219,20 @@ class Settings(BaseSettings):
         for queue, target in self.routes.items():
             try:
                 validate_queue_name(queue)
-            except InvalidQueueName as exc:
-                raise ValueError(f"routes: {exc}") from None
+            except InvalidQueueName:
+                raise ValueError(
+                    f"routes: queue name {_shown(queue)} is not a valid queue name"
+                ) from None
             if _looks_like_dsn(target):
                 continue
+            if not _ALIAS.fullmatch(target):
+                # Neither an alias nor a postgresql:// DSN: never echo it (a DSN of
+                # another spelling, or a keyword DSN, may hold a password).
+                raise ValueError(
+                    f"routes: queue {queue!r} goes to a database given neither as a "
+                    "postgresql://... DSN nor as an alias of NMBUS_DB_<ALIAS> (the value "
+                    "is not shown: it may hold a password)"
+                )
             if target.lower() not in self.databases:
                 raise ValueError(
                     f"routes: queue {queue!r} goes to database {target!r}, which is not defined "

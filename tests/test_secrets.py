@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -187,3 +187,101 @@ def test_driver_errors_are_translated_without_the_password() -> None:
             raise driver_error
         assert PASSWORD not in str(raised.value)
         assert "u:***@h" in str(raised.value)
+
+
+# Passwords that have broken redaction: a comma, '@', '%', a space, a slash,
+# quotes, '&', '='. Each is two marked halves: neither half may ever be shown.
+HOSTILE_PASSWORDS = ["Xq7,Zv9", "Xq7@Zv9", "Xq7%40Zv9", "Xq7 Zv9", "Xq7/Zv9", "Xq7&x=Zv9", "Xq7Zv9"]
+
+
+def hostile_dsns(password: str) -> list[str]:
+    """Every spelling of a DSN holding ``password`` that a user may write."""
+    # libpq ends an unquoted keyword value at a space: such a password is quoted.
+    keyword = f"'{password}'" if " " in password else password
+    return [
+        f"postgresql://app:{password}@db/x",
+        f"postgres://app:{password}@db:5432/x?sslmode=require",
+        f"PostgreSQL://app:{password}@db/x",
+        f"postgresql+asyncpg://app:{password}@db/x",
+        f"postgresql:/app:{password}@db/x",
+        f"postgresql:app:{password}@db/x",
+        f"host=db user=app password={keyword} dbname=x",
+        f"host=db password='{password}'",
+        # A query value ends at '&': there the password is percent-encoded.
+        f"postgresql://db/x?user=app&password={quote(password, safe='')}&sslmode=require",
+    ]
+
+
+HOSTILE = [(p, d) for p in HOSTILE_PASSWORDS for d in hostile_dsns(p)]
+
+
+def assert_hidden(password: str, *texts: str) -> None:
+    halves = password.replace("%40", ",").replace("&x=", ",").replace(" ", ",")
+    for half in ("Xq7", "Zv9", *halves.split(",")):
+        for text in texts:
+            assert half not in text, text
+
+
+def texts_of(exc: BaseException) -> list[str]:
+    """The text, repr and causes' texts of ``exc``: all an operator may see."""
+    found: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None:
+        found += [str(seen), repr(seen)]
+        seen = seen.__cause__ or seen.__context__
+    return found
+
+
+@pytest.mark.parametrize(("password", "dsn"), HOSTILE)
+def test_scrub_hides_every_hostile_password(password: str, dsn: str) -> None:
+    assert_hidden(password, scrub(dsn), scrub(f"failed: {dsn!r} (in {[dsn]})"))
+
+
+@pytest.mark.parametrize(("password", "dsn"), HOSTILE)
+def test_a_route_to_a_hostile_dsn_never_shows_its_password(password: str, dsn: str) -> None:
+    """Issue 23 defect 5: the refusal of a route repeated the whole DSN."""
+    try:
+        bus = Bus("orders", dsn="postgresql://app@db/x", routes={"billing": dsn})
+    except Exception as exc:
+        from nmbus.errors import InvalidSetting
+
+        assert isinstance(exc, InvalidSetting)
+        assert_hidden(password, *texts_of(exc))
+    else:  # a spelling asyncpg reads: accepted, and never shown
+        assert_hidden(password, repr(bus), repr(bus.settings), repr(bus.store))
+
+
+@pytest.mark.parametrize(("password", "dsn"), HOSTILE)
+@pytest.mark.parametrize(
+    "variables",
+    [
+        lambda dsn: {"NMBUS_DATABASES": dsn},  # no alias
+        lambda dsn: {"NMBUS_DATABASES": f"main={dsn}"},
+        lambda dsn: {"NMBUS_DATABASES": f"main={dsn}, other=postgresql://o@db/y"},
+        lambda dsn: {"NMBUS_DB_MAIN": dsn, "NMBUS_ROUTES": "billing=main"},
+        lambda dsn: {"NMBUS_ROUTES": f"billing={dsn}"},
+        lambda dsn: {"NMBUS_DSN": dsn, "NMBUS_ROUTES": f"billing={dsn},shipping=nowhere"},
+    ],
+    ids=["no-alias", "alias", "two", "db-variable", "route", "bad-route"],
+)
+def test_settings_from_the_environment_never_show_a_hostile_password(
+    password: str,
+    dsn: str,
+    variables: Callable[[str], dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pydantic's ValidationError repeated the input value, and a comma cut a password."""
+    from nmbus.settings import build_settings
+
+    for name, value in variables(dsn).items():
+        monkeypatch.setenv(name, value)
+    for make in (Settings, build_settings):
+        try:
+            settings = make()
+        except Exception as exc:
+            assert_hidden(password, *texts_of(exc))
+        else:
+            assert_hidden(password, repr(settings), str(settings))
+            # A password with a comma is read whole, not cut at the comma.
+            values = [*settings.databases.values(), *settings.routes.values()]
+            assert dsn in values

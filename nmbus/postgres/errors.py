@@ -71,7 +71,7 @@ def wrap_connect_errors(dsn: str | None) -> Iterator[None]:
     try:
         yield
     except (asyncpg.exceptions.ClientConfigurationError, ValueError, OverflowError) as exc:
-        reason = str(exc).removeprefix("invalid DSN: ")
+        reason = scrub(str(exc).removeprefix("invalid DSN: "))
         raise InvalidSetting(f"invalid DSN {shown}: {_port_problem(dsn) or reason}") from exc
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         if problem := _port_problem(dsn):

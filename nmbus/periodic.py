@@ -17,7 +17,10 @@ Missed ticks (the endpoint was down): with ``missed="last"`` (the default) a
 process that starts, or wakes late, enqueues only the latest due time that has
 passed, once; ``missed="skip"`` waits for the next due time instead.
 
-Cron expressions are parsed by croniter: five fields, or six with seconds last.
+Cron expressions are parsed by croniter: five fields, or six with seconds last;
+one of any other length, or that never falls due (30 February), is refused at
+registration. A schedule that fails at run time anyway is logged and left out,
+never stopping the endpoint's other schedules.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import structlog
-from croniter import croniter
+from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 from nmbus.context import Context
 from nmbus.envelopes import EnvelopeBuilder
@@ -86,8 +89,8 @@ class Schedule:
                     f"periodic every must be finite, at least 0.1 and at most {MAX_SECONDS} "
                     f"seconds, got {every}"
                 )
-        if cron is not None and (not isinstance(cron, str) or not croniter.is_valid(cron)):
-            raise ConfigurationError(f"periodic cron {cron!r} is not a valid cron expression")
+        if cron is not None:
+            _check_cron(cron)
         if missed not in ("last", "skip"):
             raise ConfigurationError(f"periodic missed must be 'last' or 'skip', got {missed!r}")
         if not inspect.iscoroutinefunction(func):
@@ -128,6 +131,29 @@ class Schedule:
         return f"{TICK_ID_PREFIX}{self.name}:{due.astimezone(UTC).isoformat()}"
 
 
+def _check_cron(cron: object) -> None:
+    """Refuse a cron expression croniter cannot read, of other than 5 or 6 fields
+    (croniter also reads a 7th, the year, which nmbus does not promise), or that
+    never falls due (``0 0 30 2 *``, 30 February): such a schedule would fail
+    at every step of the scheduler instead of at registration."""
+    if not isinstance(cron, str) or not croniter.is_valid(cron):
+        raise ConfigurationError(f"periodic cron {cron!r} is not a valid cron expression")
+    fields = len(cron.split())
+    if fields not in (5, 6):
+        raise ConfigurationError(
+            f"periodic cron {cron!r} has {fields} fields: give five (minute hour day "
+            "month weekday), or six with seconds last"
+        )
+    now = datetime.now(UTC)
+    try:
+        croniter(cron, now).get_next(datetime)
+        croniter(cron, now).get_prev(datetime)
+    except (CroniterBadDateError, CroniterBadCronError, ValueError, OverflowError):
+        raise ConfigurationError(
+            f"periodic cron {cron!r} never falls due (a day that no month has?)"
+        ) from None
+
+
 def tick_envelope(builder: EnvelopeBuilder, schedule: Schedule, due: datetime) -> Envelope:
     return builder.build(
         Tick(name=schedule.name, scheduled_at=due), None, None, schedule.unique_id(due)
@@ -164,15 +190,26 @@ class Scheduler:
         return inserted
 
     async def run(self) -> None:
-        """Run until cancelled. A failed insert is logged and tried again at the next step."""
+        """Run until cancelled. A failed insert is logged and tried again at the next step.
+
+        Each schedule is on its own: one whose due times cannot be worked out
+        is logged (``periodic_schedule_failed``) and left out, never stopping
+        the endpoint's other schedules.
+        """
         now = self.clock()
         upcoming: dict[str, datetime] = {}
+        by_name: dict[str, Schedule] = {}
         for schedule in self.schedules:
-            if schedule.missed == "last":
-                await self._try(schedule, schedule.latest(now))
-            upcoming[schedule.name] = schedule.after(now)
-        by_name = {s.name: s for s in self.schedules}
-        while True:
+            try:
+                latest = schedule.latest(now) if schedule.missed == "last" else None
+                upcoming[schedule.name] = schedule.after(now)
+            except Exception as exc:
+                self._drop(schedule, exc)
+                continue
+            by_name[schedule.name] = schedule
+            if latest is not None:
+                await self._try(schedule, latest)
+        while upcoming:
             soonest = min(upcoming.values())
             wait = (soonest - self.clock()).total_seconds()
             if wait > 0:
@@ -182,10 +219,19 @@ class Scheduler:
                 if due > now:
                     continue
                 schedule = by_name[name]
-                # Woken late (a pause, a suspended host): the latest due time only.
-                latest = schedule.latest(now) if schedule.missed == "last" else due
+                try:
+                    # Woken late (a pause, a suspended host): the latest due time only.
+                    latest = schedule.latest(now) if schedule.missed == "last" else due
+                    following = schedule.after(now)
+                except Exception as exc:
+                    del upcoming[name]
+                    self._drop(schedule, exc)
+                    continue
                 if await self._try(schedule, latest):
-                    upcoming[name] = schedule.after(now)
+                    upcoming[name] = following
+
+    def _drop(self, schedule: Schedule, exc: Exception) -> None:
+        log_failure(log, "periodic_schedule_failed", exc, queue=self.queue, schedule=schedule.name)
 
     async def _try(self, schedule: Schedule, due: datetime) -> bool:
         try:

@@ -221,7 +221,8 @@ class Settings(BaseSettings):
                 validate_queue_name(queue)
             except InvalidQueueName:
                 raise ValueError(
-                    f"routes: queue name {_shown(queue)} is not a valid queue name"
+                    f"routes: invalid queue name {_shown(queue)}: use 1-48 letters, digits, "
+                    "'_', '.' or '-', starting with a letter or '_'"
                 ) from None
             if _looks_like_dsn(target):
                 continue

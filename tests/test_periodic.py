@@ -58,6 +58,11 @@ def test_a_cron_schedule_is_parsed_and_due_at_its_next_time() -> None:
         ({"every": "60"}, "must be seconds"),
         ({"cron": "every five minutes"}, "not a valid cron"),
         ({"cron": "61 * * * *"}, "not a valid cron"),
+        # Issue 23 defect 6: accepted, then failing for ever at run time.
+        ({"cron": "0 0 30 2 *"}, "never falls due"),
+        ({"cron": "0 0 31 4 *"}, "never falls due"),
+        ({"cron": "0 0 1 1 * 0 2099"}, "7 fields"),
+        ({"cron": "* * * *"}, "not a valid cron"),
         ({"every": 1, "missed": "all"}, "'last' or 'skip'"),
         ({"every": 1, "name": ""}, "1-100 characters"),
     ],
@@ -86,6 +91,34 @@ def test_a_periodic_handler_must_be_async_and_take_tick_and_ctx() -> None:
     bus.periodic(every=1)(noop)
     with pytest.raises(ConfigurationError, match="twice"):
         bus.periodic(every=5)(noop)
+
+
+async def test_a_schedule_that_fails_at_run_time_never_stops_the_others(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    """Issue 23 defect 6: one never-matching cron stopped every schedule of its endpoint.
+
+    Registration refuses such a cron now; one that fails anyway (put in behind
+    the decorator's back here) is left out and the valid schedule still fires.
+    """
+    bus = make_bus("clock", poll_interval=0.2)
+    seen: list[Tick] = []
+
+    @bus.periodic(every=0.2, missed="skip")
+    async def fast(tick: Tick, ctx: Context) -> None:
+        seen.append(tick)
+
+    broken = Schedule("broken", noop, cron="0 0 30 2 *")
+    good = dict(bus._schedules)
+    bus._schedules.clear()
+    bus._schedules.update({"broken": broken, **good})  # the broken one runs first
+    async with bus:
+        async with asyncio.timeout(15):
+            while len(seen) < 3:
+                await asyncio.sleep(0.05)
+    assert {t.name for t in seen} == {"fast"}
+    names = await db.fetch("SELECT DISTINCT label, unique_id FROM nmbus.clock")
+    assert all(":fast:" in r["unique_id"] for r in names)
 
 
 async def test_after_downtime_only_the_last_missed_tick_is_enqueued() -> None:

@@ -37,6 +37,14 @@ _SECONDS = (
     "retention_interval",
 )
 _AGES = ("retention_max_age", "retention_failed_max_age")
+# The shortest lease the design honours: it must outlast several round trips,
+# and the renewer runs every lease/3. Shorter, a live handler's message is taken
+# over by another worker and handled twice.
+MIN_LEASE_SECONDS = 1.0
+# A message is its body and headers; PostgreSQL's text values end at 1 GiB, and a
+# message is copied on every hop: 256 MiB is far beyond any sane one.
+MIN_MESSAGE_BYTES = 64
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 # NMBUS_DB_<ALIAS>: a database that NMBUS_ROUTES refers to by its alias.
 DATABASE_PREFIX = "NMBUS_DB_"
@@ -109,17 +117,26 @@ class Settings(BaseSettings):
 
     dsn: str | None = Field(default=None, description="PostgreSQL DSN (postgresql://...)")
     schema_name: str = Field(default="nmbus", description="schema of the queue tables")
-    concurrency: int = Field(default=1, ge=0, description="worker loops, one connection each")
+    concurrency: int = Field(
+        default=1, ge=0, le=1000, description="worker loops, one connection each"
+    )
     handler_concurrency: int = Field(
         default=1, ge=1, le=1000, description="handlers of one batch run at once (I/O-bound work)"
     )
     batch_size: int = Field(default=100, ge=1, le=10_000, description="messages per claim")
     lease_seconds: float = Field(default=60.0, gt=0, description="visibility timeout")
-    poll_interval: float = Field(default=5.0, gt=0, description="fallback poll, seconds")
-    handler_timeout: float = Field(default=30.0, gt=0, description="per-handler limit")
+    poll_interval: float = Field(default=5.0, ge=0.01, description="fallback poll, seconds")
+    handler_timeout: float = Field(default=30.0, ge=0.01, description="per-handler limit")
     shutdown_timeout: float = Field(default=30.0, ge=0, description="wait for in-flight work")
-    max_message_bytes: int = Field(default=1_048_576, gt=0, description="largest body accepted")
-    max_attempts: int = Field(default=5, ge=1, description="default attempts before F")
+    max_message_bytes: int = Field(
+        default=1_048_576,
+        ge=MIN_MESSAGE_BYTES,
+        le=MAX_MESSAGE_BYTES,
+        description="largest message accepted: body and headers",
+    )
+    max_attempts: int = Field(
+        default=5, ge=1, le=1_000_000, description="default attempts before F"
+    )
     retry_delay: float = Field(default=1.0, ge=0, description="default first retry delay")
     retry_max_delay: float = Field(default=300.0, ge=0, description="default longest delay")
     on_unknown: Literal["fail", "skip"] = Field(
@@ -129,10 +146,12 @@ class Settings(BaseSettings):
         default="fail", description="expired messages: move to F, or drop to X unhandled"
     )
     subscription_ttl: float | None = Field(
-        default=3600.0, gt=0, description="subscription lifetime, renewed while running"
+        default=3600.0, ge=0.5, description="subscription lifetime, renewed while running"
     )
-    send_pool_size: int = Field(default=4, ge=1, description="connections for send/publish")
-    reconnect_max_delay: float = Field(default=10.0, gt=0, description="longest backoff")
+    send_pool_size: int = Field(
+        default=4, ge=1, le=1000, description="connections for send/publish"
+    )
+    reconnect_max_delay: float = Field(default=10.0, ge=0.1, description="longest backoff")
     retention_max_age: timedelta = Field(
         default=timedelta(days=7), description="processed (X) rows older than this are removed"
     )
@@ -140,7 +159,9 @@ class Settings(BaseSettings):
         default=None, description="failed (F) rows older than this are removed; None keeps them"
     )
     retention_interval: float | None = Field(
-        default=None, gt=0, description="seconds between retention runs inside a worker; None: off"
+        default=None,
+        ge=0.1,
+        description="seconds between retention runs inside a worker; None: off",
     )
     retention_batch_size: int = Field(
         default=5000, ge=1, le=100_000, description="rows deleted per short transaction"
@@ -254,6 +275,16 @@ class Settings(BaseSettings):
         if value is not None and not (math.isfinite(value) and value <= MAX_SECONDS):
             raise ValueError(
                 f"must be a finite number of seconds, at most {MAX_SECONDS} (10 years)"
+            )
+        return value
+
+    @field_validator("lease_seconds")
+    @classmethod
+    def _long_enough_lease(cls, value: float) -> float:
+        if value < MIN_LEASE_SECONDS:
+            raise ValueError(
+                f"must be at least {MIN_LEASE_SECONDS:g} second: a lease must outlast several "
+                "round trips to the database, and it is renewed every lease/3"
             )
         return value
 

@@ -287,7 +287,7 @@ async def test_expired_and_unknown_messages_reach_the_failure_port_too(
 async def test_the_failure_port_copy_is_rolled_back_with_a_batch_that_loses_its_lease(
     make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
-    bus = make_bus("billing", dead_letter="errors", lease_seconds=0.3)
+    bus = make_bus("billing", dead_letter="errors", lease_seconds=1.0)
     stolen = asyncio.Event()
 
     @bus.handler

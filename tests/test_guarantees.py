@@ -280,7 +280,7 @@ async def test_a_message_that_kills_every_worker_ends_in_f(
         (crash_row, _) = await rows(db)
         if crash_row["subqueue"] == "F":
             break
-        proc = Proc("worker", dsn, "billing", "0.5")
+        proc = Proc("worker", dsn, "billing", "1.0")  # the shortest lease accepted
         try:
             proc.popen.wait(20)
         except subprocess.TimeoutExpired:

@@ -39,7 +39,7 @@ async def _supervise(
         )
         if open_rows == 0:
             return lines
-        args = ("0.6", str(batch_size), str(pill), *extra)
+        args = ("1.0", str(batch_size), str(pill), *extra)  # the shortest lease accepted
         proc = Proc("tests.workers", "poison", dsn, "billing", *args)
         try:
             while proc.popen.poll() is None and time.monotonic() < deadline:

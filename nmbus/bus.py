@@ -27,9 +27,11 @@ from nmbus.envelopes import (
     REPLY_TO_HEADER,
     REQUESTER_HEADER,
     EnvelopeBuilder,
+    check_connection,
     deliver_time,
     delivery,
     type_name,
+    user_headers,
 )
 from nmbus.errors import MAX_SECONDS, ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
@@ -481,7 +483,49 @@ class Bus:
         ``sequence`` (members of one key are handled one at a time, in send
         order) and ``ttl`` seconds or ``expires_at`` (never handled after it)
         are described in docs/delivery.md. Returns the message's unique id.
+
+        Refused with InvalidMessage, before anything is written: headers that
+        are not a mapping of str to str or that use nmbus's own names
+        (``nmbus-*``), a ``unique_id`` or ``correlation_id`` that is not a str of
+        at most 1,000 UTF-8 bytes, a ``connection`` that is not an asyncpg
+        connection; MessageTooLarge when body and headers together exceed
+        ``max_message_bytes``.
         """
+        return await self._send(
+            message,
+            to,
+            deliver_at=deliver_at,
+            delay=delay,
+            headers=user_headers(headers),
+            unique_id=unique_id,
+            correlation_id=correlation_id,
+            connection=connection,
+            reply_to=reply_to,
+            priority=priority,
+            sequence=sequence,
+            ttl=ttl,
+            expires_at=expires_at,
+        )
+
+    async def _send(
+        self,
+        message: Message,
+        to: str,
+        *,
+        deliver_at: datetime | None = None,
+        delay: float | None = None,
+        headers: Mapping[str, str] | None = None,
+        unique_id: str | None = None,
+        correlation_id: str | None = None,
+        connection: Any = None,
+        reply_to: str | None = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
+    ) -> str:
+        """``send`` with nmbus's own headers allowed (``request`` sets them)."""
+        check_connection(connection)
         if reply_to is not None:
             validate_queue_name(reply_to)
             headers = {**(headers or {}), REPLY_TO_HEADER: reply_to}
@@ -535,6 +579,7 @@ class Bus:
             )
         if not self._started or self._stopped.is_set():
             raise RuntimeError(f"bus {self.endpoint!r} is not running; use 'async with bus:'")
+        headers = user_headers(headers)
         correlation_id = uuid.uuid4().hex
         reply_by = datetime.now(UTC) + timedelta(seconds=timeout)
         marks = {
@@ -544,7 +589,7 @@ class Bus:
         }
         future = self.replies.expect(correlation_id)
         try:
-            await self.send(
+            await self._send(
                 message, to, headers={**(headers or {}), **marks}, correlation_id=correlation_id
             )
             try:
@@ -582,8 +627,11 @@ class Bus:
         new. With ``connection`` (asyncpg, in a transaction) the copies exist
         exactly when that transaction commits. ``priority``, ``sequence``, ``ttl``
         and ``expires_at`` apply to every copy; a sequence keeps its order in each
-        subscriber's queue. Returns the subscriber endpoints.
+        subscriber's queue. Returns the subscriber endpoints. Refused as ``send``
+        refuses (headers, ids, connection, size).
         """
+        headers = user_headers(headers)
+        check_connection(connection)
         when = deliver_time(deliver_at, delay)
         controls = delivery(priority, sequence, ttl, expires_at)
         build = self.envelopes.for_publish
@@ -614,6 +662,8 @@ class Bus:
         """
         if not messages:
             return {}
+        headers = user_headers(headers)
+        check_connection(connection)
         if self.tracing is None or not self.tracing.on():
             copies = await self._publish_many(messages, headers, correlation_id, connection)
         else:

@@ -29,6 +29,7 @@ from nmbus.envelopes import (
     delivery,
     travelling,
     type_name,
+    user_headers,
 )
 from nmbus.errors import ConfigurationError
 from nmbus.messages import Envelope, Message, StoredMessage
@@ -144,15 +145,15 @@ class SagaControl:
         completed (even if started again with the same key) it goes to X
         without running, with a note in its ``error_info``. Returns its unique id.
         """
-        return await self._ctx.send(
+        return await self._ctx._send(
             message,
-            to=self._ctx.queue,
-            delay=seconds,
-            headers={
+            self._ctx.queue,
+            {
                 SAGA_HEADER: self.name,
                 SAGA_KEY_HEADER: self.key,
                 SAGA_INSTANCE_HEADER: self.instance,
             },
+            delay=seconds,
         )
 
     def complete(self) -> None:
@@ -295,8 +296,41 @@ class Context:
         It carries this message's correlation id and travelling headers unless
         ``correlation_id`` / ``headers`` say otherwise; ``reply_to`` names the
         endpoint its receiver's ``ctx.reply`` answers to. ``priority``,
-        ``sequence``, ``ttl`` and ``expires_at`` as in ``Bus.send``.
+        ``sequence``, ``ttl`` and ``expires_at`` as in ``Bus.send``, which
+        also says what is refused.
         """
+        return await self._send(
+            message,
+            to,
+            user_headers(headers),
+            deliver_at=deliver_at,
+            delay=delay,
+            unique_id=unique_id,
+            correlation_id=correlation_id,
+            reply_to=reply_to,
+            priority=priority,
+            sequence=sequence,
+            ttl=ttl,
+            expires_at=expires_at,
+        )
+
+    async def _send(
+        self,
+        message: Message,
+        to: str,
+        headers: Mapping[str, str] | None,
+        *,
+        deliver_at: datetime | None = None,
+        delay: float | None = None,
+        unique_id: str | None = None,
+        correlation_id: str | None = None,
+        reply_to: str | None = None,
+        priority: int = 0,
+        sequence: str | None = None,
+        ttl: float | None = None,
+        expires_at: datetime | None = None,
+    ) -> str:
+        """``send`` with nmbus's own headers allowed (a reply's, a saga timeout's)."""
         controls = delivery(priority, sequence, ttl, expires_at)
         correlation = correlation_id or self.correlation_id or self.unique_id
         if self._tracing is None:
@@ -350,6 +384,7 @@ class Context:
         ``correlation_id`` / ``headers`` say otherwise). Returns the publish
         id: each copy's unique_id is ``<publish id>/<subscriber>``.
         """
+        headers = user_headers(headers)
         args = (
             correlation_id or self.correlation_id or self.unique_id,
             unique_id,
@@ -387,6 +422,7 @@ class Context:
         that sent it; it carries the same correlation id, which is how a
         waiting ``bus.request`` recognises its answer.
         """
+        headers = user_headers(headers)
         request = self.headers
         to = request.get(REPLY_TO_HEADER) or self.from_endpoint
         marks = {IN_REPLY_TO_HEADER: self.unique_id}
@@ -394,4 +430,4 @@ class Context:
             value = request.get(name)
             if isinstance(value, str):
                 marks[name] = value
-        return await self.send(message, to=to, headers={**(headers or {}), **marks})
+        return await self._send(message, to, {**(headers or {}), **marks})

@@ -18,7 +18,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from nmbus.errors import MAX_SECONDS, InvalidMessage, MessageTooLarge
-from nmbus.messages import Envelope, Message, check_text, encode, lookup_type, type_chain
+from nmbus.messages import (
+    Envelope,
+    Message,
+    check_key,
+    check_text,
+    encode,
+    lookup_type,
+    type_chain,
+    utf8_size,
+)
 from nmbus.store import validate_queue_name
 
 #: Header carrying a published message's type chain, most specific first,
@@ -51,8 +60,43 @@ def travelling(headers: Mapping[str, str]) -> dict[str, str]:
     type chain, saga, reply address.
     """
     return {
-        k: v for k, v in headers.items() if isinstance(v, str) and not k.startswith(INTERNAL_PREFIX)
+        k: v
+        for k, v in headers.items()
+        if isinstance(v, str) and k[: len(INTERNAL_PREFIX)].lower() != INTERNAL_PREFIX
     }
+
+
+def user_headers(headers: object) -> Mapping[str, str] | None:
+    """The headers a caller gives ``send``, ``publish``, ``request`` or ``reply``, checked.
+
+    A mapping of str to str, with no name of nmbus's own (``nmbus-*``, in any
+    case): those steer delivery (a reply's requester, its reply-by time, a
+    saga's key) and only nmbus sets them. Refused with InvalidMessage.
+    """
+    if headers is None:
+        return None
+    if not isinstance(headers, Mapping):
+        raise InvalidMessage(
+            f"headers must be a mapping of str to str (a dict), got {type(headers).__name__}"
+        )
+    for key in headers:
+        if isinstance(key, str) and key[: len(INTERNAL_PREFIX)].lower() == INTERNAL_PREFIX:
+            raise InvalidMessage(
+                f"header {key[:60]!r}: names starting with {INTERNAL_PREFIX!r} are reserved "
+                "for nmbus's own headers"
+            )
+    return headers
+
+
+def check_connection(connection: object) -> None:
+    """Refuse a ``connection=`` that is not an asyncpg connection (InvalidMessage)."""
+    if connection is not None and not (
+        hasattr(connection, "fetchrow") and hasattr(connection, "is_in_transaction")
+    ):
+        raise InvalidMessage(
+            "connection must be an asyncpg connection (in a transaction), "
+            f"got {type(connection).__name__}"
+        )
 
 
 def type_name(message: object) -> str:
@@ -102,16 +146,20 @@ def decode_type(label: str | None, msg_headers: str | None) -> type[Message] | N
 def deliver_time(deliver_at: datetime | None, delay: float | None) -> datetime | None:
     """When a message becomes ready: ``deliver_at``, now + ``delay`` seconds, or None (now)."""
     if deliver_at is not None and delay is not None:
-        raise ValueError("give deliver_at or delay, not both")
+        raise InvalidMessage("give deliver_at or delay, not both")
     if delay is not None:
+        if isinstance(delay, bool) or not isinstance(delay, int | float):
+            raise InvalidMessage(f"delay must be a number of seconds, got {type(delay).__name__}")
         if not (math.isfinite(delay) and 0 <= delay <= MAX_SECONDS):
             raise InvalidMessage(
                 f"delay must be >= 0 seconds and finite, at most {MAX_SECONDS} "
                 f"(10 years), got {delay}"
             )
         return datetime.now(UTC) + timedelta(seconds=delay) if delay else None
-    if deliver_at is not None and deliver_at.tzinfo is None:
-        raise ValueError("deliver_at must be timezone-aware (e.g. datetime.now(UTC))")
+    if deliver_at is not None and (
+        not isinstance(deliver_at, datetime) or deliver_at.tzinfo is None
+    ):
+        raise InvalidMessage("deliver_at must be a timezone-aware datetime (datetime.now(UTC))")
     return deliver_at
 
 
@@ -166,7 +214,7 @@ def dead_letter_copy(
 
 #: Priorities a message may have: higher is claimed first, 0 by default.
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
-#: The longest sequence key, in characters (it is a key of the sequence index).
+#: The longest sequence key, in UTF-8 bytes (it is a key of the sequence index).
 MAX_SEQUENCE_KEY = 200
 
 
@@ -204,14 +252,7 @@ def delivery(
             f"priority must be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority}"
         )
     if sequence is not None:
-        if not isinstance(sequence, str) or not sequence:
-            raise InvalidMessage("sequence must be a non-empty string")
-        if len(sequence) > MAX_SEQUENCE_KEY:
-            raise InvalidMessage(
-                f"sequence key is {len(sequence)} characters, over the limit of "
-                f"{MAX_SEQUENCE_KEY}; use a short key (an account id, an order id)"
-            )
-        check_text("sequence", sequence)
+        check_key("sequence key", sequence, MAX_SEQUENCE_KEY)
     if ttl is not None and expires_at is not None:
         raise InvalidMessage("give ttl or expires_at, not both")
     if ttl is not None:
@@ -285,28 +326,38 @@ class EnvelopeBuilder:
         if not isinstance(message, Message):
             raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
         text = encode(message)
-        limit = self.max_message_bytes
-        if len(text) * 4 > limit and len(text.encode()) > limit:
-            raise MessageTooLarge(
-                f"{message.__type_name__} is {len(text.encode())} bytes serialized, over "
-                f"the limit of {limit} (NMBUS_MAX_MESSAGE_BYTES)"
-            )
         header_text = None
         if headers:
+            if not isinstance(headers, Mapping):
+                raise InvalidMessage(
+                    f"headers must be a mapping of str to str, got {type(headers).__name__}"
+                )
             for key, value in headers.items():
                 if not isinstance(key, str) or not isinstance(value, str):
-                    raise TypeError("headers must map str to str")
+                    raise InvalidMessage(
+                        f"headers must map str to str, got {type(key).__name__}: "
+                        f"{type(value).__name__}"
+                    )
                 # Refused here, not when the batch commits: a handler's bad header
                 # must fail that handler, never its batch-mates.
-                check_text(f"header {key!r}", key)
-                check_text(f"header {key!r}", value)
+                check_text(f"header {key[:60]!r}", key)
+                check_text(f"header {key[:60]!r}", value)
             header_text = json.dumps(dict(headers), ensure_ascii=False)
+        # The headers count: they are stored, and copied on every hop, like the body.
+        limit = self.max_message_bytes
+        chars = len(text) + (len(header_text) if header_text else 0)
+        if chars * 4 > limit:
+            size = utf8_size(text) + (utf8_size(header_text) if header_text else 0)
+            if size > limit:
+                raise MessageTooLarge(
+                    f"{message.__type_name__} is {size} bytes serialized (body "
+                    f"{utf8_size(text)}, headers {size - utf8_size(text)}), over the limit "
+                    f"of {limit} (NMBUS_MAX_MESSAGE_BYTES)"
+                )
         if unique_id is not None:
-            if not isinstance(unique_id, str) or not unique_id:
-                raise ValueError("unique_id must be a non-empty string")
-            check_text("unique_id", unique_id)
-        if correlation_id is not None:
-            check_text("correlation_id", correlation_id)
+            check_key("unique_id", unique_id)
+        if correlation_id is not None and (not isinstance(correlation_id, str) or correlation_id):
+            check_key("correlation_id", correlation_id)
         uid = unique_id or uuid.uuid4().hex
         return Envelope(
             label=message.__type_name__,

@@ -8,7 +8,7 @@ The whole tree::
     │   ├── InvalidSetting          a setting, retry policy or delay nmbus cannot honour
     │   └── HandlerError            a handler whose signature cannot be dispatched
     ├── MessageError                a message that cannot be sent or received
-    │   ├── MessageTooLarge         body over the configured size limit (at send)
+    │   ├── MessageTooLarge         body and headers over the size limit (at send)
     │   ├── InvalidMessage          a body, header or id its receiver could not read (at send)
     │   ├── UnknownMessageType      a label no registered Message class carries   (F)
     │   ├── NoHandler               a known type this endpoint has no handler for (F)
@@ -74,7 +74,7 @@ class MessageError(NmbusError):
 
 
 class MessageTooLarge(MessageError, ValueError):
-    """The serialized message is larger than ``max_message_bytes``."""
+    """The serialized message (body and headers) is larger than ``max_message_bytes``."""
 
 
 class InvalidMessage(MessageError, ValueError):

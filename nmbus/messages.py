@@ -169,6 +169,34 @@ def check_text(what: str, text: str) -> None:
             ) from None
 
 
+#: The longest key a message carries (unique_id, correlation_id) and the longest
+#: saga key, in UTF-8 bytes. Each is a key of a btree index, which holds at most
+#: about 2,700 bytes per entry, with room for what nmbus appends to one
+#: (``<publish id>/<subscriber>``). A limit in characters would not do: 1,000
+#: characters of 4 bytes each are 4,000 bytes.
+MAX_KEY_BYTES = 1000
+
+
+def utf8_size(text: str) -> int:
+    """The size of ``text`` in UTF-8 bytes (without encoding ASCII text)."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def check_key(what: str, value: object, limit: int = MAX_KEY_BYTES) -> str:
+    """Refuse, with InvalidMessage, a key that is not a non-empty str PostgreSQL can
+    store in an index: NUL, lone surrogates, over ``limit`` UTF-8 bytes."""
+    if not isinstance(value, str) or not value:
+        got = type(value).__name__ if not isinstance(value, str) else "''"
+        raise InvalidMessage(f"{what} must be a non-empty string, got {got}")
+    check_text(what, value)
+    if len(value) * 4 > limit and (size := utf8_size(value)) > limit:
+        raise InvalidMessage(
+            f"{what} is {size} bytes as UTF-8, over the limit of {limit}; use a short key "
+            "(an id, a hash)"
+        )
+    return value
+
+
 @dataclass(slots=True)
 class Envelope:
     """A serialized message on its way into a queue table."""

@@ -41,7 +41,7 @@ from nmbus.errors import (
     SagaNotFound,
 )
 from nmbus.handlers import Registry
-from nmbus.messages import Message, StoredMessage, check_text
+from nmbus.messages import MAX_KEY_BYTES, Message, StoredMessage, check_text, utf8_size
 from nmbus.retry import RetryPolicy
 from nmbus.store import Batch, SagaTable, Store
 
@@ -51,8 +51,9 @@ S = TypeVar("S", bound=BaseModel)
 SagaFunc = Callable[[Any, Any, Context], Awaitable[None]]
 SF = TypeVar("SF", bound=SagaFunc)
 
-#: Keys longer than this are refused: a btree index entry must fit in a third of a page.
-MAX_KEY_LENGTH = 1000
+#: Keys longer than this many UTF-8 bytes are refused: a btree index entry must fit
+#: in a third of a page.
+MAX_KEY_LENGTH = MAX_KEY_BYTES
 
 
 def key_text(value: object) -> str:
@@ -68,8 +69,10 @@ def key_text(value: object) -> str:
     text = str(value)
     if not text:
         raise PermanentError("a saga key must not be empty")
-    if len(text) > MAX_KEY_LENGTH:
-        raise PermanentError(f"a saga key is at most {MAX_KEY_LENGTH} characters, got {len(text)}")
+    # The saga table's index counts bytes: 1,000 characters of 4 bytes each
+    # failed there, on every attempt, with a driver error.
+    if len(text) * 4 > MAX_KEY_LENGTH and (size := utf8_size(text)) > MAX_KEY_LENGTH:
+        raise PermanentError(f"a saga key is at most {MAX_KEY_LENGTH} bytes as UTF-8, got {size}")
     try:
         check_text("saga key", text)
     except InvalidMessage as exc:

@@ -254,7 +254,7 @@ async def test_a_failing_handler_saves_nothing(
 @pytest.mark.parametrize(
     ("key", "error"),
     [
-        ("x" * 1001, "PermanentError: a saga key is at most 1000 characters"),
+        ("x" * 1001, "PermanentError: a saga key is at most 1000 bytes"),
         ("a\x00b", "PermanentError: saga key contains a NUL character"),
         (1.5, "PermanentError: a saga key must be a str, an int or a UUID, got float"),
         (None, "PermanentError: a saga key must be a str, an int or a UUID, got NoneType"),

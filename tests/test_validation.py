@@ -10,6 +10,7 @@ reaches the listener.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -19,9 +20,16 @@ import pytest
 from pydantic import BaseModel, Field
 
 from nmbus import Bus, Context, Message, RetryLater, RetryPolicy, Settings
-from nmbus.errors import MAX_SECONDS, HandlerError, InvalidMessage, InvalidSetting
+from nmbus.errors import (
+    MAX_SECONDS,
+    HandlerError,
+    InvalidMessage,
+    InvalidSetting,
+    MessageTooLarge,
+)
 from nmbus.testing import MemoryStore, drain
 from tests.messages import Event, Ping, Pong
+from tests.saga_workers import Counter
 
 INF = float("inf")
 NAN = float("nan")
@@ -326,3 +334,214 @@ async def test_reconnect_max_delay_reaches_the_listener(make_bus: Callable[..., 
     async with bus:
         await asyncio.sleep(0.05)
     assert given == [0.7]
+
+
+# -- issue 23, defect 9: nmbus's own headers cannot be forged ------------------------
+
+FORGED = ["nmbus-in-reply-to", "nmbus-requester", "NMBUS-Reply-By", "Nmbus-Saga-Key", "nmbus-x"]
+
+
+@pytest.mark.parametrize("name", FORGED)
+async def test_send_publish_and_request_refuse_nmbus_header_names(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, name: str
+) -> None:
+    """A forged requester and a reply-by of year 9999 made a message bounce in R for ever."""
+    forged = {"tenant": "t1", name: "9999-12-31T00:00:00+00:00"}
+    bus = make_bus("billing", subscription_ttl=None)
+    bus.subscribe(Ping, "billing")
+    async with bus:
+        with pytest.raises(InvalidMessage, match="reserved"):
+            await bus.send(Ping(n=1), to="billing", headers=forged)
+        with pytest.raises(InvalidMessage, match="reserved"):
+            await bus.publish(Ping(n=2), headers=forged)
+        with pytest.raises(InvalidMessage, match="reserved"):
+            await bus.publish_many([Ping(n=3)], headers=forged)
+        with pytest.raises(InvalidMessage, match="reserved"):
+            await bus.request(Ping(n=4), to="billing", headers=forged, timeout=1)
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing") == 0
+
+
+async def test_handlers_cannot_forge_nmbus_headers_but_replies_still_carry_them(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", poll_interval=0.2, max_attempts=1)
+    refused: list[str] = []
+
+    @bus.handler
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        forged = {"nmbus-requester": "someone:1:else"}
+        for attempt in (
+            lambda: ctx.send(Pong(n=msg.n), to="billing", headers=forged),
+            lambda: ctx.publish(Pong(n=msg.n), headers=forged),
+            lambda: ctx.reply(Pong(n=msg.n), headers=forged),
+        ):
+            try:
+                await attempt()
+            except InvalidMessage as exc:
+                refused.append(str(exc))
+        await ctx.reply(Pong(n=msg.n), headers={"tenant": "t1"})
+
+    @bus.handler
+    async def on_pong(msg: Pong, ctx: Context) -> None: ...
+
+    async with bus:
+        answer = await bus.request(Ping(n=7), to="billing", timeout=20)
+    assert answer == Pong(n=7)
+    assert len(refused) == 3 and all("reserved" in text for text in refused)
+    reply = await db.fetchrow(
+        "SELECT msg_headers FROM nmbus.billing WHERE label = $1", Pong.__type_name__
+    )
+    headers = json.loads(reply["msg_headers"])
+    assert headers["tenant"] == "t1"
+    assert headers["nmbus-requester"] == bus.client_id  # set by nmbus, not forged
+
+
+# -- issue 23, defect 11: unbounded input ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "says"),
+    [
+        ({"headers": {"h": "x" * 20_000_000}}, MessageTooLarge, "headers"),
+        ({"headers": {"h": "é" * 600_000}}, MessageTooLarge, "over the limit of 1048576"),
+        ({"unique_id": "u" * 3000}, InvalidMessage, "unique_id is 3000 bytes"),
+        ({"unique_id": "🗝" * 251}, InvalidMessage, "unique_id is 1004 bytes"),
+        ({"correlation_id": "c" * 3000}, InvalidMessage, "correlation_id is 3000 bytes"),
+        (
+            {"correlation_id": 123},
+            InvalidMessage,
+            "correlation_id must be a non-empty string, got int",
+        ),
+        ({"unique_id": 123}, InvalidMessage, "unique_id must be a non-empty string, got int"),
+        ({"headers": [("a", "b")]}, InvalidMessage, "mapping of str to str"),
+        ({"headers": "a=b"}, InvalidMessage, "mapping of str to str"),
+        ({"headers": {"n": 1}}, InvalidMessage, "headers must map str to str"),
+        ({"connection": object()}, InvalidMessage, "asyncpg connection"),
+        ({"sequence": "🗝" * 60}, InvalidMessage, "sequence key is 240 bytes"),
+        ({"delay": "5"}, InvalidMessage, "delay must be a number"),
+        ({"deliver_at": "2030-01-01"}, InvalidMessage, "deliver_at must be a timezone-aware"),
+    ],
+)
+async def test_unbounded_or_mistyped_send_arguments_are_refused_at_send(
+    make_bus: Callable[..., Bus],
+    db: asyncpg.Connection,
+    kwargs: dict[str, Any],
+    error: type[Exception],
+    says: str,
+) -> None:
+    """A 20 MB header was stored and copied on every hop; a 3,000-character unique_id
+    failed with a driver error; correlation_id=123, headers=[...] and connection=object()
+    gave TypeError or AttributeError."""
+    bus = make_bus("billing", concurrency=0, subscription_ttl=None)
+    bus.subscribe(Ping, "billing")
+    async with bus:
+        with pytest.raises(error, match=says):
+            await bus.send(Ping(n=1), to="billing", **kwargs)
+        with pytest.raises(error):
+            await bus.publish(Ping(n=2), **kwargs)
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing") == 0
+
+
+async def test_keys_up_to_the_byte_limit_are_stored(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", concurrency=0, subscription_ttl=None)
+    bus.subscribe(Ping, "billing")
+    longest = "🗝" * 250  # 1,000 bytes
+    async with bus:
+        await bus.send(Ping(n=1), to="billing", unique_id=longest, correlation_id=longest)
+        await bus.publish(Ping(n=2), unique_id="p" + longest[1:], sequence="🗝" * 50)
+        # A header that keeps body and headers under the limit is fine.
+        await bus.send(Ping(n=3), to="billing", headers={"h": "x" * 1_000_000})
+    rows = await db.fetch("SELECT unique_id, correlation_id FROM nmbus.billing ORDER BY id")
+    assert rows[0]["unique_id"] == longest and rows[0]["correlation_id"] == longest
+    assert rows[1]["unique_id"].startswith("p") and rows[1]["unique_id"].endswith("/billing")
+    assert len(rows) == 3
+
+
+class Keyed(Message, type_name="test.validation.Keyed"):
+    key: str
+
+
+async def test_a_saga_key_over_the_index_limit_in_bytes_goes_to_f_at_once(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    """1,000 characters of 4 bytes passed the character limit, then failed every
+    attempt with ProgramLimitExceededError."""
+    bus = make_bus("keyed", poll_interval=0.2, max_attempts=5)
+    saga = bus.saga(Counter, key="key")
+
+    @saga.handler(start=True)
+    async def keyed(msg: Keyed, state: Counter, ctx: Context) -> None:
+        state.count += 1
+
+    async with bus:
+        await bus.send(Keyed(key="🗝" * 1000), to="keyed")
+        await bus.send(Keyed(key="🗝" * 250), to="keyed")  # 1,000 bytes: fits
+        await drain(bus)
+    rows = await db.fetch("SELECT subqueue, retry_count, error_info FROM nmbus.keyed ORDER BY id")
+    assert rows[0]["subqueue"] == "F" and rows[0]["retry_count"] == 1  # one attempt
+    assert rows[0]["error_info"].startswith(
+        "PermanentError: a saga key is at most 1000 bytes as UTF-8, got 4000"
+    )
+    assert rows[1]["subqueue"] == "X"
+    assert await db.fetchval('SELECT count(*) FROM nmbus."keyed$saga"') == 1
+
+
+# -- issue 23, defect 12: settings the design cannot honour ---------------------------
+
+ABSURD_SETTINGS = [
+    ("lease_seconds", 0.005, "at least 1 second"),
+    ("lease_seconds", 0, "greater than 0"),
+    ("lease_seconds", -1, "greater than 0"),
+    ("poll_interval", 0, "greater than or equal to 0.01"),
+    ("poll_interval", 1e-9, "greater than or equal to 0.01"),
+    ("handler_timeout", 1e-9, "greater than or equal to 0.01"),
+    ("subscription_ttl", 0.001, "greater than or equal to 0.5"),
+    ("reconnect_max_delay", 0, "greater than or equal to 0.1"),
+    ("retention_interval", 0.001, "greater than or equal to 0.1"),
+    ("concurrency", 1_000_000, "less than or equal to 1000"),
+    ("send_pool_size", 1_000_000, "less than or equal to 1000"),
+    ("max_attempts", 10**9, "less than or equal to 1000000"),
+    ("max_message_bytes", 0, "greater than or equal to 64"),
+    ("max_message_bytes", 10**12, "less than or equal to 268435456"),
+    ("shutdown_timeout", -1, "greater than or equal to 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "says"), ABSURD_SETTINGS)
+def test_settings_below_what_the_design_honours_are_refused(
+    make_bus: Callable[..., Bus], name: str, value: Any, says: str
+) -> None:
+    """lease_seconds=0.005 was accepted, and a message was handled twice."""
+    with pytest.raises(InvalidSetting, match=f"NMBUS_{name.upper()}") as raised:
+        make_bus("billing", **{name: value})
+    assert says in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+async def test_the_shortest_lease_still_works(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", lease_seconds=1.0, poll_interval=0.2)
+    handled: list[int] = []
+
+    @bus.handler
+    async def slow(msg: Ping, ctx: Context) -> None:
+        await asyncio.sleep(1.5)  # over the lease: renewed, never taken over
+        handled.append(msg.n)
+
+    rival = make_bus("billing", lease_seconds=1.0, poll_interval=0.1)
+
+    @rival.handler
+    async def also(msg: Ping, ctx: Context) -> None:
+        handled.append(-msg.n)
+
+    async with bus:
+        await bus.send(Ping(n=1), to="billing")
+        async with asyncio.timeout(20):
+            while not handled:
+                await asyncio.sleep(0.05)
+        async with rival:
+            await drain(bus)
+    assert handled == [1]

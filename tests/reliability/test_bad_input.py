@@ -13,6 +13,7 @@ import pytest
 from nmbus import (
     Bus,
     Context,
+    InvalidMessage,
     InvalidQueueName,
     Message,
     MessageTooLarge,
@@ -199,7 +200,7 @@ async def test_odd_headers_round_trip_or_are_refused_at_send(
             await bus.send(Ping(n=2), to="billing", headers={"k": "nul\x00value"})
         with pytest.raises(ValueError, match="NUL"):
             await bus.send(Ping(n=3), to="billing", headers={"nul\x00key": "v"})
-        with pytest.raises(TypeError, match="headers must map str to str"):
+        with pytest.raises(InvalidMessage, match="headers must map str to str"):
             await bus.send(Ping(n=4), to="billing", headers={"n": 1})  # type: ignore[dict-item]
         await drain(bus)
         assert_workers_alive(bus)

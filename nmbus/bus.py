@@ -101,6 +101,8 @@ class Bus:
                 f"endpoint {self.endpoint!r} cannot be routed to another database: "
                 "its queue is in its own database (remove it from routes)"
             )
+        if settings.dsn and (own := sorted(q for q, d in self.routes.items() if d == settings.dsn)):
+            raise _routed_to_itself(self.endpoint, own)
         if store is None:
             if not settings.dsn:
                 raise ConfigurationError(
@@ -321,6 +323,8 @@ class Bus:
             await self._stop_metrics()
             raise
         try:
+            if self.routes:
+                await self._refuse_routes_to_itself()
             await self.store.ensure_queue(self.endpoint)
             if self.sagas:
                 await self.store.ensure_sagas(self.endpoint)
@@ -428,6 +432,20 @@ class Bus:
                 self._remote_stores.append(store)
                 by_dsn[dsn] = store
             self.subscriptions.remote[publisher] = by_dsn[dsn]
+
+    async def _refuse_routes_to_itself(self) -> None:
+        """Refuse a route whose DSN reaches this endpoint's own database, however spelt.
+
+        Its copies would go into the outbox for a forwarder to move to the very
+        database they are in: a subscriber's rows marked remote in its own
+        database stranded published copies there for ever (docs/routes.md).
+        """
+        from nmbus.postgres import PostgresStore
+
+        assert isinstance(self.store, PostgresStore)
+        own = await self.store.routes_to_itself(self.routes)
+        if own:
+            raise _routed_to_itself(self.endpoint, own)
 
     async def _close_remote_stores(self) -> None:
         stores, self._remote_stores = self._remote_stores, []
@@ -695,6 +713,15 @@ class Bus:
             log.info("published_without_subscribers", queue=self.endpoint, messages=count)
         else:
             log.debug("published", queue=self.endpoint, messages=count, copies=dict(copies))
+
+
+def _routed_to_itself(endpoint: str, queues: list[str]) -> ConfigurationError:
+    return ConfigurationError(
+        f"routes of endpoint {endpoint!r}: {', '.join(map(repr, queues))} "
+        "go to this endpoint's own database (the route's DSN reaches the database of "
+        "its dsn): queues of one database need no route, remove it (their messages "
+        "would wait in the outbox for ever)"
+    )
 
 
 def _metrics(endpoint: str, settings: Settings) -> WorkerMetrics | None:

@@ -116,6 +116,39 @@ def test_an_endpoint_cannot_route_itself_away() -> None:
         Bus("billing", dsn="postgresql://u@h/a", routes={"billing": "postgresql://u@h/b"})
 
 
+@pytest.mark.parametrize(
+    "spell",
+    [
+        lambda dsn: dsn,
+        lambda dsn: dsn.replace("postgresql://", "postgres://", 1),
+        lambda dsn: dsn + ("&" if "?" in dsn else "?") + "application_name=elsewhere",
+    ],
+    ids=["same-text", "other-scheme", "other-options"],
+)
+async def test_a_route_to_the_endpoints_own_database_is_refused_at_start(
+    dsn: str, db: asyncpg.Connection, spell: Callable[[str], str]
+) -> None:
+    """Issue 23 defect 7: a subscriber whose route names its own database wrote its
+    subscription as remote, and the publisher's copies waited in the outbox for ever."""
+    with pytest.raises(ConfigurationError, match="own database"):
+        billing = Bus("billing", dsn=dsn, routes={"orders": spell(dsn)}, **fast())
+        billing.subscribe(OrderPlaced, publisher="orders")
+        async with billing:
+            pass
+    assert await db.fetchval("SELECT count(*) FROM nmbus.subscriptions") == 0
+    assert await db.fetchval("SELECT to_regclass('nmbus.billing')") is None
+
+
+async def test_a_route_to_another_database_of_the_same_server_still_starts(
+    dsn: str, dsn_b: str, db_b: asyncpg.Connection
+) -> None:
+    orders = Bus("orders", dsn=dsn, routes={"billing": dsn_b}, concurrency=0)
+    async with orders:
+        await orders.send(OrderPlaced(order_id=1), to="billing")
+    async with Bus("nobody", dsn=dsn, routes={"billing": "postgresql://x@127.0.0.1:1/no"}):
+        pass  # a route to a database that is down does not stop a start either
+
+
 def test_routes_need_the_postgres_store() -> None:
     from nmbus.testing import MemoryStore
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
@@ -142,6 +142,12 @@ async def ensure_queue_on(conn: Any, schema: str, queue: str, known: set[str]) -
         known.add(queue)
     else:
         await create_queue_on(conn, schema, queue)
+
+
+async def database_identity(conn: Any) -> tuple[Any, ...]:
+    """What tells the database of ``conn`` apart from any other, on any server."""
+    row = await conn.fetchrow(render("database_identity", "nmbus"))
+    return tuple(row)
 
 
 class PostgresBatch:
@@ -418,6 +424,35 @@ class PostgresStore:
                         async with conn.transaction():
                             await create_queue_on(conn, self.schema, queue)
             self._known_queues.add(queue)
+
+    async def routes_to_itself(self, routes: Mapping[str, str], timeout: float = 5.0) -> list[str]:
+        """The queues of ``routes`` (queue -> DSN) whose DSN reaches this store's own database.
+
+        However the DSN is spelt (another host name, scheme or user), the
+        database that answers is compared with this one. A DSN that does not
+        answer within ``timeout`` is not this database, which does.
+        """
+        with wrap_errors("look at routes"):
+            async with self.pool.acquire() as conn:
+                own = await database_identity(conn)
+
+        async def same(dsn: str) -> bool:
+            if dsn == self.dsn:
+                return True
+            try:
+                conn = await asyncpg.connect(dsn, timeout=timeout)
+            except Exception:
+                return False  # down, or refusing: never this database, which answered
+            try:
+                return await database_identity(conn) == own
+            except Exception:
+                return False
+            finally:
+                await _close_quietly(conn)
+
+        dsns = sorted(set(routes.values()))
+        answers = dict(zip(dsns, await asyncio.gather(*(same(d) for d in dsns)), strict=True))
+        return sorted(queue for queue, dsn in routes.items() if answers[dsn])
 
     async def ensure_sagas(self, endpoint: str) -> None:
         await create_saga_table(self.pool, self.schema, endpoint)

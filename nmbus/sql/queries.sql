@@ -950,6 +950,12 @@ DELETE FROM {schema}.outbox WHERE id = ANY($1::bigint[]);
 -- Destination queues with rows waiting in the outbox.
 SELECT DISTINCT to_endpoint FROM {schema}.outbox;
 
+-- database_identity --
+-- What tells this database apart from every other (a route's DSN that reaches the
+-- sender's own database is refused): its oid, its server's start time and port.
+SELECT d.oid::bigint, pg_postmaster_start_time(), current_setting('port')
+FROM pg_database AS d WHERE d.datname = current_database();
+
 -- purge_expired_subscriptions --
 -- Delete subscriptions that expired more than $1 seconds ago (their subscriber is gone).
 DELETE FROM {schema}.subscriptions

@@ -115,6 +115,7 @@ class Bus:
                 settings.schema_name,
                 settings.send_pool_size,
                 routed=self.routes.keys(),
+                create_queues=settings.create_queues,
             )
         elif self.routes:
             raise ConfigurationError(
@@ -496,6 +497,11 @@ class Bus:
         R until then. With ``connection``, an asyncpg connection inside a
         transaction, the message exists exactly when that transaction commits.
         A ``unique_id`` already stored in that queue is not stored again.
+        A queue that no endpoint has created (its endpoint never started in this
+        database: a typo?) is created, marked and logged once
+        (``queue_created_by_send``); with ``create_queues=False``
+        (NMBUS_CREATE_QUEUES=false) the send is refused with QueueNotFound
+        instead (docs/operations.md).
         ``reply_to`` names the endpoint the receiver's ``ctx.reply`` answers
         to (default: this one). ``priority`` (-100..100, higher first),
         ``sequence`` (members of one key are handled one at a time, in send

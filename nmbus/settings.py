@@ -177,6 +177,11 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="aliases of routes: alias=DSN pairs, or one NMBUS_DB_<ALIAS> variable each",
     )
+    create_queues: bool = Field(
+        default=True,
+        description="a send to a queue no endpoint created creates it (marked, logged once); "
+        "false: refused with QueueNotFound",
+    )
     forward_batch_size: int = Field(
         default=500, ge=1, le=10_000, description="outbox rows moved per remote transaction"
     )

@@ -17,7 +17,7 @@ import asyncpg
 import structlog
 from asyncpg.transaction import Transaction
 
-from nmbus.errors import SchemaVersionError
+from nmbus.errors import QueueNotFound, SchemaVersionError
 from nmbus.logs import log_failure, scrub
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.postgres.errors import is_connection_error, wrap_errors
@@ -127,11 +127,25 @@ async def insert_outbox(
     return int(row[0]) if row else 0
 
 
-async def ensure_queue_on(conn: Any, schema: str, queue: str, known: set[str]) -> None:
+#: The comment of a queue table that a send created (docs/operations.md).
+CREATED_BY_SEND = "nmbus: created by a send; no endpoint has started on it"
+
+
+async def ensure_queue_on(
+    conn: Any,
+    schema: str,
+    queue: str,
+    known: set[str],
+    sender: str | None = None,
+    create: bool = True,
+) -> None:
     """Make sure ``queue`` has a table, creating it in the transaction of ``conn``.
 
     ``known`` holds queues whose table is committed; one created here is not
-    added, since the transaction that created it may still roll back.
+    added, since the transaction that created it may still roll back. For a
+    send (``sender`` is the sending endpoint) a table no endpoint created is
+    refused with QueueNotFound unless ``create``; created, it is marked and
+    logged (``queue_created_by_send``) once.
     """
     if queue in known:
         return
@@ -140,8 +154,22 @@ async def ensure_queue_on(conn: Any, schema: str, queue: str, known: set[str]) -
         exists = await conn.fetchval(render("queue_exists", schema), schema, queue)
     if exists:
         known.add(queue)
-    else:
-        await create_queue_on(conn, schema, queue)
+        return
+    if sender is not None and not create:
+        raise QueueNotFound(no_such_queue(queue))
+    await create_queue_on(conn, schema, queue)
+    if sender is not None:
+        with wrap_errors(f"create queue {queue}"):
+            await conn.execute(render("mark_created_by_send", schema, queue))
+        log.warning("queue_created_by_send", queue=queue, sender=sender, schema=schema)
+
+
+def no_such_queue(queue: str) -> str:
+    return (
+        f"no queue {queue!r}: no endpoint has started on it in this database (a typo?). "
+        f"Start its endpoint first, create it with 'nmbus queues create {queue}', or let "
+        "sends create queues (create_queues=True, NMBUS_CREATE_QUEUES=true)"
+    )
 
 
 async def database_identity(conn: Any) -> tuple[Any, ...]:
@@ -220,7 +248,9 @@ class PostgresBatch:
         await self.begin()
         if queue in self._routed:
             return await insert_outbox(self._conn, self._schema, queue, from_endpoint, envelopes)
-        await ensure_queue_on(self._conn, self._schema, queue, self._known)
+        # A handler's send is stored at its batch's commit, where a refusal would
+        # fail the batch-mates too: a missing queue is created (marked, logged).
+        await ensure_queue_on(self._conn, self._schema, queue, self._known, from_endpoint)
         sql = render("insert_messages", self._schema, queue)
         row = await self._conn.fetchrow(
             sql, *_insert_args(from_endpoint, queue, envelopes, self._channel)
@@ -364,8 +394,11 @@ class PostgresStore:
         schema: str = "nmbus",
         pool_size: int = 4,
         routed: Collection[str] = (),
+        create_queues: bool = True,
     ) -> None:
         self.dsn = dsn
+        # Whether a send may create the table of a queue no endpoint created.
+        self.create_queues = create_queues
         self.schema = validate_schema_name(schema)
         self.routed = frozenset(validate_queue_name(q) for q in routed)
         self._pool_size = pool_size
@@ -408,6 +441,14 @@ class PostgresStore:
             await asyncio.shield(pool.close())
 
     async def ensure_queue(self, queue: str) -> None:
+        """Create ``queue``'s table if missing: its endpoint starts, or an operator asks.
+
+        Either way it is a queue someone meant: a table a send created is unmarked.
+        """
+        await self._ensure(queue, None)
+
+    async def _ensure(self, queue: str, sender: str | None) -> None:
+        """``ensure_queue``, or for a send from ``sender``: refused unless create_queues."""
         if queue in self._known_queues:
             return
         validate_queue_name(queue)
@@ -418,11 +459,27 @@ class PostgresStore:
                 return
             with wrap_errors(f"create queue {queue}"):
                 async with self.pool.acquire() as conn:
-                    if not await conn.fetchval(
-                        render("queue_exists", self.schema), self.schema, queue
-                    ):
+                    row = await conn.fetchrow(
+                        render("queue_comment", self.schema), self.schema, queue
+                    )
+                    if row is None and sender is not None and not self.create_queues:
+                        raise QueueNotFound(no_such_queue(queue))
+                    if row is None:
                         async with conn.transaction():
                             await create_queue_on(conn, self.schema, queue)
+                            if sender is not None:
+                                await conn.execute(
+                                    render("mark_created_by_send", self.schema, queue)
+                                )
+                        if sender is not None:
+                            log.warning(
+                                "queue_created_by_send",
+                                queue=queue,
+                                sender=sender,
+                                schema=self.schema,
+                            )
+                    elif sender is None and row[0] == CREATED_BY_SEND:
+                        await conn.execute(render("unmark_queue", self.schema, queue))
             self._known_queues.add(queue)
 
     async def routes_to_itself(self, routes: Mapping[str, str], timeout: float = 5.0) -> list[str]:
@@ -486,7 +543,7 @@ class PostgresStore:
         sql = render("insert_messages", self.schema, queue)
         args = _insert_args(from_endpoint, queue, envelopes, notify_channel(self.schema))
         if connection is None:
-            await self.ensure_queue(queue)
+            await self._ensure(queue, from_endpoint)
             with wrap_errors(f"send to {queue}"):
                 row = await self.pool.fetchrow(sql, *args)
             return int(row[0]) if row else 0
@@ -495,7 +552,14 @@ class PostgresStore:
         with wrap_errors(f"send to {queue}"):
             own = None if connection.is_in_transaction() else connection.transaction()
             async with own or contextlib.nullcontext():
-                await ensure_queue_on(connection, self.schema, queue, self._known_queues)
+                await ensure_queue_on(
+                    connection,
+                    self.schema,
+                    queue,
+                    self._known_queues,
+                    from_endpoint,
+                    self.create_queues,
+                )
                 row = await connection.fetchrow(sql, *args)
         return int(row[0]) if row else 0
 

@@ -290,6 +290,21 @@ INSERT INTO {schema}.queues (name) VALUES ($1) ON CONFLICT DO NOTHING;
 -- Whether the queue table exists. $1: schema name, $2: queue name (both unquoted).
 SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL;
 
+-- queue_comment --
+-- Whether the queue table exists, and its comment (the mark of a table a send created).
+-- $1: schema name, $2: queue name (both unquoted). No row: no such table.
+SELECT obj_description(c, 'pg_class') FROM to_regclass(format('%I.%I', $1::text, $2::text)) AS c
+WHERE c IS NOT NULL;
+
+-- mark_created_by_send --
+-- Mark a queue table that a send created before any endpoint started on it
+-- (docs/operations.md; psql's \dt+ shows it).
+COMMENT ON TABLE {queue} IS 'nmbus: created by a send; no endpoint has started on it';
+
+-- unmark_queue --
+-- Clear that mark: an endpoint started on the queue, or an operator created it.
+COMMENT ON TABLE {queue} IS NULL;
+
 -- list_queues --
 -- Names of all registered queues that still have a table. $1: schema name (unquoted).
 SELECT name FROM {schema}.queues

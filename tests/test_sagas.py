@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from nmbus import Bus, Context, HandlerError, Message, Saga
 from nmbus.errors import ConfigurationError, StoreError
 from nmbus.recovery import is_conflict
+from nmbus.store import SCHEMA_VERSION
 from nmbus.testing import MemoryStore, drain
 from tests.procs import Proc
 from tests.saga_workers import Counter, Increment, Open, counter_bus
@@ -625,13 +626,14 @@ async def test_schema_8_adds_the_instance_column_to_existing_saga_tables_in_plac
     # Back to a schema 7 saga table: no instance column, a running saga in it.
     await db.execute('ALTER TABLE nmbus."lives$saga" DROP COLUMN instance')
     await db.execute('VACUUM FULL nmbus."lives$saga"')
-    await db.execute("UPDATE nmbus.schema_version SET version = 7 WHERE version = 8")
+    await db.execute("DELETE FROM nmbus.schema_version WHERE version > 7")
+    await db.execute("INSERT INTO nmbus.schema_version (version) VALUES (7) ON CONFLICT DO NOTHING")
     await db.execute("UPDATE nmbus.lives SET msg_headers = msg_headers - 'nmbus-saga-instance'")
     file_before = await db.fetchval("SELECT pg_relation_filenode('nmbus.\"lives$saga\"')")
     bus, saga = life_bus(make_bus, events)
     async with bus:
         # Migrated in place (catalog-only): the same file, the row kept, no instance yet.
-        assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 8
+        assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION
         file_after = await db.fetchval("SELECT pg_relation_filenode('nmbus.\"lives$saga\"')")
         assert file_after == file_before
         assert await db.fetchval('SELECT instance FROM nmbus."lives$saga"') is None

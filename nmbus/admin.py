@@ -670,6 +670,8 @@ class Admin:
 
     @asynccontextmanager
     async def _store(self) -> AsyncIterator[PostgresStore]:
+        # Connect as reads do first: a DSN that cannot work is an InvalidSetting here too.
+        await self._connection_pool()
         store = PostgresStore(self.dsn, self.schema, 1)
         await store.open()
         try:

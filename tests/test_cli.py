@@ -97,7 +97,7 @@ async def test_status_estimates_x_on_big_tables_and_exact_counts_it(
 
 
 async def test_no_database_is_a_clear_error(cli: Cli) -> None:
-    result = await cli("status", dsn=False, code=1)
+    result = await cli("status", dsn=False, code=2)
     assert "NMBUS_DSN" in result.stderr
     bad = await cli("status", "--dsn", "postgresql://postgres@127.0.0.1:1/none", dsn=False, code=1)
     assert "error" in bad.stderr
@@ -120,7 +120,7 @@ async def test_failed_list_and_show(cli: Cli, facts: Facts) -> None:
     assert "no message 999999" in missing.stderr
     nowhere = await cli("failed", "list", "nosuchqueue", code=1)
     assert "no queue" in nowhere.stderr
-    await cli("failed", "list", "bad name!", code=1)
+    await cli("failed", "list", "bad name!", code=2)
 
 
 async def test_failed_requeue(cli: Cli, facts: Facts, db: asyncpg.Connection, dsn: str) -> None:
@@ -188,7 +188,7 @@ async def test_queues(cli: Cli, db: asyncpg.Connection) -> None:
     assert await db.fetchval("SELECT to_regclass('nmbus.alpha')") is None
     missing = await cli("queues", "drop", "alpha", "--yes", code=1)
     assert "no such queue" in missing.stderr
-    await cli("queues", "create", "no good", code=1)
+    await cli("queues", "create", "no good", code=2)
 
 
 async def test_subscriptions(cli: Cli, facts: Facts) -> None:

@@ -84,11 +84,12 @@ def one_line_error(stderr: str, code: int, expected_code: int, *needles: str) ->
     ],
 )
 def test_a_malformed_dsn_is_one_line(dsn: str, needle: str) -> None:
+    # A DSN that cannot be read is a bad option: exit 2, as docs/cli.md says.
     result = invoke("status", "--dsn", dsn)
-    one_line_error(result.stderr, result.exit_code, 1, "DSN", needle)
+    one_line_error(result.stderr, result.exit_code, 2, "DSN", needle)
     # Commands that open the library's store fail the same way.
     created = invoke("queues", "create", "billing", "--dsn", dsn)
-    one_line_error(created.stderr, created.exit_code, 1)
+    one_line_error(created.stderr, created.exit_code, 2)
 
 
 def test_an_unreachable_database_is_one_line() -> None:
@@ -143,6 +144,41 @@ def test_debug_in_a_real_process() -> None:
     assert "Traceback (most recent call last)" in proc.stderr
     assert "ConnectionRefusedError" in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("error: ")
+
+
+# -- wrong usage exits 2, a failure 1 (docs/cli.md) ---------------------------------------------
+
+BAD_ARGUMENTS = [
+    (["worker", "module"], "expected module:attribute"),
+    (["worker", "tests.no_such_module:bus"], "cannot import 'tests.no_such_module'"),
+    (["worker", "tests.cli_app:nothing"], "has no attribute 'nothing'"),
+    (["worker", "nmbus:__all__"], "expected a nmbus.Bus"),
+    (["queues", "create", "Bad-Name!", "--dsn", DOWN], "invalid queue name 'Bad-Name!'"),
+    (["queues", "drop", "Bad-Name!", "--yes", "--dsn", DOWN], "invalid queue name"),
+    (["failed", "list", "bad name!", "--dsn", DOWN], "invalid queue name"),
+    (["failed", "show", "Bad-Name!", "1", "--dsn", DOWN], "invalid queue name"),
+    (["status"], "no database"),
+    (["queues", "create", "billing"], "no database"),
+    (["forward", "--once", "--dsn", DOWN], "no routes"),
+    (["demo", "--flaky-rate", "1.5", "--no-report", "--dsn", DOWN], "--flaky-rate"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"), BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS]
+)
+def test_a_bad_argument_exits_2(argv: list[str], needle: str) -> None:
+    # tests.cli_app builds its Bus when imported: from NMBUS_DSN, never connected to.
+    result = invoke(*argv, env={"NMBUS_DSN": DOWN} if argv[0] == "worker" else None)
+    one_line_error(result.stderr, result.exit_code, 2, needle)
+
+
+def test_a_worker_whose_module_fails_to_import_exits_1(tmp_path: Path) -> None:
+    # The target names a module that is there, but the application's own import
+    # fails inside it: that is a failure, not wrong usage.
+    (tmp_path / "broken_service.py").write_text("import nmbus_no_such_dependency\n")
+    proc = nmbus("worker", "broken_service:bus", env={"PYTHONPATH": str(tmp_path)})
+    one_line_error(proc.stderr, proc.returncode, 1, "nmbus_no_such_dependency")
 
 
 # -- a command that reads never writes ----------------------------------------------------------

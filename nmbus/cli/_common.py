@@ -117,7 +117,7 @@ def settings(dsn: str | None, schema: str | None, **extra: Any) -> Settings:
     given = {"dsn": dsn, "schema_name": schema, **extra}
     built = Settings(**{k: v for k, v in given.items() if v is not None})
     if not built.dsn:
-        fail("no database: pass --dsn postgresql://... or set NMBUS_DSN")
+        fail("no database: pass --dsn postgresql://... or set NMBUS_DSN", code=2)
     return built
 
 
@@ -188,7 +188,7 @@ def queue_name(name: str) -> str:
     try:
         return validate_queue_name(name)
     except NmbusError as exc:
-        fail(str(exc))
+        fail(str(exc), code=2)  # a bad argument
 
 
 def _plain(value: Any) -> Any:

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from typer.core import TyperGroup
 
 from nmbus.cli._common import CommandError, options, print_error
-from nmbus.errors import NmbusError
+from nmbus.errors import InvalidQueueName, InvalidSetting, NmbusError
 from nmbus.postgres.errors import driver_error_line
 
 
@@ -118,7 +118,10 @@ def _is_usage_error(exc: Exception) -> bool:
 
 
 def _code(exc: BaseException) -> int:
-    return 2 if isinstance(exc, ValidationError) and exc.title == "Settings" else 1
+    """2 for wrong usage (docs/cli.md): an invalid setting, DSN or queue name; else 1."""
+    if isinstance(exc, ValidationError) and exc.title == "Settings":
+        return 2
+    return 2 if isinstance(exc, InvalidSetting | InvalidQueueName) else 1
 
 
 def describe(exc: BaseException) -> str:

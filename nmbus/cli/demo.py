@@ -240,7 +240,7 @@ def demo(
     try:
         options.check()
     except NmbusError as exc:
-        fail(str(exc))
+        fail(str(exc), code=2)  # a bad option
     quiet = as_json
     say = errors if quiet else console
 

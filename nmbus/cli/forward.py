@@ -31,7 +31,10 @@ def forward(
     cfg = settings(dsn, schema)
     routes = cfg.route_dsns()
     if not routes:
-        fail("no routes: set NMBUS_ROUTES=queue=alias,... and NMBUS_DB_<ALIAS>=postgresql://...")
+        fail(
+            "no routes: set NMBUS_ROUTES=queue=alias,... and NMBUS_DB_<ALIAS>=postgresql://...",
+            code=2,
+        )
     from nmbus.postgres.forwarder import Forwarder
 
     assert cfg.dsn is not None

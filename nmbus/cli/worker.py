@@ -22,19 +22,23 @@ log = structlog.get_logger("nmbus.cli.worker")
 
 def load_bus(target: str) -> Any:
     """Import ``module:attribute``; the attribute is a Bus or a callable returning one."""
+    # A target that names nothing is a bad argument (exit 2); a module that
+    # fails while it is imported is the application's failure (exit 1).
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
-        fail(f"expected module:attribute (for example myapp.service:bus), got {target!r}")
+        fail(f"expected module:attribute (for example myapp.service:bus), got {target!r}", 2)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        fail(f"cannot import {module_name!r}: {exc}")
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None
+        named = missing and (module_name == exc.name or module_name.startswith(f"{exc.name}."))
+        fail(f"cannot import {module_name!r}: {exc}", 2 if named else 1)
     obj: Any = module
     for part in attribute.split("."):
         if not hasattr(obj, part):
-            fail(f"{module_name!r} has no attribute {attribute!r}")
+            fail(f"{module_name!r} has no attribute {attribute!r}", 2)
         obj = getattr(obj, part)
     return obj
 
@@ -48,7 +52,7 @@ async def _resolve(obj: Any) -> Bus:
         except Exception as exc:
             fail(f"calling the factory failed: {type(exc).__name__}: {exc}")
     if not isinstance(obj, Bus):
-        fail(f"expected a nmbus.Bus (or a function returning one), got {type(obj).__name__}")
+        fail(f"expected a nmbus.Bus (or a function returning one), got {type(obj).__name__}", 2)
     return obj
 
 

@@ -719,13 +719,13 @@ def schema_ddl(schema: str, queue: str) -> str:
     def literal(value: object) -> str:
         return "'" + str(value).replace("'", "''") + "'"
 
+    # What a reader of the DDL needs, nothing about how nmbus's sources are kept.
     header = "\n".join(
         [
-            f"-- The DDL nmbus runs for schema {schema!r} with an example queue {queue!r},",
-            "-- generated from nmbus/sql/queries.sql (tests/test_cookbook.py keeps it equal):",
-            f"--   python -m nmbus queues ddl {queue} --schema {schema} > sql/schema.sql",
-            "-- nmbus creates all of this itself at start-up; this file is for reading.",
-            "-- Run it as is with: psql -v ON_ERROR_STOP=1 -f sql/schema.sql",
+            f"-- The DDL nmbus runs for schema {schema!r} with the queue {queue!r}"
+            f" (schema version {SCHEMA_VERSION}).",
+            "-- nmbus creates all of this itself when a Bus starts; to run it by hand:",
+            "--   psql -v ON_ERROR_STOP=1 -f FILE",
         ]
     )
     statements = [

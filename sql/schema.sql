@@ -1,8 +1,6 @@
--- The DDL nmbus runs for schema 'nmbus' with an example queue 'billing',
--- generated from nmbus/sql/queries.sql (tests/test_cookbook.py keeps it equal):
---   python -m nmbus queues ddl billing --schema nmbus > sql/schema.sql
--- nmbus creates all of this itself at start-up; this file is for reading.
--- Run it as is with: psql -v ON_ERROR_STOP=1 -f sql/schema.sql
+-- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 7).
+-- nmbus creates all of this itself when a Bus starts; to run it by hand:
+--   psql -v ON_ERROR_STOP=1 -f FILE
 
 BEGIN;
 

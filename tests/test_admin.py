@@ -387,6 +387,11 @@ def test_schema_ddl() -> None:
     text = schema_ddl("ops", "orders")
     assert 'CREATE TABLE IF NOT EXISTS "ops"."orders"' in text
     assert text.startswith("-- The DDL nmbus runs") and text.endswith("COMMIT;\n")
+    # Clean DDL for a reader: no comment about how nmbus's own sources are kept.
+    comments = [line for line in text.splitlines() if "--" in line]
+    assert len(comments) == 3, comments
+    for developer_note in ("tests/", "queries.sql", "sql/schema.sql", "python -m", "generated"):
+        assert developer_note not in text, developer_note
     with pytest.raises(InvalidQueueName):
         schema_ddl("ops", "no good")
 

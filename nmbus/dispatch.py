@@ -108,11 +108,31 @@ def error_info(exc: BaseException) -> str:
         text = storable(first)
     else:
         try:
-            trace = "".join(traceback.format_exception(exc))
+            trace = _user_trace(exc)
         except Exception:
             trace = f"(the traceback of this {type(exc).__name__} could not be formatted)"
         text = storable(f"{first}\n{trace}")
     return text if len(text) <= MAX_ERROR_INFO else text[: MAX_ERROR_INFO - 3] + "..."
+
+
+def _user_trace(exc: BaseException) -> str:
+    """The traceback of ``exc`` from the handler's frame on: the dispatcher's frames
+    (its call of the handler, the _Resumed trampoline's ``coro.send``) are left out
+    at the top of each exception of the chain, unless nothing else is left."""
+    shown = traceback.TracebackException.from_exception(exc)
+    todo, seen = [shown], set()
+    while todo:
+        part = todo.pop()
+        if id(part) in seen:
+            continue
+        seen.add(id(part))
+        frames = list(part.stack)
+        ours = next((n for n, f in enumerate(frames) if f.filename != __file__), 0)
+        if ours:
+            part.stack = traceback.StackSummary.from_list(frames[ours:])
+        todo += [p for p in (part.__cause__, part.__context__) if p is not None]
+        todo += getattr(part, "exceptions", None) or []
+    return "".join(shown.format())
 
 
 def because(failure: AttemptFailed | MessageError, cause: BaseException) -> BaseException:

@@ -339,8 +339,8 @@ class Bus:
         if self.subscriptions.renewing:
             self._spawn(self.subscriptions.run_renewer, "subscriptions")
         if self.settings.concurrency > 0:
-            if not len(self.registry):
-                log.warning("bus_without_handlers", queue=self.endpoint)
+            # No handlers is no warning: a requester's workers receive its replies
+            # (bus.request), and bus_started says handlers=0.
             if self.routes:
                 from nmbus.postgres.forwarder import Forwarder
 

@@ -72,6 +72,24 @@ async def test_status(cli: Cli, facts: Facts) -> None:
     assert re.search(r" 3[01]m(\d\ds)? ", text), text  # oldest ready: 30 minutes and seconds
 
 
+async def test_status_marks_ready_rows_held_by_a_blocked_sequence(
+    cli: Cli, dsn: str, db: asyncpg.Connection
+) -> None:
+    from nmbus import Bus
+    from tests.messages import Posted
+
+    async with Bus("ledger", dsn=dsn, concurrency=0) as bus:
+        head = await bus.send(Posted(seq="acct", n=0), to="ledger", sequence="acct")
+        await bus.send(Posted(seq="acct", n=1), to="ledger", sequence="acct")
+    # The head failed for good: the member behind it is ready, but parked.
+    await db.execute("UPDATE nmbus.ledger SET subqueue = 'F' WHERE unique_id = $1", head)
+    (ledger,) = (await cli.json("status"))["queues"]
+    assert (ledger["ready"], ledger["oldest_ready_seconds"]) == (1, None)
+    assert [b["sequence_key"] for b in ledger["blocked"]] == ["acct"]
+    row = next(line for line in (await cli("status")).stdout.splitlines() if "ledger" in line)
+    assert "blocked" in row, row
+
+
 async def test_status_estimates_x_on_big_tables_and_exact_counts_it(
     cli: Cli, facts: Facts, db: asyncpg.Connection
 ) -> None:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from nmbus.admin import RouteStatus
+from nmbus.admin import QueueStatus, RouteStatus
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -94,7 +94,7 @@ def status(
                 f"~{q.processed:,}" if q.processed_estimated else q.processed,
                 q.failed,
                 q.in_flight,
-                age_text(q.oldest_ready_seconds),
+                _oldest_ready(q),
                 q.recent_processed,
                 q.recent_avg_ms,
                 q.recent_p99_ms,
@@ -123,6 +123,14 @@ def status(
             ],
         )
     _routes_table(routes)
+
+
+def _oldest_ready(q: QueueStatus) -> str:
+    """The age of the oldest claimable row; "blocked" when the ready rows are all members
+    parked behind a sequence's head in F or R (the blocked table below names it)."""
+    if q.oldest_ready_seconds is None and q.ready and q.blocked:
+        return "blocked"
+    return age_text(q.oldest_ready_seconds)
 
 
 def _routes_table(routes: list[RouteStatus]) -> None:

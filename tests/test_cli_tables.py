@@ -376,6 +376,28 @@ def test_demo_tables(width: int) -> None:
     right_aligned(lines, "rate", "billing", "3.33%")
 
 
+def test_demo_summary_says_what_became_of_failed_attempts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from nmbus.cli import demo as demo_cli
+    from nmbus.tools.demo import BusResult, QueueCounts, Snapshot
+
+    snap = Snapshot(
+        orders=3000,
+        published=3000,
+        queues=[QueueCounts("billing", 0, 0, 2900, 100)],
+        elapsed=12.0,
+        attempts_failed=359,
+        declined=100,
+        attempts_retried=357,
+    )
+    demo_cli._print_bus(BusResult(snap, payments=2900, retried={}, top_errors=[], seconds=10.0))
+    text = " ".join(capsys.readouterr().out.split())
+    assert "359 handler attempts failed: 357 were retried, and 2 were a message's last" in text
+    assert "attempt, so that message went to F." in text
+    assert "more were last attempts" not in text
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_report_summary_table(
     width: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -387,9 +387,11 @@ def _print_bus(result: demo_lib.BusResult) -> None:
     console.print(
         f"[bold]{snap.orders:,} orders[/bold] went through shop → billing → warehouse → "
         f"notifications in {result.seconds:.1f}s: {handled:,} messages handled "
-        f"({handled / result.seconds:,.0f}/s), {snap.attempts_retried:,} failed attempts "
-        f"retried ({snap.attempts_failed - snap.attempts_retried:,} more were last attempts), "
-        f"{result.payments:,} payments recorded in the same transactions.",
+        f"({handled / result.seconds:,.0f}/s). {snap.attempts_failed:,} handler attempts "
+        f"failed: {snap.attempts_retried:,} were retried, and "
+        f"{snap.attempts_failed - snap.attempts_retried:,} were a message's last attempt, so "
+        f"that message went to F. {result.payments:,} payments were recorded in the same "
+        "transactions.",
         highlight=False,
     )
     if result.top_errors:

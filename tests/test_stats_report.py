@@ -153,6 +153,23 @@ def test_failed_card_takes_the_colour_of_the_banner() -> None:
     assert card(page, "Failed").startswith("ok | 0 |")
 
 
+def test_header_times_are_utc_to_the_second_and_thresholds_are_stated() -> None:
+    s = summary({"orders": (10, 0)}, [])
+    s["generated_at"] = "2024-03-01T11:00:00.654321Z"
+    s["overall"]["first_time"] = "2024-03-01T09:40:00.123456Z"
+    s["overall"]["last_time"] = "2024-03-01T11:40:59.999999+01:00"  # another zone: to UTC
+    page = report_html.render(s)
+    header = page[page.index("<header>") : page.index("</header>")]
+    assert "2024-03-01 09:40:00 → 2024-03-01 10:40:59 UTC" in header, header
+    assert "generated 2024-03-01 11:00:00 UTC" in header, header
+    assert not re.search(r"\d{2}:\d{2}:\d{2}\.\d|T\d{2}:", header), header
+    assert "1% or more of its messages fail (degraded), 5% or more (failing)" in header, header
+    # A range asked for (--since/--until) is shown the same way.
+    s["since"], s["until"] = "2024-03-01T00:00:00Z", "2024-03-02T00:00:00.5Z"
+    page = report_html.render(s)
+    assert "2024-03-01 00:00:00 → 2024-03-02 00:00:00 UTC" in page
+
+
 def test_window_reads_as_a_sentence() -> None:
     s = summary({"orders": (10, 0)}, [])
     page = report_html.render(s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import json
 import re
+from datetime import UTC, datetime
 from typing import Any
 
 # A queue is "failing" at or above FAIL_RED, "degraded" at or above FAIL_AMBER.
@@ -51,6 +52,27 @@ def window_sentence(summary: dict[str, Any]) -> str:
     window = summary.get("window") or "hour"
     chosen = " (from the data's time span)" if summary.get("window_chosen") else ""
     return f"one point per {window}{chosen}"
+
+
+def when(value: Any) -> str:
+    """An ISO 8601 time as ``2024-03-01 09:40:00`` in UTC, to the second; other text as is."""
+    if not isinstance(value, str):
+        return "" if value is None else str(value)
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return value
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def thresholds_sentence() -> str:
+    """When a queue needs attention, in words (the banner's and the cards' colours)."""
+    return (
+        f"a queue needs attention when {FAIL_AMBER:.0%} or more of its messages fail "
+        f"(degraded), {FAIL_RED:.0%} or more (failing)"
+    )
 
 
 def _n(value: Any) -> str:
@@ -167,11 +189,11 @@ def render(summary: dict[str, Any]) -> str:
         verdict = f"All {len(queues)} queue(s) healthy."
     top = top_failed_error(summary)
     recovered = sum(e["recovered"] for e in summary["top_errors"])
-    span = " → ".join(
-        x for x in (summary.get("since") or o.get("first_time"), summary.get("until")) if x
-    )
-    if not summary.get("until") and o.get("last_time"):
-        span += f" → {o['last_time']}"
+    ends = [summary.get("since") or o.get("first_time"), summary.get("until")]
+    if not summary.get("until"):
+        ends[1] = o.get("last_time")
+    span = " → ".join(when(x) for x in ends if x)
+    span = f"{span} UTC" if span else span
     cards = "".join(
         [
             _card("Processed", _n(o["processed"]), f"{len(queues)} queue(s)"),
@@ -211,7 +233,10 @@ def render(summary: dict[str, Any]) -> str:
         "RANGE": _e(span or "no data"),
         "WINDOW": _e(window_sentence(summary)),
         "SOURCE": _e(f"{summary['source']['database']} · schema {summary['source']['schema']}"),
-        "GENERATED": _e(summary.get("generated_at")),
+        "GENERATED": _e(
+            f"{when(summary['generated_at'])} UTC" if summary.get("generated_at") else "–"
+        ),
+        "THRESHOLDS": _e(thresholds_sentence()),
         "CARDS": cards,
         "QUEUE_ROWS": _queue_rows(summary),
         "PANELS": _queue_panels(summary),
@@ -304,6 +329,7 @@ table.inner { border:0; border-radius:0; margin-top:8px; }
   <h1>%TITLE%</h1>
   <span class="verdict %STATUS%">%VERDICT%</span>
   <span class="meta">%RANGE% · %WINDOW% · %SOURCE% · generated %GENERATED%</span>
+  <span class="meta" id="thresholds">Thresholds: %THRESHOLDS%.</span>
 </header>
 <main>
 <div class="cards">%CARDS%</div>

@@ -42,6 +42,19 @@ from nmbus.retry import RetryPolicy
 from nmbus.sagas import Saga
 from nmbus.settings import Settings
 
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nmbus")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
+del _installed_version
+
 __all__ = [
     "AttemptFailed",
     "AttemptsExhausted",

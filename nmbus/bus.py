@@ -61,6 +61,29 @@ class Bus:
 
     ``async with bus:`` creates the tables, registers subscriptions and starts
     ``settings.concurrency`` worker loops (0 for a send-only process).
+
+    Arguments:
+
+    * ``endpoint``: this endpoint's name, which is also its queue table's
+      (``nmbus.<endpoint>``): 1-48 letters, digits, ``_``, ``.`` or ``-``.
+    * ``dsn``: the PostgreSQL DSN (``postgresql://user:password@host/db``);
+      default: ``NMBUS_DSN``.
+    * ``settings``: a :class:`~nmbus.Settings` built beforehand; without it
+      the settings come from ``NMBUS_*`` variables (docs/settings.md).
+    * ``store``: a storage adapter in place of PostgreSQL, such as
+      :class:`nmbus.testing.MemoryStore` in tests.
+    * ``retry``: the default retry policy of this endpoint's handlers, a
+      :class:`~nmbus.RetryPolicy` or a number of attempts (default: from
+      ``max_attempts``, ``retry_delay`` and ``retry_max_delay``).
+    * ``dead_letter``: the failure port, a queue that gets a copy of every
+      message that lands in F (docs/delivery.md).
+    * ``routes``: queue name -> DSN, or ``NMBUS_DB_<ALIAS>`` alias, of
+      queues that live in other databases (docs/routes.md).
+    * ``tracer_provider``: an OpenTelemetry tracer provider for this bus's
+      spans (needs ``nmbus[otel]``; default: the global one).
+    * ``**overrides``: any setting by its name (``concurrency=4``,
+      ``batch_size=50``, ``poll_interval=1.0`` ...), over the ``NMBUS_*``
+      variables or ``settings``; a bad value raises ``InvalidSetting``.
     """
 
     def __init__(

@@ -48,6 +48,45 @@ def test_all_matches_the_public_names() -> None:
     assert public - modules == PUBLIC_API
 
 
+def test_version_is_the_installed_distribution() -> None:
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from nmbus.cli import app
+
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert nmbus.__version__ == importlib.metadata.version("nmbus")
+    assert nmbus.__version__ == pyproject["project"]["version"]
+    assert CliRunner().invoke(app, ["--version"]).stdout.strip() == nmbus.__version__
+
+
+def test_the_license_is_declared_and_shipped() -> None:
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    # The SPDX form (PEP 639), which needs setuptools 77 to build.
+    assert pyproject["project"]["license"] == "MIT"
+    assert pyproject["project"]["license-files"] == ["LICENSE"]
+    assert "setuptools>=77" in pyproject["build-system"]["requires"]
+    text = (root / "LICENSE").read_text()
+    assert text.startswith("MIT License") and "Copyright (c) the nmbus authors" in text
+    assert importlib.metadata.metadata("nmbus")["License-Expression"] == "MIT"
+
+
+def test_help_of_bus_describes_every_constructor_argument() -> None:
+    doc = inspect.getdoc(Bus) or ""
+    for name in inspect.signature(Bus.__init__).parameters:
+        if name != "self":
+            shown = f"``**{name}``" if name == "overrides" else f"``{name}``"
+            assert f"* {shown}:" in doc, name
+
+
 def test_every_exception_class_is_exported_and_in_the_drawn_tree() -> None:
     import nmbus.errors as errors
 

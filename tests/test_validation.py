@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import pytest
@@ -227,11 +228,37 @@ async def test_send_refuses_a_float_its_receiver_could_not_read(
     assert "\n" not in str(raised.value)
 
 
-async def test_finite_floats_and_look_alike_text_are_sent() -> None:
-    async with memory_bus(concurrency=0) as bus:
-        await bus.send(Price(amount=1e308), to="billing")
-        await bus.send(Event(name="NaN, Infinity and null"), to="billing")
-        await bus.send(Order(lines=[Line(price=-0.0)], rates={"NaN": 1.5}), to="billing")
+async def test_finite_floats_and_look_alike_text_are_sent(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    sent: list[Message] = [
+        Price(amount=1e308),
+        Event(name="NaN, Infinity and null"),
+        Order(lines=[Line(price=-0.0)], rates={"NaN": 1.5}),
+    ]
+    received: list[Message] = []
+    bus = make_bus("billing", poll_interval=0.2)
+
+    @bus.handler
+    async def on_any(msg: Message, ctx: Context) -> None:  # every type, by the class chain
+        received.append(msg)
+
+    async with bus:
+        for message in sent:
+            await bus.send(message, to="billing")
+        await drain(bus)
+    rows = await db.fetch("SELECT label, subqueue, msg_text FROM nmbus.billing ORDER BY id")
+    # Stored as sent, as JSON PostgreSQL accepts, and handled as equal messages.
+    assert [(r["label"], r["subqueue"]) for r in rows] == [
+        (type(m).__type_name__, "X") for m in sent
+    ]
+    assert [json.loads(r["msg_text"]) for r in rows] == [
+        {"amount": 1e308},
+        {"name": "NaN, Infinity and null"},
+        {"lines": [{"price": -0.0}], "rates": {"NaN": 1.5}, "note": None},
+    ]
+    assert received == sent
+    assert math.copysign(1.0, cast(Order, received[2]).lines[0].price) == -1.0  # -0.0 kept
 
 
 async def test_a_handler_sending_an_unreadable_float_fails_with_the_real_error(

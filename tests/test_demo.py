@@ -260,6 +260,30 @@ def test_demo_names_the_server_of_its_dsn_and_clean_leaves_no_folder(
     assert "holds an embedded PostgreSQL" in " ".join(again.stdout.split())
 
 
+def test_clean_names_the_shared_class_cache_and_keeps_it(dsn: str, tmp_path: Path) -> None:
+    folder = tmp_path / "spark-classes"
+    folder.mkdir(mode=0o700)
+    archive = folder / "spark-0123456789abcdef-3000000.jsa"
+    archive.write_bytes(b"\0" * 3_000_000)
+    env = {**os.environ, "NMBUS_DSN": dsn, "NMBUS_SPARK_CLASS_CACHE": str(folder)}
+    clean = [sys.executable, "-m", "nmbus", "demo", "--clean"]
+    where = ["--data-dir", str(tmp_path / ".nmbus"), "--out", str(tmp_path / "r")]
+    done = subprocess.run(
+        [*clean, *where], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stdout.split())
+    assert f"kept Spark's class cache {folder} (3 MB, 1 archive(s))" in said, said
+    assert f"rm -r {folder}" in said
+    assert archive.exists()  # shared with other projects' reports: named, not removed
+    off = subprocess.run(
+        [*clean, *where],
+        cwd=ROOT, env={**env, "NMBUS_SPARK_CLASS_CACHE": "off"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert off.returncode == 0 and "class cache" not in off.stdout, off.stdout
+
+
 @pytest.mark.timeout(240)
 def test_demo_without_a_dsn_uses_the_embedded_server(tmp_path: Path) -> None:
     if importlib.util.find_spec("pgserver") is None:

@@ -175,6 +175,22 @@ def test_what_a_killed_builder_left_is_swept_when_nobody_builds(
     assert other.exists()
 
 
+def test_lock_files_of_builders_that_died_are_swept_and_a_live_ones_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = _cache(tmp_path, monkeypatch)
+    dead = [cache.lock, cache.folder / ".building-0123456789abcdef"]  # empty, held by nobody
+    for path in dead:
+        path.write_bytes(b"")
+    alive = cache.folder / ".building-fedcba9876543210"
+    with _held(alive):
+        assert classcache.plan(cache).recording is not None
+        assert [p.exists() for p in dead] == [False, False]
+        assert alive.exists()
+    classcache.plan(cache)
+    assert list(cache.folder.glob(".building-*")) == []
+
+
 def _recorded(cache: classcache.ClassCache, classpath: str) -> tuple[Path, Path]:
     recording = cache.folder / "run.classlist"
     recording.write_text("java/lang/Object\n")
@@ -194,6 +210,7 @@ def test_a_failed_dump_installs_nothing_and_is_not_retried(
     assert "exited with 1" in cache.failed.read_text()
     assert list(cache.folder.glob("*.jsa")) == []
     assert not cache.building() and not recording.exists()
+    assert not cache.lock.exists()
     assert classcache.plan(cache) == classcache.Plan([])
 
 
@@ -236,6 +253,12 @@ def test_an_archive_is_installed_only_once_java_maps_it(
     assert classcache.build(cache, recording, cp_file, wait_for=0) == 0
     assert [p.name for p in cache.folder.glob("*.jsa")] == [f"spark-{cache.key}-1.jsa"]
     assert cache.archive() == cache.folder / f"spark-{cache.key}-1.jsa"
+    # A builder, failed or done, takes its lock file with it: no empty file stays.
+    assert list(cache.folder.glob(".building-*")) == []
+    assert classcache.usage(cache.folder) == (
+        sum(p.stat().st_size for p in cache.folder.iterdir()),
+        1,
+    )
 
 
 # --------------------------------------------------------------------------- with Spark

@@ -173,6 +173,31 @@ def _clean(dsn: str | None, data_dir: Path, schema: str, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
         console.print(f"report folder {out} removed", highlight=False)
+    _name_class_cache()
+
+
+def _name_class_cache() -> None:
+    """Say where Spark's class cache is, and keep it.
+
+    It is not the demo's: one folder of this user (~/.cache/nmbus) holds the
+    archives of every nmbus report, whatever the project, so removing it here
+    would cost other projects' next reports their fast start.
+    """
+    from nmbus.stats import classcache
+
+    folder = classcache.cache_folder()
+    if folder is None or not folder.is_dir():
+        return
+    size, archives = classcache.usage(folder)
+    if not size:
+        return
+    console.print(
+        f"kept Spark's class cache {folder} ({size / 1e6:,.0f} MB, {archives} archive(s)): "
+        "it is shared by the nmbus reports of every project of this user. "
+        f"To remove it: rm -r {folder} (NMBUS_SPARK_CLASS_CACHE=off: never make it)",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _remove_logs(data_dir: Path) -> None:

@@ -13,7 +13,9 @@ instead. The archive is made from what a real run loaded:
    checks that Java maps it, and only then renames it into place. A reader
    never sees a partial file. The builder holds an exclusive lock
    (``flock``) on its key for its whole life, so at most one builds a given
-   archive, and the kernel lets go of it if the builder is killed.
+   archive, and the kernel lets go of it if the builder is killed. It
+   deletes its lock file before it lets go; one a killed builder left is
+   deleted by the next run that records, or the next builder that finishes.
 3. Later runs start their driver with ``-XX:SharedArchiveFile``; a run whose
    JVM did not take the archive (``java.vm.info`` without "sharing") deletes
    it, and the next run records again.
@@ -124,10 +126,8 @@ class ClassCache:
         return False
 
 
-def cache_for(
-    java: str, java_home: str, spark_home: str | None = None, extra_classpath: str = ""
-) -> ClassCache | None:
-    """The class cache of this Java and Spark, or None when it is off or cannot be used."""
+def cache_folder() -> Path | None:
+    """The folder the archives are kept in (made or not), or None when the cache is off."""
     setting = os.environ.get(ENV, "").strip()
     if setting.lower() in OFF:
         return None
@@ -136,10 +136,30 @@ def cache_for(
     else:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         folder = Path(base) / "nmbus" / "spark-classes"
-    folder = folder.absolute()
-    if not _SAFE_PATH.match(str(folder)) or not _private_folder(folder):
+    return folder.absolute()
+
+
+def cache_for(
+    java: str, java_home: str, spark_home: str | None = None, extra_classpath: str = ""
+) -> ClassCache | None:
+    """The class cache of this Java and Spark, or None when it is off or cannot be used."""
+    folder = cache_folder()
+    if folder is None or not _SAFE_PATH.match(str(folder)) or not _private_folder(folder):
         return None
     return ClassCache(folder, _key(java_home, spark_home, extra_classpath), java)
+
+
+def usage(folder: Path) -> tuple[int, int]:
+    """(bytes, archives) the folder holds: every file in it, and the complete archives."""
+    size = archives = 0
+    with contextlib.suppress(OSError):
+        for path in folder.iterdir():
+            with contextlib.suppress(OSError):
+                st = path.lstat()
+                if stat.S_ISREG(st.st_mode):
+                    size += st.st_size
+                    archives += path.name.startswith("spark-") and path.suffix == ".jsa"
+    return size, archives
 
 
 def _private_folder(folder: Path) -> bool:
@@ -260,11 +280,59 @@ def _sweep(cache: ClassCache, age: float = 86400.0) -> None:
     for path in folder.glob(f".{cache.key}-*.jsa"):
         with contextlib.suppress(OSError):
             path.unlink()
+    _sweep_locks(folder)
     for pattern in (".*.classlist", ".*.classpath", ".*.jsa"):
         for path in folder.glob(pattern):
             with contextlib.suppress(OSError):
                 if now - path.stat().st_mtime > age:
                     path.unlink()
+
+
+def _sweep_locks(folder: Path) -> None:
+    """Delete the lock files of builders that died (a live builder's is locked)."""
+    for path in folder.glob(".building-*"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Held by nobody: delete it while holding it, if it is still this file.
+            if _same_file(fd, path):
+                path.unlink()
+        except OSError:  # BlockingIOError: a builder holds it
+            pass
+        finally:
+            os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _take_lock(cache: ClassCache) -> int | None:
+    """The builder's exclusive lock on its key: an open descriptor, or None if another
+    builder holds it. Raises OSError when the lock file cannot be made.
+
+    Lock files are deleted by the builder that holds them (and by a sweep, when
+    their builder died), so a lock taken on a file that was deleted meanwhile is
+    no lock: it is taken again on the file now at that path.
+    """
+    for _ in range(10):
+        fd = os.open(cache.lock, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if _same_file(fd, cache.lock):
+            return fd
+        os.close(fd)
+    raise OSError(f"the lock file {cache.lock} keeps being replaced")
 
 
 def start_builder(cache: ClassCache, recording: Path, classpath: str, jvm_pid: int) -> None:
@@ -309,15 +377,12 @@ def start_builder(cache: ClassCache, recording: Path, classpath: str, jvm_pid: i
 def build(cache: ClassCache, recording: Path, cp_file: Path, wait_for: int) -> int:
     """The builder: lock, wait for the run's JVM to exit, dump, check, install. 0 on success."""
     try:
-        lock = os.open(cache.lock, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+        lock = _take_lock(cache)
     except OSError as exc:
         _remove(recording, cp_file)
         print(f"no lock: {exc}", flush=True)
         return 1
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock)
+    if lock is None:
         _remove(recording, cp_file)
         print("another build of this archive is running", flush=True)
         return 0
@@ -325,7 +390,8 @@ def build(cache: ClassCache, recording: Path, cp_file: Path, wait_for: int) -> i
     try:
         return _build_locked(cache, recording, cp_file, wait_for, temporary)
     finally:
-        _remove(recording, cp_file, temporary)
+        # The lock file goes while still locked: no empty file stays behind.
+        _remove(recording, cp_file, temporary, cache.lock)
         os.close(lock)  # lets go of the flock
 
 
@@ -391,6 +457,7 @@ def _retire_others(cache: ClassCache, keep: Path) -> None:
         with contextlib.suppress(OSError):
             if path != keep and path.stat().st_mtime < old:
                 path.unlink()
+    _sweep_locks(cache.folder)
 
 
 def _remove(*paths: Path) -> None:

@@ -17,6 +17,18 @@ from tests.pg import Databases, server_dsn
 os.environ.setdefault("NMBUS_SPARK_CLASS_CACHE", "off")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Markers that follow from where a test is, so the quick subset of the README
+    (``-m "not reliability and not spark and not browser"``) holds for new tests too:
+    every test in tests/reliability/ is ``reliability``, every test that drives
+    Chromium (through the ``browser`` fixture) is ``browser``."""
+    for item in items:
+        if item.path.parent.name == "reliability":
+            item.add_marker(pytest.mark.reliability)
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)
+
+
 @pytest.fixture(autouse=True)
 def _structlog_as_found() -> Iterator[None]:
     """A test that runs the CLI in-process configures structlog (its --log-level

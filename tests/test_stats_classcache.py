@@ -315,8 +315,8 @@ def test_the_next_report_starts_from_the_archive_the_first_one_left(
     archive = _wait_for_archive(folder)
     key = archive.name.split("-")[1]
     left = sorted(p.name for p in folder.iterdir())
-    # No recording, no class path, no half-written archive: the lock file, unlocked.
-    assert left == [f".building-{key}", f"build-{key}.log", archive.name], left
+    # No recording, no class path, no half-written archive, no lock file.
+    assert left == [f"build-{key}.log", archive.name], left
     assert "wrote" in (folder / f"build-{key}.log").read_text()
     assert archive.stat().st_size == int(archive.stem.rsplit("-", 1)[1])
 

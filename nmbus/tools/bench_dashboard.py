@@ -16,6 +16,13 @@ each as the median of ``--repeat`` runs:
 
 It prints the figures, their ratios to the ceilings, and the load average.
 
+``--queues N`` measures instead the dashboard of a schema of many small queues
+(``nmbus_dashbench_many``: N queues of 20 X rows over the last hour, a few I
+rows each, 3 F rows in every tenth): the queues page ``/``, its refreshed
+fragment and ``/metrics``, each answered by the dashboard's own application
+(in this process, no HTTP server), with their size and, for ``/metrics``, the
+number of series.
+
 ``--index-cost`` measures instead what the done index costs the hot path: a
 worker draining ``--messages`` pre-loaded messages on a queue with the index
 and on one without it (as before schema version 7), alternated ``--repeat``
@@ -48,6 +55,7 @@ from nmbus.tools.sql import render
 
 SCHEMA = "nmbus_dashbench"
 QUEUE = "orders"
+MANY_SCHEMA = "nmbus_dashbench_many"
 
 
 async def seed(dsn: str, rows: int, fresh: bool) -> int:
@@ -144,6 +152,93 @@ async def index_cost(dsn: str, messages: int, repeat: int) -> None:
     print(f"with / without: {ratio:.3f}")
 
 
+async def seed_many(dsn: str, queues: int, fresh: bool) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        if fresh:
+            await conn.execute(render("drop_schema", MANY_SCHEMA))
+        await install_schema(conn, MANY_SCHEMA)
+        names = [f"q{k:04d}" for k in range(1, queues + 1)]
+        known = await conn.fetch(render_runtime("list_queues", MANY_SCHEMA), MANY_SCHEMA)
+        if [r[0] for r in known] == names:
+            return
+        if known:
+            raise SystemExit(f"{MANY_SCHEMA} holds other queues: run with --fresh")
+        started = time.perf_counter()
+        for k, name in enumerate(names, start=1):
+            await conn.execute(render_runtime("create_queue", MANY_SCHEMA, name))
+            await conn.execute(render_runtime("register_queue", MANY_SCHEMA), name)
+            failed = 3 if k % 10 == 0 else 0
+            await conn.execute(render("dashbench_many_seed", MANY_SCHEMA, name), 20, k % 5, failed)
+        await conn.execute(render("dashbench_analyze", MANY_SCHEMA))
+        print(f"made {queues} queues in {time.perf_counter() - started:.0f} s")
+    finally:
+        await conn.close()
+
+
+async def asgi_get(app: Any, path: str, query: str = "") -> tuple[int, bytes]:
+    """One GET answered by an ASGI application in this process: status and body."""
+    status = 0
+    body: list[bytes] = []
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            body.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(body)
+
+
+async def many_queues(dsn: str, queues: int, repeat: int, fresh: bool) -> None:
+    from nmbus.dashboard import DashboardOptions, create_app
+
+    await seed_many(dsn, queues, fresh)
+    async with Admin(dsn, MANY_SCHEMA, pool_size=4) as admin:
+        app = create_app(admin, DashboardOptions(token="bench-token-not-used"))
+        found: dict[str, tuple[float, bytes]] = {}
+        for path in ("/", "/fragment/queues", "/metrics"):
+            answers: list[bytes] = []
+
+            async def get(path: str = path, answers: list[bytes] = answers) -> None:
+                status, body = await asgi_get(app, path)
+                if status != 200:
+                    raise SystemExit(f"GET {path}: {status} {body[:300]!r}")
+                answers.append(body)
+
+            found[path] = (await median(get, repeat), answers[-1])
+    load = os.getloadavg()
+    print(f"schema {MANY_SCHEMA}: {queues} queues")
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+    for path, (seconds, body) in found.items():
+        extra = ""
+        if path == "/metrics":
+            series = [line for line in body.decode().splitlines() if not line.startswith("#")]
+            extra = f", {len(series):,} series"
+        else:
+            extra = f", {body.count(b'<tr data-queue='):,} queue rows"
+        print(f"GET {path:18s} median {seconds * 1000:8.1f} ms, {len(body):>9,} bytes{extra}")
+
+
 def cli() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -153,11 +248,14 @@ def cli() -> None:
     parser.add_argument("--fresh", action="store_true", help="drop and refill the queue")
     parser.add_argument("--index-cost", action="store_true", help="drain with/without the index")
     parser.add_argument("--messages", type=int, default=20_000, help="for --index-cost")
+    parser.add_argument("--queues", type=int, default=0, help="measure / and /metrics instead")
     args = parser.parse_args()
     if not args.dsn:
         parser.error("pass --dsn or set NMBUS_DSN")
     if args.index_cost:
         asyncio.run(index_cost(args.dsn, args.messages, args.repeat))
+    elif args.queues:
+        asyncio.run(many_queues(args.dsn, args.queues, args.repeat, args.fresh))
     else:
         asyncio.run(main(args.dsn, args.rows, args.repeat, args.fresh))
 

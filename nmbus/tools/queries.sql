@@ -267,3 +267,24 @@ SELECT count(*) FROM {queue};
 -- dashbench_drop_done_index --
 -- The queue as it was before schema version 7, for measuring what the done index costs a drain.
 DROP INDEX {schema}.{done_index};
+
+-- dashbench_many_seed --
+-- A small queue of the many-queues benchmark: $1 processed rows over the last hour, $2 ready rows (oldest $2 minutes ago), $3 failed rows.
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, last_processed, retry_count,
+                     retry_time, label, msg_text, error_info)
+SELECT 'shop', 'orders', 'X', now() - g * interval '1 hour' / ($1::int + 1), 1,
+       now() - g * interval '1 hour' / ($1::int + 1) - interval '20 ms', 'orders.Placed',
+       jsonb_build_object('order_id', g)::text, NULL::text
+FROM generate_series(1, $1::int) AS g
+UNION ALL
+SELECT 'shop', 'orders', 'I', NULL, 0, now() - g * interval '1 minute', 'orders.Placed',
+       jsonb_build_object()::text, NULL
+FROM generate_series(1, $2::int) AS g
+UNION ALL
+SELECT 'shop', 'orders', 'F', now() - g * interval '1 minute', 5, now(), 'orders.Placed',
+       jsonb_build_object()::text, 'ValueError: card declined'
+FROM generate_series(1, $3::int) AS g;
+
+-- dashbench_analyze --
+-- Statistics of every table of the many-queues benchmark's schema, as autovacuum leaves them.
+ANALYZE;

@@ -46,6 +46,13 @@ EXACT_COUNT_PAGES = 2048
 # A window reads at most this many of its newest X rows (and F rows): past it,
 # percentiles describe the newest rows and the rate is measured over their span.
 WINDOW_ROWS = 20_000
+# queue_depths reads this many queues per statement (and transaction), so one
+# read never holds the locks of hundreds of tables at once.
+DEPTH_CHUNK = 20
+# Ids are PostgreSQL bigints.
+MAX_ID = 2**63 - 1
+# Blocked sequences are counted up to this many per queue.
+BLOCKED_SHOWN = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +116,36 @@ class QueueStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueDepth:
+    """A queue's depths without its recent windows: what :meth:`Admin.queue_depths` reads."""
+
+    queue: str
+    ready: int  # I
+    scheduled: int  # R
+    processed: int  # X (estimated when processed_estimated)
+    failed: int  # F
+    in_flight: int
+    oldest_ready_seconds: float | None
+    blocked: int  # blocked sequences, at most BLOCKED_SHOWN counted
+    processed_estimated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FailedCount:
+    """How many failed messages of a queue matched, and what binds a change to them.
+
+    Pass ``max_id`` and ``counted_at`` to :meth:`Admin.requeue_failed` or
+    :meth:`Admin.purge_failed`: only rows up to that id that failed by that
+    time change, so a message that fails after the count stays.
+    """
+
+    queue: str
+    count: int
+    max_id: int | None  # None: none matched
+    counted_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class HistoryBucket:
     """One bucket of a queue's recent history (counts are lower bounds at the read cap)."""
 
@@ -139,11 +176,16 @@ class FailedMessage:
     insert_time: datetime
     last_processed: datetime | None
     error: str
+    error_cut: bool = False  # the first line was longer than the page shows
 
 
 @dataclass(frozen=True, slots=True)
 class MessageRow:
-    """Every column of one row of a queue table; the headers as JSON text."""
+    """Every column of one row of a queue table; the headers as JSON text.
+
+    Read with ``max_chars``, error_info, msg_text and msg_headers are cut at
+    that many characters; the ``*_chars`` fields give their whole lengths.
+    """
 
     id: int
     from_endpoint: str
@@ -161,6 +203,9 @@ class MessageRow:
     unique_id: str
     handling_client_id: str | None
     lease_expires: datetime | None
+    error_info_chars: int = 0
+    msg_text_chars: int = 0
+    msg_headers_chars: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +293,12 @@ class Admin:
         async with self._session("look for the schema", read_only=True, schema=False) as conn:
             return await self._has_schema(conn)
 
+    async def schema_version(self) -> int | None:
+        """The schema's version (see nmbus.store.SCHEMA_VERSION); None: it has none yet."""
+        async with self._session("read the schema version", read_only=True) as conn:
+            version = await conn.fetchval(render("schema_version", self.schema))
+            return None if version is None else int(version)
+
     async def list_queues(self) -> list[str]:
         """Names of every queue that has a table, sorted."""
         async with self._session("list queues", read_only=True) as conn:
@@ -262,9 +313,15 @@ class Admin:
             )
 
     async def queue_status(
-        self, window: float = 600.0, *, windows: Sequence[float] = (), exact: bool = False
+        self,
+        window: float = 600.0,
+        *,
+        windows: Sequence[float] = (),
+        exact: bool = False,
+        queues: Sequence[str] | None = None,
     ) -> list[QueueStatus]:
-        """Every queue; ``recent_*`` (and ``windows[0]``) cover the last ``window`` seconds.
+        """Every queue (or those of ``queues``, in that order); ``recent_*`` (and
+        ``windows[0]``) cover the last ``window`` seconds.
 
         Cheap by default: no scan of the X rows (see docs/dashboard.md, "Cost").
         ``windows`` adds more windows (seconds) to ``QueueStatus.windows``.
@@ -273,9 +330,73 @@ class Admin:
         _check_window(window, *windows)
         async with self._session("queue status", read_only=True) as conn:
             found = []
-            for name in await self._queues(conn):
+            for name in await self._queues(conn, queues):
                 found.append(await self._status_of(conn, name, (window, *windows), exact))
             return found
+
+    async def queue_depths(self) -> list[QueueDepth]:
+        """Every queue's depths, by name, in a few statements whatever the number of queues.
+
+        The figures of :meth:`queue_status` without its windows (X estimated on
+        big tables the same way), for a page or a scrape over many queues: one
+        statement reads the sizes of every table, then one per DEPTH_CHUNK
+        queues their depths, and one the exact X count of the small ones.
+        """
+        async with self._session("queue depths", read_only=True) as conn:
+            sizes = await conn.fetch(render("ops_queue_sizes", self.schema), self.schema)
+        names = [r["name"] for r in sizes]
+        small = {r["name"] for r in sizes if r["pages"] <= EXACT_COUNT_PAGES}
+        depths: dict[str, dict[str, Any]] = {}
+        exact: dict[str, int] = {}
+        for start in range(0, len(names), DEPTH_CHUNK):
+            chunk = names[start : start + DEPTH_CHUNK]
+            async with self._session("queue depths", read_only=True) as conn:
+                for k, row in await self._each_queue(conn, "ops_queue_depth", chunk, BLOCKED_SHOWN):
+                    depths[chunk[k]] = {f: v for f, v in row.items() if f != "k"}
+                counted = [n for n in chunk if n in small]
+                for k, row in await self._each_queue(conn, "ops_count_processed", counted):
+                    exact[counted[k]] = int(row["count"])
+        found = []
+        for size in sizes:
+            name = size["name"]
+            if name not in depths:
+                continue  # dropped while it was read
+            row = depths[name]
+            if name in exact:
+                processed, estimated = exact[name], False
+            else:
+                open_rows = row["ready"] + row["scheduled"] + row["failed"]
+                processed, estimated = max(int(size["live_rows"]) - open_rows, 0), True
+            found.append(
+                QueueDepth(name, processed=processed, processed_estimated=estimated, **row)
+            )
+        return found
+
+    async def _each_queue(
+        self, conn: Any, block: str, names: Sequence[str], *args: Any
+    ) -> list[tuple[int, Any]]:
+        """Query ``block`` on every queue of ``names`` in one statement: (position, row) pairs.
+
+        The statement is the block rendered for each queue (identifiers quoted
+        by render, as always), each one under its position in ``names``, joined
+        by UNION ALL; nothing else goes into its text. A table dropped since it
+        was listed fails the statement, which is read again without it.
+        """
+        if not names:
+            return []
+        parts = [
+            f"SELECT {k}::int AS k, b.* FROM ({render(block, self.schema, name).rstrip(';')}) AS b"
+            for k, name in enumerate(names)
+        ]
+        try:
+            async with conn.transaction():  # a savepoint: a missing table is not the end
+                rows = await conn.fetch("\nUNION ALL\n".join(parts), *args)
+        except asyncpg.UndefinedTableError:
+            here = set(await self._queues(conn))
+            kept = [(k, n) for k, n in enumerate(names) if n in here]
+            again = await self._each_queue(conn, block, [n for _, n in kept], *args)
+            return [(kept[k][0], row) for k, row in again]
+        return [(int(r["k"]), r) for r in rows]
 
     async def outbox_backlog(self) -> list[OutboxBacklog]:
         """What waits in this database's outbox, per destination queue (one scan)."""
@@ -425,12 +546,35 @@ class Admin:
                 found.extend(FailedMessage(name, **dict(r)) for r in rows)
             return found
 
-    async def message(self, queue: str, message_id: int) -> MessageRow | None:
-        """Every column of message ``message_id`` of ``queue``, whatever its subqueue."""
+    async def message(
+        self, queue: str, message_id: int, *, max_chars: int | None = None
+    ) -> MessageRow | None:
+        """Every column of message ``message_id`` of ``queue``, whatever its subqueue.
+
+        ``max_chars`` cuts its error, body and headers (see :class:`MessageRow`).
+        """
+        if max_chars is not None and max_chars < 0:
+            raise ConfigurationError(f"max_chars must be 0 or more, got {max_chars}")
         async with self._session(f"show a message of {queue}", read_only=True) as conn:
             await self._queue(conn, queue)
-            row = await conn.fetchrow(render("ops_message", self.schema, queue), message_id)
+            sql = render("ops_message", self.schema, queue)
+            row = await conn.fetchrow(sql, message_id, max_chars)
             return None if row is None else MessageRow(**dict(row))
+
+    async def message_text(self, queue: str, message_id: int, part: str) -> str | None:
+        """One text of a message, whole: ``part`` is "error", "body" or "headers" (JSON).
+
+        Raises QueueNotFound when there is no such message; None: it has no such text.
+        """
+        if part not in ("error", "body", "headers"):
+            raise ConfigurationError(f"part must be error, body or headers, got {part!r}")
+        async with self._session(f"show a message of {queue}", read_only=True) as conn:
+            await self._queue(conn, queue)
+            sql = render("ops_message_text", self.schema, queue)
+            row = await conn.fetchrow(sql, message_id, part)
+            if row is None:
+                raise QueueNotFound(f"no message {message_id} in queue {queue!r}")
+            return row["text"]  # type: ignore[no-any-return]
 
     async def failed_page(
         self,
@@ -440,11 +584,13 @@ class Admin:
         error_contains: str | None = None,
         cursor: str | None = None,
         limit: int = 50,
+        error_chars: int = 1000,
     ) -> FailedPage:
         """Failed messages of ``queue`` (None: every queue, by name), newest first, a page.
 
         ``error_contains`` matches error_info as plain text in any case. Pass
         the returned ``next_cursor`` back as ``cursor`` for the next page.
+        Each error line is cut at ``error_chars`` characters (``error_cut``).
         """
         if not 1 <= limit <= 1000:
             raise ConfigurationError(f"page size must be 1-1000, got {limit}")
@@ -458,7 +604,9 @@ class Admin:
                 below = before_id if name == after_queue else None
                 sql = render("ops_failed_page", self.schema, name)
                 want = limit + 1 - len(found)
-                rows = await conn.fetch(sql, below, message_type, error_contains or None, want)
+                rows = await conn.fetch(
+                    sql, below, message_type, error_contains or None, want, error_chars
+                )
                 found.extend(FailedMessage(name, **dict(r)) for r in rows)
                 if len(found) > limit:
                     break
@@ -476,10 +624,25 @@ class Admin:
         error_contains: str | None = None,
     ) -> int:
         """How many failed messages of ``queue`` match: ids, type, error text (None: any)."""
+        found = await self.failed_count(
+            queue, ids=ids, message_type=message_type, error_contains=error_contains
+        )
+        return found.count
+
+    async def failed_count(
+        self,
+        queue: str,
+        *,
+        ids: Sequence[int] | None = None,
+        message_type: str | None = None,
+        error_contains: str | None = None,
+    ) -> FailedCount:
+        """As :meth:`count_failed`, with what binds a later change to the rows counted."""
         async with self._session(f"count failed messages of {queue}", read_only=True) as conn:
             await self._queue(conn, queue)
             sql = render("ops_failed_count", self.schema, queue)
-            return int(await conn.fetchval(sql, ids, message_type, error_contains or None))
+            row = await conn.fetchrow(sql, ids, message_type, error_contains or None)
+            return FailedCount(queue, int(row["n"]), row["max_id"], row["counted_at"])
 
     async def subscriptions(
         self, publisher: str | None = None, *, live_only: bool = False
@@ -513,23 +676,27 @@ class Admin:
         error_contains: str | None = None,
         every: bool = False,
         on_batch: ProgressCallback | None = None,
+        counted: FailedCount | None = None,
     ) -> int:
         """Move failed messages back to I as fresh messages, and wake the queue's workers.
 
         Say which: ``ids``, ``message_type`` and/or ``error_contains`` (plain
         text in error_info, any case), or ``every=True``. Attempts restart at 0,
         they are ready now, any lease is cleared; error_info is kept until the
-        next attempt overwrites it. Returns how many moved.
+        next attempt overwrites it. ``counted`` (from :meth:`failed_count` with
+        the same filters) leaves alone what failed after that count. Returns
+        how many moved.
         """
         channel = notify_channel(self.schema)
         error = error_contains or None
+        max_id, until = _bound(queue, counted)
         return await self._failed_in_batches(
             "requeue",
             queue,
             (ids, message_type, error),
             every,
             on_batch,
-            (ids, message_type, channel, FAILED_BATCH, queue, error),
+            (ids, message_type, channel, FAILED_BATCH, queue, error, max_id, until),
         )
 
     async def purge_failed(
@@ -541,16 +708,18 @@ class Admin:
         error_contains: str | None = None,
         every: bool = False,
         on_batch: ProgressCallback | None = None,
+        counted: FailedCount | None = None,
     ) -> int:
         """Delete failed messages for good (say which, as for requeue); returns how many."""
         error = error_contains or None
+        max_id, until = _bound(queue, counted)
         return await self._failed_in_batches(
             "purge",
             queue,
             (ids, message_type, error),
             every,
             on_batch,
-            (ids, message_type, FAILED_BATCH, error),
+            (ids, message_type, FAILED_BATCH, error, max_id, until),
         )
 
     async def run_retention(
@@ -695,6 +864,15 @@ async def _probe(dsn: str, timeout: float) -> str | None:
     return None
 
 
+def _bound(queue: str, counted: FailedCount | None) -> tuple[int | None, datetime | None]:
+    if counted is None:
+        return None, None
+    if counted.queue != queue:
+        raise ConfigurationError(f"a count of queue {counted.queue!r} cannot bind {queue!r}")
+    # Nothing matched then: nothing may change now (id 0 is below every id).
+    return (counted.max_id if counted.max_id is not None else 0), counted.counted_at
+
+
 def _check_window(*seconds: float) -> None:
     for value in seconds:
         if not 0 < value <= 366 * 86400:
@@ -706,8 +884,8 @@ def _parse_cursor(cursor: str | None) -> tuple[str | None, int | None]:
     if not cursor:
         return None, None
     queue, _, ident = cursor.rpartition(":")
-    if not queue or not ident.isdigit() or len(ident) > 19:
-        raise ConfigurationError(f"not a page cursor: {cursor!r}")
+    if not queue or not ident.isdigit() or len(ident) > 19 or int(ident) > MAX_ID:
+        raise ConfigurationError(f"not a page cursor: {cursor[:80]!r}")
     return queue, int(ident)
 
 

@@ -7,7 +7,9 @@ no browser (refused POSTs, /metrics) use plain urllib against the same server.
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -79,14 +81,15 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-def start(dsn: str, *args: str) -> Server:
+def start(dsn: str, *args: str, url_host: str = "127.0.0.1") -> Server:
+    """The dashboard on a free port; ``url_host`` is how to reach it (as --host says)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "nmbus", "dashboard", "--dsn", dsn, "--port", str(port), *args]
     env = {k: v for k, v in os.environ.items() if k != "NMBUS_DASHBOARD_TOKEN"}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    server = Server(f"http://127.0.0.1:{port}", proc)
+    server = Server(f"http://{url_host}:{port}", proc)
     for _ in range(300):
         if proc.poll() is not None:
             raise AssertionError(f"dashboard exited: {proc.stderr.read() if proc.stderr else ''}")
@@ -103,8 +106,8 @@ def start(dsn: str, *args: str) -> Server:
 def serve(dsn: str) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
-    def run(*args: str) -> Server:
-        server = start(_with_password(dsn), *args)
+    def run(*args: str, url_host: str = "127.0.0.1") -> Server:
+        server = start(_with_password(dsn), *args, url_host=url_host)
         started.append(server)
         return server
 
@@ -352,13 +355,16 @@ async def test_subscriptions_page_marks_expired_rows(
 # -- HTTP: changes that must be refused ---------------------------------------------------
 
 
-def _form(server: Server, query: str) -> tuple[dict[str, str], dict[str, str]]:
-    """The confirmation form's fields and the cookie it came with."""
-    status, html, headers = server.get("/confirm?" + query)
-    assert status == 200, html
-    cookie = headers["set-cookie"].split(";")[0]
-    csrf = html.split('name="csrf" value="')[1].split('"')[0]
-    return {"csrf": csrf, "confirm": "yes", "queue": "billing"}, {"Cookie": cookie}
+def _form(
+    server: Server, query: str, cookie: dict[str, str] | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The confirmation form's hidden fields (as a browser sends them) and its cookie."""
+    status, page, headers = server.get("/confirm?" + query, cookie)
+    assert status == 200, page
+    if cookie is None:
+        cookie = {"Cookie": headers["set-cookie"].split(";")[0]}
+    fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', page))
+    return {k: html.unescape(v) for k, v in fields.items()}, cookie
 
 
 async def test_a_change_without_token_or_csrf_is_refused(
@@ -499,3 +505,348 @@ async def test_metrics_parse_and_carry_the_documented_series(
     assert in_flight == {"billing": 2, "shipping": 0}
     for family in found.values():
         assert family.type == "gauge"
+
+
+# -- every loopback address, bounded changes, bad input, long texts -----------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "url_host", "own"),
+    [
+        ("::1", "[::1]", "[::1]"),
+        ("127.0.0.2", "127.0.0.2", "127.0.0.2"),
+        ("localhost", "localhost", "localhost"),
+    ],
+)
+async def test_every_loopback_address_answers_only_its_own_names(
+    serve: Callable[..., Server], facts: Facts, host: str, url_host: str, own: str
+) -> None:
+    # DNS rebinding: a page of another site whose name now resolves to this
+    # loopback address sends its own name as Host. Whatever loopback address
+    # the dashboard listens on, only this machine's names are answered.
+    server = serve("--token", TOKEN, "--host", host, url_host=url_host)
+    port = server.url.rsplit(":", 1)[1]
+    assert server.get("/")[0] == 200
+    assert server.get("/", {"Host": f"{own}:{port}"})[0] == 200
+    assert server.get("/", {"Host": f"localhost:{port}"})[0] == 200
+    for foreign in ("rebound.example", f"rebound.example:{port}", f"[::2]:{port}", ""):
+        status, body, _ = server.get("/metrics", {"Host": foreign})
+        assert status == 400 and "queue" not in body, (foreign, body)
+
+
+async def test_a_change_acts_only_on_what_its_confirmation_counted(
+    serve: Callable[..., Server], browser: Any, facts: Facts, db: asyncpg.Connection
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    server = serve("--token", TOKEN)
+    browser.get(server.url + "/failed?queue=billing")
+    browser.find_element(By.ID, "purge-matching").click()
+    assert "3 failed messages" in browser.find_element(By.ID, "summary").text
+    # While the operator reads the confirmation, 500 new messages fail, and an
+    # old one (a low id) fails its last attempt.
+    await db.execute(
+        "INSERT INTO nmbus.billing (from_endpoint, to_endpoint, subqueue, last_processed, "
+        "label, msg_text, error_info) SELECT 'orders', 'billing', 'F', clock_timestamp(), "
+        "'billing.Charge', '{}', 'ValueError: card declined' FROM generate_series(1, 500)"
+    )
+    old = await db.fetchval("SELECT min(id) FROM nmbus.billing WHERE subqueue = 'I'")
+    await db.execute(
+        "UPDATE nmbus.billing SET subqueue = 'F', last_processed = clock_timestamp() WHERE id = $1",
+        old,
+    )
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.ID, "do-it").click()
+    assert note(browser) == (
+        "purged 3 messages; 501 more matching failed after the confirmation and were left "
+        "as they are (confirm again to purge them)"
+    )
+    left = await db.fetch("SELECT id FROM nmbus.billing WHERE subqueue = 'F'")
+    assert len(left) == 501 and old in {r["id"] for r in left}
+    assert not set(facts.failed_ids) & {r["id"] for r in left}
+
+
+async def test_a_requeue_by_form_is_bound_to_its_count_too(
+    serve: Callable[..., Server], facts: Facts, db: asyncpg.Connection
+) -> None:
+    server = serve("--token", TOKEN)
+    form, cookie = _form(server, "action=requeue&queue=billing&error=declined")
+    await db.execute(
+        "UPDATE nmbus.billing SET subqueue = 'F', last_processed = clock_timestamp(), "
+        "error_info = 'ValueError: card declined' WHERE subqueue = 'I'"
+    )
+    status, _ = server.post("/actions/requeue", {**form, "token": TOKEN}, cookie)
+    assert status == 303
+    requeued = await db.fetchval(
+        "SELECT count(*) FROM nmbus.billing WHERE id = ANY($1) AND subqueue = 'I'",
+        facts.failed_ids,
+    )
+    assert requeued == 2  # the two Charge failures the confirmation counted
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'F'") == 7
+    # A form that does not carry its confirmation's count changes nothing.
+    del form["counted"]
+    status, body = server.post("/actions/purge", {**form, "token": TOKEN}, cookie)
+    assert status == 400 and "does not say what was confirmed" in body
+    tampered = {**form, "counted": '[["billing", 1, "1 OR 1=1", "now"]]', "token": TOKEN}
+    status, body = server.post("/actions/purge", tampered, cookie)
+    assert status == 400 and "not valid" in body
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'F'") == 7
+
+
+async def test_bad_filters_and_cursors_are_clear_400s(
+    serve: Callable[..., Server], facts: Facts
+) -> None:
+    server = serve("--token", TOKEN)
+    cases = [
+        ("/failed?error=%00", "the error filter holds a NUL character"),
+        ("/failed?type=a%00b", "the type filter holds a NUL character"),
+        ("/failed?queue=billing%00", "the queue filter holds a NUL character"),
+        ("/confirm?action=purge&error=%00", "the error filter holds a NUL character"),
+        (f"/failed?cursor=billing:{2**63}", "not a page cursor"),
+        ("/failed?cursor=billing:9999999999999999999", "not a page cursor"),
+        ("/failed?cursor=billing:99999999999999999999999999999", "not a page cursor"),
+        ("/?page=0", "not a page number"),
+        ("/?page=x", "not a page number"),
+        ("/?page=99999999999", "not a page number"),
+    ]
+    for path, why in cases:
+        status, body, _ = server.get(path)
+        assert status == 400 and why in html.unescape(body), (path, status, body[-500:])
+    # The largest id there can be is a cursor like any other: the page is shown.
+    status, body, _ = server.get(f"/failed?cursor=billing:{2**63 - 1}")
+    assert status == 200 and "failed-table" in body
+
+
+async def test_long_texts_are_cut_with_a_link_to_the_whole_text(
+    serve: Callable[..., Server], browser: Any, facts: Facts, db: asyncpg.Connection
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    first = facts.failed_ids[0]
+    error_line = HOSTILE + "E" * (5 * 1024 * 1024)
+    await db.execute(
+        "UPDATE nmbus.billing SET error_info = $1 || E'\\nTraceback: the rest', "
+        "msg_text = $2 || repeat('b', 40 * 1024 * 1024) WHERE id = $3",
+        error_line,
+        HOSTILE,
+        first,
+    )
+    server = serve("--token", TOKEN)
+    status, page, _ = server.get("/failed?queue=billing")
+    assert status == 200 and len(page) < 100_000
+    status, page, _ = server.get(f"/failed/billing/{first}")
+    assert status == 200 and len(page) < 400_000
+    status, body, headers = server.get(f"/failed/billing/{first}/body")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert headers["x-content-type-options"] == "nosniff"
+    assert body == HOSTILE + "b" * (40 * 1024 * 1024)
+    browser.get(server.url + "/failed?queue=billing")
+    cut = browser.find_elements(By.CSS_SELECTOR, "#failed-table td.error a.cut")
+    assert len(cut) == 1
+    cut[0].click()
+    wait_until(lambda: browser.current_url.endswith(f"/failed/billing/{first}/error"))
+    shown = browser.find_element(By.TAG_NAME, "body").text
+    assert shown.startswith(HOSTILE) and shown.endswith("Traceback: the rest")
+    assert browser.execute_script("return window.pwned === undefined;")
+    browser.get(server.url + f"/failed/billing/{first}")
+    for part, whole in (("error", len(error_line) + 20), ("body", len(HOSTILE) + 40 * 1024**2)):
+        assert f"of {whole:,} characters" in browser.find_element(By.ID, f"{part}-cut").text
+        assert len(browser.find_element(By.ID, part).text) <= 64 * 1024
+    assert browser.find_element(By.ID, "body").text.startswith(HOSTILE)
+    assert not browser.find_elements(By.ID, "headers-cut")
+    assert '"tenant": "acme"' in browser.find_element(By.ID, "headers").text
+    assert browser.execute_script("return window.pwned === undefined;")
+    browser.find_element(By.LINK_TEXT, "the whole body").click()
+    wait_until(lambda: browser.current_url.endswith(f"/failed/billing/{first}/body"))
+    assert browser.execute_script("return window.pwned === undefined;")
+
+
+# -- many queues --------------------------------------------------------------------------
+
+
+async def _many_queues(db: asyncpg.Connection, count: int) -> list[str]:
+    names = [f"many{k:03d}" for k in range(count)]
+    for name in names:
+        await db.execute(render("create_queue", "nmbus", name))
+        await db.execute(render("register_queue", "nmbus"), name)
+    return names
+
+
+async def test_the_queues_page_pages_many_queues_attention_first(
+    serve: Callable[..., Server], browser: Any, facts: Facts, db: asyncpg.Connection
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    many = await _many_queues(db, 120)
+    await db.execute(render("create_queue", "nmbus", "zzz_failing"))
+    await db.execute(render("register_queue", "nmbus"), "zzz_failing")
+    await db.execute(render("create_queue", "nmbus", "zzz_waiting"))
+    await db.execute(render("register_queue", "nmbus"), "zzz_waiting")
+    await db.execute(
+        "INSERT INTO nmbus.zzz_failing (from_endpoint, to_endpoint, subqueue, last_processed, "
+        "label, msg_text, error_info) VALUES ('o', 'zzz_failing', 'F', now(), 'x', '{}', 'E')"
+    )
+    await db.execute(
+        "INSERT INTO nmbus.zzz_waiting (from_endpoint, to_endpoint, retry_time, label, msg_text) "
+        "VALUES ('o', 'zzz_waiting', now() - interval '2 hours', 'x', '{}')"
+    )
+    total = len(many) + 4
+
+    def names() -> list[str]:
+        return [e.text for e in browser.find_elements(By.CSS_SELECTOR, "td.name")]
+
+    server = serve("--token", TOKEN, "--refresh", "1")
+    status, page, _ = server.get("/")
+    assert status == 200 and page.count("<tr data-queue=") == 50
+    browser.get(server.url + "/")
+    # Failed messages first (billing has waited longer), then the longest wait.
+    assert names()[:4] == ["billing", "zzz_failing", "zzz_waiting", "shipping"]
+    assert names()[4:] == many[:46]
+    assert browser.find_element(By.ID, "paging").text.startswith(f"Queues 1–50 of {total}")
+    browser.find_element(By.ID, "next").click()
+    wait_until(lambda: "page=2" in browser.current_url)
+    assert names() == many[46:96]
+    browser.execute_script("window.notReloaded = true;")
+    time.sleep(2.5)  # two refreshes of the table: it stays on its page
+    assert names() == many[46:96]
+    assert browser.execute_script("return window.notReloaded === true;")
+    browser.find_element(By.ID, "next").click()
+    wait_until(lambda: "page=3" in browser.current_url)
+    assert names() == many[96:]
+    assert not browser.find_elements(By.ID, "next")
+    query = browser.find_element(By.ID, "q")
+    query.send_keys("MANY01")
+    query.submit()
+    wait_until(lambda: "q=MANY01" in browser.current_url)
+    assert names() == many[10:20]
+    assert "10 of" in browser.find_element(By.ID, "paging").text
+
+
+async def test_metrics_read_every_queue_in_a_few_statements(
+    facts: Facts, db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nmbus.admin import DEPTH_CHUNK, Admin
+    from nmbus.dashboard.metrics import exposition
+
+    await _many_queues(db, 3 * DEPTH_CHUNK)
+    await db.execute(
+        "INSERT INTO nmbus.many007 (from_endpoint, to_endpoint, label, msg_text) "
+        "SELECT 'o', 'many007', 'x', '{}' FROM generate_series(1, 7)"
+    )
+    statements: list[str] = []
+    create_pool = asyncpg.create_pool
+
+    def counting_pool(*args: Any, **kwargs: Any) -> Any:
+        async def init(conn: asyncpg.Connection) -> None:
+            conn.add_query_logger(lambda record: statements.append(record.query))
+
+        return create_pool(*args, init=init, **kwargs)
+
+    monkeypatch.setattr(asyncpg, "create_pool", counting_pool)
+    async with Admin(dsn, pool_size=2) as admin:
+        status = {q.queue: q for q in await admin.queue_status()}
+        statements.clear()
+        text = (await exposition(admin)).decode()
+    queues = len(status)
+    # Not some statements per queue: one for the sizes, and per chunk of queues
+    # one for the depths and one for the exact X counts (and their transactions).
+    chunks = -(-queues // DEPTH_CHUNK)
+    # (Leaving out transactions, and the reset the pool runs on each connection it gets back.)
+    skip = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE", "SELECT pg_advisory_unlock_all()")
+    reads = [s for s in statements if not s.startswith(skip)]
+    assert len(reads) <= 2 + 2 * chunks, [r[:60] for r in reads]
+    found = {f.name: f for f in text_string_to_metric_families(text)}
+    depth = {
+        (s.labels["queue"], s.labels["subqueue"]): s.value
+        for s in found["nmbus_queue_messages"].samples
+    }
+    for name, q in status.items():
+        expected = [q.ready, q.scheduled, q.processed, q.failed]
+        assert [depth[(name, letter)] for letter in "IRXF"] == expected, name
+    assert depth[("many007", "I")] == 7
+    blocked = {s.labels["queue"]: s.value for s in found["nmbus_queue_blocked_sequences"].samples}
+    assert blocked == {name: len(q.blocked) for name, q in status.items()}
+
+
+# -- what a new user sees -----------------------------------------------------------------
+
+
+BLOCK_THE_EXTRA = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class Blocker(MetaPathFinder):
+    # As in an installation of nmbus without its dashboard extra.
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"starlette", "jinja2", "markupsafe", "uvicorn"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocker())
+sys.argv = ["nmbus", *sys.argv[1:]]
+from nmbus.cli import main
+main()
+"""
+
+
+def test_without_the_extra_the_command_says_what_to_install(dsn: str) -> None:
+    for args in ([], ["--host", "::1"], ["--host", "0.0.0.0"]):
+        done = subprocess.run(
+            [sys.executable, "-c", BLOCK_THE_EXTRA, "dashboard", "--dsn", dsn, *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 1, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1, done.stderr
+        assert lines[0].startswith("error: the dashboard needs its extra (")
+        assert lines[0].endswith("pip install 'nmbus[dashboard]'")
+    # The package itself imports without the extra (the host checks are plain Python).
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BLOCK_THE_EXTRA.split("sys.argv")[0]
+            + "import nmbus.dashboard as d\nprint(d.is_loopback('::1'))",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "True", done.stderr
+
+
+async def test_the_header_names_the_schema_and_times_say_utc(
+    serve: Callable[..., Server], browser: Any, facts: Facts, db: asyncpg.Connection
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    from nmbus.store import SCHEMA_VERSION
+
+    server = serve("--token", TOKEN)
+    for path in ("/", "/queues/billing", "/failed", "/subscriptions"):
+        browser.get(server.url + path)
+        header = browser.find_element(By.ID, "database").text
+        assert header.endswith(f"· schema nmbus (version {SCHEMA_VERSION})"), header
+        assert not browser.find_elements(By.ID, "capped"), path  # nothing is capped
+    browser.get(server.url + "/subscriptions")
+    heads = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#subscriptions th")]
+    assert heads[3:5] == ["created (UTC)", "expires (UTC)"]
+    browser.get(server.url + f"/failed/billing/{facts.failed_ids[0]}")
+    times = browser.find_elements(By.CSS_SELECTOR, "table.fields td")
+    assert sum(t.text.endswith(" UTC") for t in times) == 2
+    # More X rows in the last 5 minutes than a window reads: now the footnote shows.
+    from nmbus.admin import WINDOW_ROWS
+
+    await db.execute(
+        "INSERT INTO nmbus.shipping (from_endpoint, to_endpoint, subqueue, last_processed, "
+        "label, msg_text) SELECT 'o', 'shipping', 'X', now(), 'x', '{}' "
+        "FROM generate_series(0, $1::int)",
+        WINDOW_ROWS,
+    )
+    for path in ("/", "/queues/shipping"):
+        browser.get(server.url + path)
+        assert "more rows than the dashboard reads" in browser.find_element(By.ID, "capped").text

@@ -42,7 +42,17 @@ def dashboard(
     ] = 5.0,
 ) -> None:
     """A web dashboard: queues, failed messages (requeue, purge), subscriptions, /metrics."""
-    from nmbus.dashboard import is_loopback
+    # The extra first: without it nothing below could run, and its missing module
+    # must be named as the extra to install, not shown as a traceback.
+    try:
+        import uvicorn
+
+        from nmbus.dashboard import DashboardOptions, create_app
+    except ImportError as exc:
+        fail(
+            f"the dashboard needs its extra ({exc.name} is missing): pip install 'nmbus[dashboard]'"
+        )
+    from nmbus.dashboard.hosts import is_loopback, loopback_names
 
     if not is_loopback(host) and not token:
         fail(
@@ -52,14 +62,6 @@ def dashboard(
     if token is not None and len(token) < MIN_TOKEN:
         fail(f"the token is too short: use at least {MIN_TOKEN} characters")
     cfg = settings(dsn, schema)
-    try:
-        import uvicorn
-
-        from nmbus.dashboard import DashboardOptions, create_app
-    except ImportError as exc:
-        fail(
-            f"the dashboard needs its extra ({exc.name} is missing): pip install 'nmbus[dashboard]'"
-        )
     made_up = token is None
     secret = token or secrets.token_urlsafe(18)
     admin = Admin.from_settings(cfg, pool_size=4)
@@ -77,9 +79,7 @@ def dashboard(
             refresh_seconds=refresh,
             database=scrub(cfg.dsn or ""),
             # On loopback only this machine's own names are served (no DNS rebinding).
-            allowed_hosts=("127.0.0.1", "localhost", host)
-            if is_loopback(host) and ":" not in host
-            else None,
+            allowed_hosts=loopback_names(host),
         )
         config = uvicorn.Config(
             create_app(admin, options),

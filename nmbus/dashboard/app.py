@@ -5,37 +5,43 @@ returns. Changes (requeue, purge) are POSTs, and each one passes three checks
 before it touches a row: the dashboard is not read-only, the form carries the
 CSRF value of its cookie (a double-submit cookie, SameSite=Strict, and an
 Origin header, when sent, naming this very host), and the form carries the
-token. Every page answers with a Content-Security-Policy that allows only the
-dashboard's own script and style, so text from the database (queue names,
-labels, bodies, errors) is escaped by the templates and could not run anyway.
+token. A change acts only on what its confirmation page counted: the form
+carries, per queue, the highest id and the time of that count. Every page
+answers with a Content-Security-Policy that allows only the dashboard's own
+script and style, so text from the database (queue names, labels, bodies,
+errors) is escaped by the templates and could not run anyway; texts longer
+than a page should carry are cut, with a link to the whole text as plain text.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
+import math
 import secrets
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from importlib.resources import files
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from markupsafe import Markup
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from nmbus.admin import WINDOW_ROWS, Admin, FailedPage, QueueStatus
+from nmbus.admin import WINDOW_ROWS, Admin, FailedCount, FailedPage, QueueDepth, QueueStatus
 from nmbus.dashboard import charts
+from nmbus.dashboard.hosts import host_name, is_loopback
 from nmbus.dashboard.metrics import exposition
 from nmbus.errors import (
     ConfigurationError,
@@ -46,10 +52,20 @@ from nmbus.errors import (
 )
 from nmbus.logs import scrub
 
+__all__ = ["DashboardOptions", "create_app", "is_loopback", "overview"]
+
 CSRF_COOKIE = "nmbus_csrf"
 PAGE_SIZE = 50
+# Queues per page of the queues page.
+QUEUES_PER_PAGE = 50
 # Text filters longer than this are refused rather than sent to the database.
 MAX_FILTER = 500
+# A message's error, body and headers are shown up to this many characters
+# each; the rest is a link away (the whole text, served as plain text).
+TEXT_SHOWN = 64 * 1024
+# An error line in a list of failed messages is cut at this many characters.
+ERROR_LINE_SHOWN = 500
+TEXT_PARTS = ("error", "body", "headers")
 
 _HERE = files("nmbus.dashboard")
 
@@ -62,8 +78,9 @@ class DashboardOptions:
     read_only: bool = False
     refresh_seconds: float = 5.0
     database: str = ""  # what the header shows: the DSN without its password
-    # Host headers served (any when None). On loopback the CLI names its own, so a
-    # page on another site cannot read this one through a rebound DNS name.
+    # Host header names served (any when None), without port. On loopback the CLI
+    # names this machine's own (hosts.loopback_names), so a page on another site
+    # cannot read this one through a rebound DNS name.
     allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -73,14 +90,25 @@ class DashboardOptions:
             raise ConfigurationError("refresh must be 1-3600 seconds")
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+class _HostGuard:
+    """Answer 400 to a request whose Host header names none of ``allowed`` (port aside).
+
+    Starlette's TrustedHostMiddleware cuts the header at its first colon, which
+    cannot tell ``[::1]:8787`` from anything else: this one reads IPv6 too.
+    """
+
+    def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
+        self.app = app
+        self.allowed = frozenset(host_name(h) for h in allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            header = Headers(scope=scope).get("host", "")
+            if host_name(header) not in self.allowed:
+                response = PlainTextResponse("Invalid host header", status_code=400)
+                await _security_headers(response)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _security_headers(response: Response) -> Response:
@@ -101,16 +129,27 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         read_only=options.read_only,
         refresh_ms=int(options.refresh_seconds * 1000),
         database=options.database,
+        schema=admin.schema,
         seconds=_seconds,
         number=_number,
         ms=_ms,
+        utc=_utc,
+        size=_size,
+        text_shown=f"{TEXT_SHOWN:,}",
+        text_limit=TEXT_SHOWN,
+        per_page=QUEUES_PER_PAGE,
         window_rows=f"{WINDOW_ROWS:,}".replace(",", " "),
     )
 
-    def page(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
+    async def page(
+        request: Request, name: str, context: dict[str, Any], status: int = 200
+    ) -> Response:
         csrf = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(24)
+        extra: dict[str, Any] = {"csrf": csrf}
+        if not name.startswith("_"):  # a whole page: its header shows the schema's version
+            extra["schema_version"] = await _schema_version(admin)
         response = templates.TemplateResponse(
-            request, name, {**context, "csrf": csrf}, status_code=status
+            request, name, {**context, **extra}, status_code=status
         )
         if request.cookies.get(CSRF_COOKIE) != csrf:
             response.set_cookie(
@@ -118,11 +157,46 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
             )
         return _security_headers(response)
 
+    async def queues_context(request: Request) -> dict[str, Any]:
+        params = request.query_params
+        wanted = (params.get("q") or "").strip()
+        if len(wanted) > MAX_FILTER:
+            raise HTTPException(400, f"the queue filter is longer than {MAX_FILTER} characters")
+        number = _page_number(params.get("page"))
+        depths = await admin.queue_depths()
+        matching = [d for d in depths if wanted.casefold() in d.queue.casefold()]
+        matching.sort(key=_attention)
+        pages = max(1, math.ceil(len(matching) / QUEUES_PER_PAGE))
+        number = min(number, pages)
+        first = (number - 1) * QUEUES_PER_PAGE
+        shown = matching[first : first + QUEUES_PER_PAGE]
+
+        def link(to: int) -> str:
+            query = {"q": wanted} if wanted else {}
+            if to > 1:
+                query["page"] = str(to)
+            return "?" + urlencode(query) if query else ""
+
+        return {
+            "rows": await overview(admin, [d.queue for d in shown]),
+            "filter": wanted,
+            "total": len(depths),
+            "matching": len(matching),
+            "first": first + 1,
+            "last": first + len(shown),
+            "page_number": number,
+            "pages": pages,
+            "here": link(number),
+            "previous": link(number - 1) if number > 1 else None,
+            "next": link(number + 1) if number < pages else None,
+        }
+
     async def queues_page(request: Request) -> Response:
-        return page(request, "queues.html", {"rows": await overview(admin), "title": "Queues"})
+        context = await queues_context(request)
+        return await page(request, "queues.html", {**context, "title": "Queues"})
 
     async def queues_fragment(request: Request) -> Response:
-        return page(request, "_queues_table.html", {"rows": await overview(admin)})
+        return await page(request, "_queues_table.html", await queues_context(request))
 
     async def queue_context(name: str) -> dict[str, Any]:
         status = await admin.queue_detail(name, (300.0, 3600.0))
@@ -130,11 +204,11 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         return {"q": status, "chart": charts.history_chart(history), "title": name}
 
     async def queue_page(request: Request) -> Response:
-        return page(request, "queue.html", await queue_context(request.path_params["name"]))
+        return await page(request, "queue.html", await queue_context(request.path_params["name"]))
 
     async def queue_fragment(request: Request) -> Response:
         name = request.path_params["name"]
-        return page(request, "_queue_body.html", await queue_context(name))
+        return await page(request, "_queue_body.html", await queue_context(name))
 
     async def failed_page(request: Request) -> Response:
         filters = _filters(request.query_params)
@@ -144,12 +218,13 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
             error_contains=filters["error"],
             cursor=request.query_params.get("cursor") or None,
             limit=PAGE_SIZE,
+            error_chars=ERROR_LINE_SHOWN,
         )
         next_url = None
         if found.next_cursor:
             query = {k: v for k, v in filters.items() if v} | {"cursor": found.next_cursor}
             next_url = "/failed?" + urlencode(query)
-        return page(
+        return await page(
             request,
             "failed.html",
             {
@@ -157,7 +232,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
                 "filters": filters,
                 "queues": await admin.list_queues(),
                 "next_url": next_url,
-                "note": request.query_params.get("note", "")[:200],
+                "note": request.query_params.get("note", "")[:300],
                 "title": "Failed messages",
                 "matching": urlencode({k: v for k, v in filters.items() if v}),
             },
@@ -166,20 +241,37 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
     async def message_page(request: Request) -> Response:
         queue = request.path_params["queue"]
         ident = _message_id(request.path_params["id"])
-        row = await admin.message(queue, ident)
+        row = await admin.message(queue, ident, max_chars=TEXT_SHOWN)
         if row is None:
             raise HTTPException(404, f"no message {ident} in queue {queue}")
-        return page(
+        body = row.msg_text if row.msg_text_chars > TEXT_SHOWN else _pretty(row.msg_text)
+        headers = (
+            row.msg_headers if row.msg_headers_chars > TEXT_SHOWN else _pretty(row.msg_headers)
+        )
+        return await page(
             request,
             "message.html",
             {
                 "queue": queue,
                 "m": row,
-                "body": _pretty(row.msg_text),
-                "headers": _pretty(row.msg_headers),
+                "texts": [
+                    ("error", "Error", row.error_info or "", row.error_info_chars),
+                    ("body", "Body", body or "", row.msg_text_chars),
+                    ("headers", "Headers", headers or "", row.msg_headers_chars),
+                ],
                 "title": f"{queue} #{ident}",
             },
         )
+
+    async def message_text(request: Request) -> Response:
+        queue = request.path_params["queue"]
+        ident = _message_id(request.path_params["id"])
+        part = request.path_params["part"]
+        if part not in TEXT_PARTS:
+            raise HTTPException(404, "no such part of a message: error, body or headers")
+        text = await admin.message_text(queue, ident, part)
+        # Plain text, never sniffed as markup (nosniff): whatever it holds is shown as text.
+        return _security_headers(PlainTextResponse(text or ""))
 
     async def confirm_page(request: Request) -> Response:
         if options.read_only:
@@ -189,14 +281,14 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         ident = request.query_params.get("id")
         ids = [_message_id(ident)] if ident else None
         targets = [filters["queue"]] if filters["queue"] else await admin.list_queues()
-        counts = []
+        counts: list[FailedCount] = []
         for queue in targets:
-            n = await admin.count_failed(
+            found = await admin.failed_count(
                 queue, ids=ids, message_type=filters["type"], error_contains=filters["error"]
             )
-            if n:
-                counts.append((queue, n))
-        return page(
+            if found.count:
+                counts.append(found)
+        return await page(
             request,
             "confirm.html",
             {
@@ -204,7 +296,8 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
                 "filters": filters,
                 "id": ids[0] if ids else None,
                 "counts": counts,
-                "total": sum(n for _, n in counts),
+                "counted": _dump_counted(counts),
+                "total": sum(c.count for c in counts),
                 "title": f"Confirm {action}",
                 "back": urlencode({k: v for k, v in filters.items() if v}),
             },
@@ -220,26 +313,42 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         if ident and not filters["queue"]:
             raise HTTPException(400, "refused: a message id needs its queue")
         ids = [_message_id(ident)] if ident else None
-        targets = [filters["queue"]] if filters["queue"] else await admin.list_queues()
+        counted = _load_counted(fields.get("counted"))
+        if filters["queue"] and any(c.queue != filters["queue"] for c in counted):
+            raise HTTPException(400, "refused: the confirmation counted another queue")
         change = admin.requeue_failed if action == "requeue" else admin.purge_failed
         every = not (ids or filters["type"] or filters["error"])
         done = 0
-        for queue in targets:
+        for count in counted:
             done += await change(
-                queue,
+                count.queue,
                 ids=ids,
                 message_type=filters["type"],
                 error_contains=filters["error"],
                 every=every,
+                counted=count,
             )
         verb = "requeued" if action == "requeue" else "purged"
+        note = f"{verb} {done} message{'' if done == 1 else 's'}"
+        left = 0
+        if not ids:  # what matches now but was not counted: it failed after the confirmation
+            targets = [filters["queue"]] if filters["queue"] else await admin.list_queues()
+            for queue in targets:
+                left += await admin.count_failed(
+                    queue, message_type=filters["type"], error_contains=filters["error"]
+                )
+        if left:
+            note += (
+                f"; {left} more matching failed after the confirmation and were left "
+                f"as they are (confirm again to {action} them)"
+            )
         query = {k: v for k, v in filters.items() if v and not ident}
-        query["note"] = f"{verb} {done} message{'' if done == 1 else 's'}"
+        query["note"] = note
         return RedirectResponse("/failed?" + urlencode(query), status_code=303)
 
     async def subscriptions_page(request: Request) -> Response:
         found = await admin.subscriptions()
-        return page(request, "subscriptions.html", {"subs": found, "title": "Subscriptions"})
+        return await page(request, "subscriptions.html", {"subs": found, "title": "Subscriptions"})
 
     async def metrics(request: Request) -> Response:
         body = await exposition(admin)
@@ -254,7 +363,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         status, message = _status_of(exc)
         if request.url.path == "/metrics":
             return _security_headers(PlainTextResponse(message, status_code=status))
-        return page(request, "error.html", {"message": message, "title": "Error"}, status)
+        return await page(request, "error.html", {"message": message, "title": "Error"}, status)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -270,6 +379,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         Route("/fragment/queues/{name}", queue_fragment),
         Route("/failed", failed_page),
         Route("/failed/{queue}/{id}", message_page),
+        Route("/failed/{queue}/{id}/{part}", message_text),
         Route("/confirm", confirm_page),
         Route("/actions/{action}", act, methods=["POST"]),
         Route("/subscriptions", subscriptions_page),
@@ -278,9 +388,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         Mount("/static", StaticFiles(directory=str(_HERE.joinpath("static"))), name="static"),
     ]
     middleware = (
-        [Middleware(TrustedHostMiddleware, allowed_hosts=list(options.allowed_hosts))]
-        if options.allowed_hosts
-        else []
+        [Middleware(_HostGuard, allowed=options.allowed_hosts)] if options.allowed_hosts else []
     )
     return Starlette(
         routes=routes,
@@ -290,17 +398,67 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
     )
 
 
-async def overview(admin: Admin) -> list[tuple[QueueStatus, Markup]]:
-    """What the queues page shows: every queue's status (5 and 60 minute windows) and sparkline."""
-    queues = await admin.queue_status(300.0, windows=[3600.0])
+async def overview(
+    admin: Admin, queues: Sequence[str] | None = None
+) -> list[tuple[QueueStatus, Markup]]:
+    """What the queues page shows of ``queues`` (None: every queue): their status (5 and 60
+    minute windows) and sparkline."""
     found = []
-    for q in queues:
+    for q in await admin.queue_status(300.0, windows=[3600.0], queues=queues):
         try:
             history = await admin.queue_history(q.queue, bucket_seconds=300.0, buckets=12, cap=1000)
         except InvalidQueueName:
             history = []  # a table registered by hand under a name nmbus refuses
         found.append((q, charts.sparkline(history)))
     return found
+
+
+def _attention(q: QueueDepth) -> tuple[bool, float, str]:
+    """Queues with failed messages or blocked sequences first, then the longest wait, then name."""
+    return (not (q.failed or q.blocked), -(q.oldest_ready_seconds or 0.0), q.queue)
+
+
+async def _schema_version(admin: Admin) -> int | None:
+    try:
+        return await admin.schema_version()
+    except NmbusError:
+        return None  # the page still shows, its header without the version
+
+
+def _page_number(text: str | None) -> int:
+    if not text:
+        return 1
+    if not text.isdigit() or len(text) > 6 or int(text) < 1:
+        raise HTTPException(400, f"not a page number: {text[:40]!r}")
+    return int(text)
+
+
+def _dump_counted(counts: Sequence[FailedCount]) -> str:
+    """What a confirmation counted, for its form: per queue the count, highest id and time."""
+    return json.dumps(
+        [[c.queue, c.count, c.max_id, c.counted_at.isoformat()] for c in counts],
+        ensure_ascii=True,
+    )
+
+
+def _load_counted(text: str | None) -> list[FailedCount]:
+    if not text:
+        raise HTTPException(400, "refused: the form does not say what was confirmed (reload it)")
+    try:
+        found = []
+        for queue, count, max_id, at in json.loads(text):
+            when = datetime.fromisoformat(at)
+            if (
+                not isinstance(queue, str)
+                or not isinstance(count, int)
+                or not (max_id is None or (isinstance(max_id, int) and 0 <= max_id < 2**63))
+                or when.tzinfo is None
+            ):
+                raise ValueError(queue)
+            found.append(FailedCount(queue, count, max_id, when))
+        return found
+    except (ValueError, TypeError) as exc:
+        raise HTTPException(400, "refused: the confirmation in the form is not valid") from exc
 
 
 def _check_change(request: Request, form: Mapping[str, str], options: DashboardOptions) -> None:
@@ -327,6 +485,8 @@ def _filters(params: Mapping[str, str]) -> dict[str, str | None]:
         value = (params.get(key) or "").strip()
         if len(value) > MAX_FILTER:
             raise HTTPException(400, f"the {key} filter is longer than {MAX_FILTER} characters")
+        if "\x00" in value:  # PostgreSQL text cannot hold it: nothing could match
+            raise HTTPException(400, f"the {key} filter holds a NUL character")
         found[key] = value or None
     return found
 
@@ -387,3 +547,11 @@ def _number(value: float | None, estimated: bool = False) -> str:
 
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:,.1f}"
+
+
+def _utc(value: datetime | None, empty: str = "–") -> str:
+    return empty if value is None else f"{value:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def _size(chars: int) -> str:
+    return f"{chars:,} characters"

@@ -1,8 +1,9 @@
 """The dashboard's ``/metrics``: queue depths in the Prometheus text format.
 
-Each scrape reads :meth:`nmbus.admin.Admin.queue_status` (the cheap one: no
-scan of the X rows) and renders it through ``prometheus_client`` in a registry
-of its own, so nothing leaks into, or out of, the process's default registry.
+Each scrape reads :meth:`nmbus.admin.Admin.queue_depths` (no scan of the X
+rows, and a few statements for all queues, not some for each one) and renders
+it through ``prometheus_client`` in a registry of its own, so nothing leaks
+into, or out of, the process's default registry.
 The series are listed in docs/metrics.md.
 """
 
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from nmbus.admin import Admin, QueueStatus
+from nmbus.admin import Admin, QueueDepth
 
 SUBQUEUES = (("I", "ready"), ("R", "scheduled"), ("X", "processed"), ("F", "failed"))
 
@@ -28,7 +29,7 @@ class _Snapshot(Collector):
         return iter(self._families)
 
 
-def families(queues: Sequence[QueueStatus], took: float) -> list[Metric]:
+def families(queues: Sequence[QueueDepth], took: float) -> list[Metric]:
     depth = GaugeMetricFamily(
         "nmbus_queue_messages",
         "Rows of a queue table per subqueue (I ready, R scheduled, X processed, F failed); "
@@ -61,7 +62,7 @@ def families(queues: Sequence[QueueStatus], took: float) -> list[Metric]:
         estimated.add_metric([q.queue], 1.0 if q.processed_estimated else 0.0)
         in_flight.add_metric([q.queue], q.in_flight)
         oldest.add_metric([q.queue], q.oldest_ready_seconds or 0.0)
-        blocked.add_metric([q.queue], len(q.blocked))
+        blocked.add_metric([q.queue], q.blocked)
     scrape = GaugeMetricFamily(
         "nmbus_dashboard_scrape_duration_seconds",
         "How long reading the queue figures for this scrape took",
@@ -73,7 +74,7 @@ def families(queues: Sequence[QueueStatus], took: float) -> list[Metric]:
 async def exposition(admin: Admin) -> bytes:
     """The text exposition of every queue's depths, read now."""
     started = time.perf_counter()
-    queues = await admin.queue_status(300.0)
+    queues = await admin.queue_depths()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(families(queues, time.perf_counter() - started)))
     return generate_latest(registry)

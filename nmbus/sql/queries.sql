@@ -1039,6 +1039,46 @@ SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
         / current_setting('block_size')::bigint) AS pages
 FROM open;
 
+-- ops_queue_sizes --
+-- Every registered queue that has a table, by name: the statistics system's live-row count (as in ops_queue_counts) and its size in pages. $1: schema (unquoted).
+SELECT q.name, coalesce(s.n_live_tup, 0) AS live_rows,
+       pg_relation_size(c.oid) / current_setting('block_size')::bigint AS pages
+FROM {schema}.queues AS q
+JOIN pg_namespace AS n ON n.nspname = $1
+JOIN pg_class AS c ON c.relnamespace = n.oid AND c.relname = q.name AND c.relkind IN ('r', 'p')
+LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid
+ORDER BY q.name;
+
+-- ops_queue_depth --
+-- One queue's depths, as ops_queue_counts reads them but without the statistics (see ops_queue_sizes), and how many sequences are blocked (at most $1). Admin.queue_depths reads many queues in one statement: a UNION ALL of this block, one per queue, each under its position in the list.
+WITH open AS (
+    SELECT subqueue, handling_client_id, retry_time, lease_expires
+    FROM {queue} WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity'
+    UNION ALL
+    SELECT subqueue, handling_client_id, retry_time, lease_expires
+    FROM {queue}
+    WHERE sequence_key IS NOT NULL AND subqueue <> 'X' AND retry_time = 'infinity'
+      AND subqueue IN ('I', 'R')
+)
+SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
+       count(*) FILTER (WHERE subqueue = 'R') AS scheduled,
+       count(*) FILTER (WHERE handling_client_id IS NOT NULL) AS in_flight,
+       extract(epoch FROM now() - min(retry_time)
+           FILTER (WHERE retry_time <= now()
+                   AND (lease_expires IS NULL OR lease_expires < now())))::float8
+           AS oldest_ready_seconds,
+       (SELECT count(*) FROM {queue} WHERE subqueue = 'F') AS failed,
+       (SELECT count(*) FROM (
+            SELECT 1 FROM (
+                SELECT DISTINCT ON (sequence_key) id, subqueue, retry_time
+                FROM {queue}
+                WHERE sequence_key IS NOT NULL AND subqueue <> 'X'
+                ORDER BY sequence_key, id
+            ) AS h
+            WHERE h.subqueue = 'F' OR (h.subqueue = 'R' AND h.retry_time > now())
+            LIMIT $1) AS b) AS blocked
+FROM open;
+
 -- ops_rows_estimate --
 -- Rows of the given queue tables together, estimated without a scan: per table the larger of the statistics system's live rows (pg_stat_user_tables.n_live_tup: current on a primary, but zero after a crash, a stats reset, or on a standby) and the planner's row count (pg_class.reltuples: as of the last vacuum or analyze, replicated, -1 before the first). The larger one errs towards a big run. $1: schema, $2: queue names (both unquoted).
 SELECT coalesce(sum(greatest(coalesce(s.n_live_tup, 0), c.reltuples::bigint, 0)), 0)::bigint
@@ -1120,11 +1160,11 @@ WHERE t IS NOT NULL;
 SELECT count(*) FROM {saga};
 
 -- ops_blocked_sequences --
--- Sequences of a queue held back by their head (the lowest id not in X): in F (blocked until an operator requeues or purges it) or in R (waiting for a retry or a deferred time). Per sequence: key, blocking_id, its subqueue, attempts, retry_time, members waiting behind it, error (first line of error_info). F first, then oldest head; at most $1 rows. Walks the sequence index only.
+-- Sequences of a queue held back by their head (the lowest id not in X): in F (blocked until an operator requeues or purges it) or in R (waiting for a retry or a deferred time). Per sequence: key, blocking_id, its subqueue, attempts, retry_time, members waiting behind it, error (first line of error_info, at most 1 000 characters). F first, then oldest head; at most $1 rows. Walks the sequence index only.
 SELECT h.sequence_key, h.id AS blocking_id, h.subqueue, h.retry_count AS attempts, h.retry_time,
        (SELECT count(*) FROM {queue} AS w
         WHERE w.sequence_key = h.sequence_key AND w.id > h.id AND w.subqueue <> 'X') AS waiting,
-       split_part(coalesce(h.error_info, ''), E'\n', 1) AS error
+       left(split_part(coalesce(h.error_info, ''), E'\n', 1), 1000) AS error
 FROM (
     SELECT DISTINCT ON (sequence_key) sequence_key, id, subqueue, retry_count, retry_time,
            error_info
@@ -1146,10 +1186,10 @@ ORDER BY id
 LIMIT $2;
 
 -- ops_failed_page --
--- One page of the failed rows of a queue, newest first: ids below $1 (NULL: from the newest), type $2 (NULL: any), error_info containing $3 (plain text, any case; NULL: any), at most $4 rows; error is the first line of error_info. F rows are read through the done index.
+-- One page of the failed rows of a queue, newest first: ids below $1 (NULL: from the newest), type $2 (NULL: any), error_info containing $3 (plain text, any case; NULL: any), at most $4 rows; error is the first line of error_info, at most $5 characters of it (error_cut: it was longer). F rows are read through the done index.
 SELECT id, label, retry_count, insert_time, last_processed,
-       split_part(coalesce(error_info, ''), E'\n', 1) AS error
-FROM {queue}
+       left(e.line, $5) AS error, length(e.line) > $5 AS error_cut
+FROM {queue}, LATERAL (SELECT split_part(coalesce(error_info, ''), E'\n', 1) AS line) AS e
 WHERE subqueue = 'F' AND ($1::bigint IS NULL OR id < $1)
   AND ($2::text IS NULL OR label = $2)
   AND ($3::text IS NULL OR strpos(lower(error_info), lower($3)) > 0)
@@ -1157,27 +1197,41 @@ ORDER BY id DESC
 LIMIT $4;
 
 -- ops_failed_count --
--- How many failed rows match: $1 ids[] (NULL: any), $2 type (NULL: any), $3 text error_info contains (any case; NULL: any).
-SELECT count(*) FROM {queue}
+-- How many failed rows match: $1 ids[] (NULL: any), $2 type (NULL: any), $3 text error_info contains (any case; NULL: any). With the highest id among them and the time of the count, which bind a later requeue or purge to the rows counted (see ops_requeue_failed).
+SELECT count(*) AS n, max(id) AS max_id, clock_timestamp() AS counted_at FROM {queue}
 WHERE subqueue = 'F' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
   AND ($2::text IS NULL OR label = $2)
   AND ($3::text IS NULL OR strpos(lower(error_info), lower($3)) > 0);
 
 -- ops_message --
--- Every column of row $1 of a queue (headers as JSON text).
+-- Every column of row $1 of a queue (headers as JSON text); error_info, msg_text and msg_headers cut at $2 characters (NULL: whole), with their whole lengths.
 SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count,
-       retry_time, error_info, correlation_id, label, msg_text, msg_headers::text AS msg_headers,
-       unique_id, handling_client_id, lease_expires
+       retry_time, left(error_info, coalesce($2, length(error_info))) AS error_info,
+       correlation_id, label, left(msg_text, coalesce($2, length(msg_text))) AS msg_text,
+       left(msg_headers::text, coalesce($2, length(msg_headers::text))) AS msg_headers,
+       unique_id, handling_client_id, lease_expires,
+       coalesce(length(error_info), 0) AS error_info_chars,
+       coalesce(length(msg_text), 0) AS msg_text_chars,
+       coalesce(length(msg_headers::text), 0) AS msg_headers_chars
+FROM {queue} WHERE id = $1;
+
+-- ops_message_text --
+-- One text column of row $1 of a queue, whole: $2 is 'error' (error_info), 'body' (msg_text) or 'headers' (msg_headers as JSON text). No row: no such message.
+SELECT CASE $2::text WHEN 'error' THEN error_info WHEN 'body' THEN msg_text
+                     WHEN 'headers' THEN msg_headers::text END AS text
 FROM {queue} WHERE id = $1;
 
 -- ops_requeue_failed --
 -- Move up to $4 failed rows back to I as fresh messages (attempts reset, ready now, no lease; error_info kept as history) and wake the queue's workers.
 -- $1 ids[] (NULL: any), $2 type (NULL: any), $3 notify channel, $4 batch size, $5 queue name (the NOTIFY payload), $6 text error_info contains (any case; NULL: any).
+-- $7 highest id and $8 latest failure time (NULL: any) bind it to the rows an ops_failed_count counted: rows that failed after it stay.
 WITH picked AS (
     SELECT id FROM {queue}
     WHERE subqueue = 'F' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
       AND ($2::text IS NULL OR label = $2)
       AND ($6::text IS NULL OR strpos(lower(error_info), lower($6)) > 0)
+      AND ($7::bigint IS NULL OR id <= $7)
+      AND ($8::timestamptz IS NULL OR coalesce(last_processed, '-infinity') <= $8)
     ORDER BY id
     LIMIT $4
     FOR UPDATE SKIP LOCKED
@@ -1193,12 +1247,14 @@ SELECT count(*) AS moved,
 FROM moved;
 
 -- ops_purge_failed --
--- Delete up to $3 failed rows. $1 ids[] (NULL: any), $2 type (NULL: any), $4 text error_info contains (any case; NULL: any). Returns how many.
+-- Delete up to $3 failed rows. $1 ids[] (NULL: any), $2 type (NULL: any), $4 text error_info contains (any case; NULL: any), $5 and $6 as $7 and $8 of ops_requeue_failed. Returns how many.
 WITH picked AS (
     SELECT id FROM {queue}
     WHERE subqueue = 'F' AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
       AND ($2::text IS NULL OR label = $2)
       AND ($4::text IS NULL OR strpos(lower(error_info), lower($4)) > 0)
+      AND ($5::bigint IS NULL OR id <= $5)
+      AND ($6::timestamptz IS NULL OR coalesce(last_processed, '-infinity') <= $6)
     ORDER BY id
     LIMIT $3
     FOR UPDATE SKIP LOCKED

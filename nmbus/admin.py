@@ -271,6 +271,11 @@ class Admin:
     def from_settings(cls, settings: Settings, *, pool_size: int = 1) -> Admin:
         return cls(settings.dsn, settings.schema_name, pool_size=pool_size)
 
+    @property
+    def pool_size(self) -> int:
+        """How many connections the pool may open: how many callers can read at once."""
+        return self._pool_size
+
     def __repr__(self) -> str:
         dsn = scrub(self.dsn) if self.dsn else None
         return f"<Admin schema={self.schema!r} dsn={dsn!r}>"

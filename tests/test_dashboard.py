@@ -707,7 +707,8 @@ async def test_the_queues_page_pages_many_queues_attention_first(
     wait_until(lambda: "page=2" in browser.current_url)
     assert names() == many[46:96]
     browser.execute_script("window.notReloaded = true;")
-    time.sleep(2.5)  # two refreshes of the table: it stays on its page
+    # After a refresh of the table (the script stamps it) it is still page 2.
+    wait_until(lambda: browser.find_element(By.ID, "updated").text.startswith("updated"))
     assert names() == many[46:96]
     assert browser.execute_script("return window.notReloaded === true;")
     browser.find_element(By.ID, "next").click()

@@ -69,10 +69,17 @@ MAX_DELAY = 100 * 365.25 * 86400
 # requester that died bounce slowly until their deadline.
 HAND_BACK_DELAY = 0.05
 HAND_BACK_MAX_DELAY = 5.0
+# A reply is handed back for at most an hour after it was sent, whatever deadline
+# its headers name: a live requester gets it within a few hand-backs, so after an
+# hour its process is gone (or the deadline was forged) and the reply is late.
+HAND_BACK_MAX_AGE = 3600.0
 
 
-def _hand_back_delay(row: StoredMessage) -> float:
+def _hand_back_delay(row: StoredMessage) -> float | None:
+    """How long a reply waits before it is offered again; None when it is too old to."""
     age = (datetime.now(UTC) - row.insert_time).total_seconds()
+    if age >= HAND_BACK_MAX_AGE:
+        return None
     return min(HAND_BACK_MAX_DELAY, max(HAND_BACK_DELAY, age / 10))
 
 
@@ -506,7 +513,8 @@ class Dispatcher:
         A reply a request of this process waits for resolves that request and
         goes to X (its handlers do not run). One that another live request of
         this endpoint, in another process, waits for goes back for that process
-        (to R, shortly, the attempt not counted). A late one, that no request
+        (to R, shortly, the attempt not counted), for at most ``HAND_BACK_MAX_AGE``
+        seconds after the reply was sent. A late one, that no request
         waits for any more, is handled like any message; with no handler it
         goes to X with a note rather than to F.
         """
@@ -533,8 +541,9 @@ class Dispatcher:
             and replies is not None
             and requester != replies.client_id
             and _not_yet(headers.get(REPLY_BY_HEADER))
+            and (delay := _hand_back_delay(row)) is not None
         ):
-            outcomes.add(row.id, "R", delay=_hand_back_delay(row), correction=-1)
+            outcomes.add(row.id, "R", delay=delay, correction=-1)
             return True
         if self.registry.handlers_for(cls):
             return False

@@ -247,3 +247,39 @@ async def test_a_bad_reply_address_fails_the_sender_not_the_batch(
         await drain(bus)
     info = await db.fetchval("SELECT error_info FROM nmbus.first")
     assert info.startswith("InvalidQueueName: invalid queue name")
+
+
+async def test_a_reply_is_handed_back_for_an_hour_at_most_whatever_its_deadline(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # A reply for another process of "shop" that names a deadline in the year 9999
+    # (a forged header, or a request with an absurd timeout whose process died).
+    async with make_bus("pricing", concurrency=0) as pricing, make_bus("shop", concurrency=0):
+        await pricing.send(Quote(item="old", price=1.0), to="shop", correlation_id="c-old")
+        await pricing.send(Quote(item="young", price=1.0), to="shop", correlation_id="c-young")
+    headers = {
+        "nmbus-in-reply-to": "some-request",
+        "nmbus-requester": "a-process-that-is-gone",
+        "nmbus-reply-by": "9999-12-31T23:59:59+00:00",
+    }
+    await db.execute("UPDATE nmbus.shop SET msg_headers = $1", json.dumps(headers))
+    await db.execute(
+        "UPDATE nmbus.shop SET insert_time = now() - interval '61 minutes' "
+        "WHERE correlation_id = 'c-old'"
+    )
+    async with make_bus("shop", poll_interval=0.2) as shop:
+        async with asyncio.timeout(20):
+            while shop.worker.handled < 2:
+                await asyncio.sleep(0.02)
+    rows = {
+        r["correlation_id"]: r
+        for r in await db.fetch(
+            "SELECT correlation_id, subqueue, retry_count, error_info FROM nmbus.shop"
+        )
+    }
+    # Sent more than an hour ago: late, to X with a note, never back to R again.
+    assert rows["c-old"]["subqueue"] == "X"
+    assert rows["c-old"]["error_info"].startswith("late reply:")
+    # A young one still goes back for its requester, its attempt not counted.
+    assert rows["c-young"]["subqueue"] == "R"
+    assert rows["c-young"]["retry_count"] == 0

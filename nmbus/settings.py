@@ -26,6 +26,7 @@ from nmbus.logs import scrub
 # Every duration below ends up in a PostgreSQL interval or an asyncio timer:
 # inf, NaN or centuries fail there at run time, so they are refused here.
 _SECONDS = (
+    "batch_commit_interval",
     "lease_seconds",
     "poll_interval",
     "handler_timeout",
@@ -124,6 +125,9 @@ class Settings(BaseSettings):
         default=1, ge=1, le=1000, description="handlers of one batch run at once (I/O-bound work)"
     )
     batch_size: int = Field(default=100, ge=1, le=10_000, description="messages per claim")
+    batch_commit_interval: float = Field(
+        default=0.5, gt=0, description="commit what a batch has handled at least this often"
+    )
     lease_seconds: float = Field(default=60.0, gt=0, description="visibility timeout")
     poll_interval: float = Field(default=5.0, ge=0.01, description="fallback poll, seconds")
     handler_timeout: float = Field(default=30.0, ge=0.01, description="per-handler limit")

@@ -136,6 +136,17 @@ class Outcomes:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def take(self) -> Outcomes:
+        """Move every outcome added so far to a new Outcomes (to commit them), leaving none."""
+        part = Outcomes()
+        part.ids, self.ids = self.ids, []
+        part._subqueue, self._subqueue = self._subqueue, []
+        part._delay, self._delay = self._delay, []
+        part._error_info, self._error_info = self._error_info, []
+        part._correction, self._correction = self._correction, []
+        part.all_processed, self.all_processed = self.all_processed, True
+        return part
+
 
 @dataclass(slots=True)
 class SagaRow:
@@ -221,6 +232,13 @@ class Batch(HandlerTransaction, Protocol):
         ...
 
     async def rollback_savepoint(self) -> None: ...
+
+    async def commit(self) -> None:
+        """Commit what was written so far, if anything; the next write begins a new transaction.
+
+        Only between handlers: no handler's savepoint may be open.
+        """
+        ...
 
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
         """Insert into ``queue`` in this transaction, creating its table here if missing."""

@@ -144,6 +144,9 @@ class MemoryBatch:
         # Nothing is claimed ahead: the next claim comes after the commit.
         return await self.finish(queue, outcomes, client_id), []
 
+    async def commit(self) -> None:
+        self._commit()
+
     def _commit(self) -> None:
         for queue in self.tables_to_create:
             self._store.tables.setdefault(queue, {})
@@ -151,6 +154,7 @@ class MemoryBatch:
             self._store._insert_now(queue, from_endpoint, envelopes)
         for queue, outcomes, client_id in self._finishes:
             self._store._finish_now(queue, outcomes, client_id)
+        self.tables_to_create, self._inserts, self._finishes = set(), [], []
 
 
 class MemorySession:

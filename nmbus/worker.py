@@ -20,7 +20,11 @@ Where a message is at every step:
    ``retry_time``, F with ``error_info``) are written by one statement, which
    also claims the next batch; then one COMMIT (or, with no transaction, the
    finish commits by itself). A row changes only if this process still holds
-   its lease.
+   its lease. A batch whose handlers take long does this in parts: at least
+   every ``batch_commit_interval`` seconds what is done so far (outcomes,
+   sends, replies) is committed between two handlers, and the rest of the
+   batch goes on in a new transaction, still leased: a reply or a send never
+   waits for the whole batch.
 
 The Worker is built from its collaborators alone (store, dispatcher, settings,
 client id) and owns its side tasks: the loops, lease renewal and wake-ups.
@@ -320,10 +324,12 @@ class Worker:
         ids = [m.id for m in batch]
         self.in_flight.update(ids)
         started: set[int] = set()
+        # Rows whose outcome a part of the batch already committed: never run again.
+        committed: set[int] = set()
         try:
-            return await self._run_batch(session, batch, claim_ahead, started)
+            return await self._run_batch(session, batch, claim_ahead, started, committed)
         except asyncio.CancelledError:
-            self._abandoned.update(started)
+            self._abandoned.update(started - committed)
             self._unstarted.update(i for i in ids if i not in started)
             raise
         except DatabaseUnavailable:
@@ -333,17 +339,19 @@ class Worker:
             log.warning("lease_lost", queue=self.queue, batch=len(batch), error=str(exc))
             return []
         except Exception as exc:
-            if len(batch) > 1:
+            rest = [m for m in batch if m.id not in committed] if committed else batch
+            if len(rest) > 1:
                 # One message may be spoiling the batch: try each alone, still
                 # under the same claim, so one poison pill cannot fail the others.
                 log.warning(
-                    "batch_failed_splitting", queue=self.queue, size=len(batch), error=str(exc)
+                    "batch_failed_splitting", queue=self.queue, size=len(rest), error=str(exc)
                 )
-                for message in batch:
+                for message in rest:
                     await self._process(session, [message])
                 return []
-            log.error("batch_failed", queue=self.queue, message_id=ids[0], error=str(exc))
-            await self._record_failure(session, batch[0], exc)
+            if rest:
+                log.error("batch_failed", queue=self.queue, message_id=rest[0].id, error=str(exc))
+                await self._record_failure(session, rest[0], exc)
             return []
         finally:
             self.in_flight.difference_update(ids)
@@ -381,6 +389,7 @@ class Worker:
         batch: list[StoredMessage],
         claim_ahead: bool,
         started: set[int],
+        committed: set[int],
     ) -> list[StoredMessage]:
         # A batch whose handlers all declared no outside effects runs without
         # savepoints. When one of them fails after writing, the transaction is
@@ -393,13 +402,15 @@ class Worker:
         while True:
             try:
                 return await self._run_batch_once(
-                    session, batch, claim_ahead, started, unguarded, failed
+                    session, batch, claim_ahead, started, committed, unguarded, failed
                 )
             except Replay as replay:
                 self.replays += 1
                 unguarded = False
                 if replay.error is not None:
                     failed[replay.row.id] = replay.error
+                # Only the part not committed yet was rolled back.
+                batch = [m for m in batch if m.id not in committed]
             except StoreError as exc:
                 # A deadlock or serialization failure outside the handlers: the batch
                 # was rolled back; run it again under the same claim (no attempt spent).
@@ -407,6 +418,8 @@ class Worker:
                     raise
                 conflicts += 1
                 await asyncio.sleep(random.uniform(0.01, 0.05) * conflicts)
+                # Only the part not committed yet was rolled back.
+                batch = [m for m in batch if m.id not in committed]
 
     def _replayable(self, batch: list[StoredMessage]) -> bool:
         registry = self.dispatcher.registry
@@ -424,6 +437,7 @@ class Worker:
         batch: list[StoredMessage],
         claim_ahead: bool,
         started: set[int],
+        committed: set[int],
         unguarded: bool,
         failed: dict[int, BaseException],
     ) -> list[StoredMessage]:
@@ -432,12 +446,18 @@ class Worker:
         debug = debug_enabled()
         self.dispatcher.start_batch()
         partial = False
+        interval = self.settings.batch_commit_interval
         async with session.batch() as tx:
             for hook in self.dispatcher.registry.batch_hooks:
                 await hook(tx, batch)
             if self.settings.handler_concurrency > 1 and len(batch) > 1:
-                await self._handle_concurrently(tx, batch, outcomes, done, debug, started)
+                await self._handle_concurrently(
+                    tx, batch, outcomes, done, debug, started, committed
+                )
             else:
+                # One clock read per message; a commit only once a part took long.
+                due = time.monotonic() + interval
+                last = batch[-1]
                 for message in batch:
                     if failed and message.id in failed:
                         # Failed after writing in a run that was rolled back: not run
@@ -457,6 +477,9 @@ class Worker:
                     await self.dispatcher.handle(
                         tx, message, outcomes, done, debug, None, unguarded
                     )
+                    if time.monotonic() >= due and message is not last:
+                        await self._commit_part(tx, batch, outcomes, done, committed)
+                        due = time.monotonic() + interval
             if done:
                 await self._flush(tx, done)
             if self.dead_letter is not None and not outcomes.all_processed:
@@ -489,13 +512,58 @@ class Worker:
                     f"{len(outcomes) - changed} of {len(outcomes)} messages were taken over by "
                     "another worker after their lease expired; rolling back this batch"
                 )
-        self.handled += len(batch)
+        self.handled += len(outcomes)
         self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
         if self.metrics is not None and not partial:
             self.metrics.committed(batch, outcomes)
         # Committed: ours, and in flight from now on (the lease renewer must see them).
         self.in_flight.update(m.id for m in ahead)
         return ahead
+
+    async def _commit_part(
+        self,
+        tx: Batch,
+        batch: list[StoredMessage],
+        outcomes: Outcomes,
+        done: list[Effects],
+        committed: set[int],
+    ) -> None:
+        """Commit the outcomes and effects of the batch's handlers that are done so far.
+
+        Between two handlers (no savepoint open): their sends are stored, their
+        rows finished, and the transaction committed; the rest of the batch goes
+        on in a new one, its rows still leased to this worker.
+        """
+        part = outcomes.take()
+        effects = done[:]
+        done.clear()
+        if effects:
+            await self._flush(tx, effects)
+        if self.dead_letter is not None and not part.all_processed:
+            await self._copy_failed(tx, batch, part)
+        changed = await tx.finish(self.queue, part, self.client_id)
+        lost = len(part) - changed
+        if lost and tx.begun:
+            raise LeaseLost(
+                f"{lost} of {len(part)} messages were taken over by another worker after "
+                "their lease expired; rolling back this part of the batch"
+            )
+        await tx.commit()
+        committed.update(part.ids)
+        self.in_flight.difference_update(part.ids)
+        hooks = self.dispatcher.registry.batch_hooks
+        if hooks:
+            # The commit let go of what the hooks took (the saga locks): the rest of
+            # the batch takes its own again, all at once, holding nothing meanwhile.
+            rest = [m for m in batch if m.id not in committed]
+            for hook in hooks:
+                await hook(tx, rest)
+        self.handled += len(part)
+        self.outcomes.update(sq or "released" for sq in part.subqueue)
+        if lost:
+            log.warning("lease_lost", queue=self.queue, messages=lost, batch=len(part))
+        elif self.metrics is not None:
+            self.metrics.committed(batch, part)
 
     async def _handle_concurrently(
         self,
@@ -505,6 +573,7 @@ class Worker:
         done: list[Effects],
         debug: bool,
         started: set[int],
+        committed: set[int],
     ) -> None:
         """Up to ``handler_concurrency`` handlers of the batch at once, for I/O-bound work.
 
@@ -512,24 +581,58 @@ class Worker:
         handler's savepoint must not interleave with another's: a handler holds
         the batch's connection lock from its first use of ``ctx.connection`` until
         its savepoint is released or rolled back. Handlers that never touch the
-        connection never wait for it. Outcomes are still written by one finish.
+        connection never wait for it. Every ``batch_commit_interval`` seconds, what
+        the finished handlers did is committed under the same lock (so between
+        savepoints), while the others go on.
         """
         slots = asyncio.Semaphore(self.settings.handler_concurrency)
         lock = asyncio.Lock()
+        interval = self.settings.batch_commit_interval
+        running = len(batch)
+        finished = asyncio.Event()
 
         async def one(message: StoredMessage) -> None:
-            async with slots:
-                if self._stopping.is_set():
-                    outcomes.add(message.id, None, correction=-1)
-                    return
-                started.add(message.id)
-                await self.dispatcher.handle(tx, message, outcomes, done, debug, lock)
+            nonlocal running
+            try:
+                async with slots:
+                    if committer.done():
+                        return  # a part's commit failed: so does the rest of the batch
+                    if self._stopping.is_set():
+                        outcomes.add(message.id, None, correction=-1)
+                        return
+                    started.add(message.id)
+                    await self.dispatcher.handle(tx, message, outcomes, done, debug, lock)
+            finally:
+                running -= 1
+                if not running:
+                    finished.set()
 
-        # A TaskGroup: if one fails outside its handler (a database error while
-        # rolling back), the others are cancelled and the batch fails as a whole.
-        async with asyncio.TaskGroup() as group:
-            for message in batch:
-                group.create_task(one(message))
+        async def commit_now_and_then() -> None:
+            while not finished.is_set():
+                try:
+                    async with asyncio.timeout(interval):
+                        await finished.wait()
+                except TimeoutError:
+                    pass
+                if finished.is_set() or not len(outcomes):
+                    continue
+                async with lock:
+                    await self._commit_part(tx, batch, outcomes, done, committed)
+
+        committer = asyncio.create_task(commit_now_and_then())
+        try:
+            # A TaskGroup: if one fails outside its handler (a database error while
+            # rolling back), the others are cancelled and the batch fails as a whole.
+            async with asyncio.TaskGroup() as group:
+                for message in batch:
+                    group.create_task(one(message))
+        except BaseException:
+            # A commit under way is let finish, so what it committed is known.
+            finished.set()
+            await asyncio.gather(committer, return_exceptions=True)
+            raise
+        # A commit that failed (or found leases lost) fails the rest of the batch.
+        await committer
 
     async def _copy_failed(self, tx: Batch, batch: list[StoredMessage], outcomes: Outcomes) -> None:
         """Store a copy of every row going to F in the failure port, in ``tx``."""

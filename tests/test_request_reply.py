@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -247,6 +248,48 @@ async def test_a_bad_reply_address_fails_the_sender_not_the_batch(
         await drain(bus)
     info = await db.fetchval("SELECT error_info FROM nmbus.first")
     assert info.startswith("InvalidQueueName: invalid queue name")
+
+
+async def test_replies_of_slow_handlers_do_not_wait_for_their_whole_batch(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # 100 requests in one batch of the default size, each handled in 50 ms: the
+    # batch takes 5 s or more. The last handler waits for the first request to be
+    # answered; before, replies were sent only when the whole batch committed.
+    count = 100
+    first_answered = asyncio.Event()
+    seen: list[bool] = []
+    async with make_bus("pricing", concurrency=0):
+        pass  # its queue, so that the requests wait there before a worker runs
+    pricing = make_bus("pricing", poll_interval=0.2)
+
+    @pricing.handler
+    async def quote(msg: GetQuote, ctx: Context) -> None:
+        await asyncio.sleep(0.05)
+        if msg.item == f"i{count - 1}":
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(20):
+                    await first_answered.wait()
+            seen.append(first_answered.is_set())
+        await ctx.reply(Quote(item=msg.item, price=1.0))
+
+    async def ask(shop: Bus, n: int) -> Message:
+        reply = await shop.request(GetQuote(item=f"i{n}"), to="pricing", timeout=60.0)
+        if n == 0:
+            first_answered.set()
+        return reply
+
+    async with make_bus("shop", poll_interval=0.2) as shop:
+        asking = [asyncio.create_task(ask(shop, n)) for n in range(count)]
+        async with asyncio.timeout(20):
+            while await db.fetchval("SELECT count(*) FROM nmbus.pricing") < count:
+                await asyncio.sleep(0.02)
+        assert pricing.settings.batch_size >= count
+        async with pricing:
+            replies = await asyncio.gather(*asking)
+    assert [r.item for r in replies if isinstance(r, Quote)] == [f"i{n}" for n in range(count)]
+    # One claim took them all, and the first answer came before the last was handled.
+    assert seen == [True]
 
 
 async def test_a_reply_is_handed_back_for_an_hour_at_most_whatever_its_deadline(

@@ -244,6 +244,13 @@ class PostgresBatch:
             "ROLLBACK TO SAVEPOINT nmbus_handler; RELEASE SAVEPOINT nmbus_handler"
         )
 
+    async def commit(self) -> None:
+        """Commit the transaction so far; the next write begins another one."""
+        transaction, self.transaction = self.transaction, None
+        self._unreleased = False  # COMMIT releases every savepoint
+        if transaction is not None:
+            await transaction.commit()
+
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
         await self.begin()
         if queue in self._routed:

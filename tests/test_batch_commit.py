@@ -1,0 +1,126 @@
+"""batch_commit_interval: a batch of slow handlers commits what is done as it goes.
+
+What a handler sent, and its message's outcome, must not wait for the slowest
+handler of its batch. Each test lets a handler wait (up to a generous cap) for
+what its batch-mates did to become visible from another connection, so none
+depends on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import asyncpg
+
+from nmbus import Bus, Context
+from nmbus.testing import drain
+from tests.messages import Ping, Pong
+
+CAP = 20.0
+
+
+async def visible(db: asyncpg.Connection, sql: str, want: int) -> bool:
+    """Whether ``sql`` counts ``want`` rows within CAP seconds, from the test's connection."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(CAP):
+            while await db.fetchval(sql) < want:
+                await asyncio.sleep(0.02)
+            return True
+    return False
+
+
+async def send_pings(make_bus: Callable[..., Bus], count: int) -> None:
+    """``count`` pings waiting in billing's queue (every queue created by its endpoint)."""
+    async with (
+        make_bus("billing", concurrency=0),
+        make_bus("audit", concurrency=0),
+        make_bus("orders", concurrency=0) as sender,
+    ):
+        for n in range(count):
+            await sender.send(Ping(n=n), to="billing")
+
+
+async def test_concurrent_batch_mates_are_committed_while_a_slow_handler_runs(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", batch_size=10, handler_concurrency=5)
+    seen: list[bool] = []
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        if msg.n == 0:
+            # The slow one: its four batch-mates, and what they sent, commit before it ends.
+            done = await visible(
+                db, "SELECT count(*) FROM nmbus.billing WHERE subqueue = 'X'", 4
+            ) and await visible(db, "SELECT count(*) FROM nmbus.audit", 4)
+            seen.append(done)
+            return
+        await ctx.send(Pong(n=msg.n), to="audit")
+
+    await send_pings(make_bus, 5)
+    async with bus:
+        await drain(bus, timeout=CAP + 10)
+    assert seen == [True]
+    states = await db.fetch("SELECT subqueue, retry_count FROM nmbus.billing")
+    assert [(r["subqueue"], r["retry_count"]) for r in states] == [("X", 1)] * 5
+    assert await db.fetchval("SELECT count(*) FROM nmbus.audit") == 4
+
+
+async def test_one_handler_at_a_time_commits_what_came_before_a_long_one(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # The default interval (0.5 s) has passed when the first handler returns: its
+    # send and outcome commit before the second message is handled.
+    bus = make_bus("billing", batch_size=10)
+    assert bus.settings.batch_commit_interval < 0.6
+    seen: list[bool] = []
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        if msg.n == 0:
+            await asyncio.sleep(0.6)
+            await ctx.send(Pong(n=0), to="audit")
+        else:
+            seen.append(await visible(db, "SELECT count(*) FROM nmbus.audit", 1))
+
+    await send_pings(make_bus, 2)
+    async with bus:
+        await drain(bus, timeout=CAP + 10)
+    assert seen == [True]
+    states = await db.fetch("SELECT subqueue, retry_count FROM nmbus.billing ORDER BY id")
+    assert [(r["subqueue"], r["retry_count"]) for r in states] == [("X", 1)] * 2
+
+
+async def test_a_committed_part_is_not_run_again_when_the_rest_of_its_batch_fails(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # A deferred constraint fails the batch at its last COMMIT; the batch is then
+    # tried a message at a time, but only what no earlier part committed: here
+    # the failing message alone, whose attempt is recorded as failed.
+    await db.execute("CREATE TABLE once (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    await db.execute("INSERT INTO once VALUES (1)")
+    bus = make_bus("billing", batch_size=10, max_attempts=3, retry_delay=60)
+    runs: list[int] = []
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        runs.append(msg.n)
+        if msg.n == 0:
+            await asyncio.sleep(0.6)
+            await ctx.connection.execute("INSERT INTO once VALUES (0)")
+        else:
+            await ctx.connection.execute("INSERT INTO once VALUES ($1)", msg.n)
+
+    await send_pings(make_bus, 2)
+    async with bus:
+        await drain(bus, timeout=CAP)
+    first, second = await db.fetch(
+        "SELECT subqueue, retry_count, error_info FROM nmbus.billing ORDER BY id"
+    )
+    assert (first["subqueue"], first["retry_count"]) == ("X", 1)
+    assert (second["subqueue"], second["retry_count"]) == ("R", 1)
+    assert second["error_info"].startswith("OutcomeNotRecorded: batch transaction")
+    assert runs == [0, 1]  # the second alone would have been [0, 1, 0, 1]
+    assert await db.fetchval("SELECT count(*) FROM once WHERE n = 0") == 1

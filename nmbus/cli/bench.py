@@ -18,7 +18,7 @@ command = typer.Typer(add_completion=False)
 
 MODES_HELP = (
     "ceiling, peers, drain, transactional, latency, fanout, scaling, xrows, saga, delivery, "
-    "routed, or all (every one but scaling, xrows, saga, delivery and routed)"
+    "routed, reply, or all (every one but scaling, xrows, saga, delivery, routed and reply)"
 )
 
 

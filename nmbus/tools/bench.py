@@ -38,6 +38,9 @@ medians, with the settings they ran under. The modes:
 ``routed``         a send through the outbox and the forwarder to a queue in a
                    second database, against a local send, in one run: p50/p99
                    latency and burst throughput (``bench_routed.py``).
+``reply``          request/reply round trips (p50, p99, answered within 3 s) with
+                   50 ms handlers, and with 0-4 s handlers 20 at a time
+                   (``bench_reply.py``).
 ``delivery``       in one run: a plain drain, a drain with priorities mixed 0-9,
                    and a drain of ``sequences`` sequences of ``sequence_members``
                    each (interleaved), as rates and ratios to the plain drain
@@ -88,6 +91,7 @@ MODES = (
     "saga",
     "delivery",
     "routed",
+    "reply",
 )
 ALL_MODES = ("ceiling", "peers", "drain", "transactional", "latency", "fanout")
 
@@ -322,6 +326,12 @@ async def run(
                 elif name in ("contended_deadlocks", "contended_messages_in_f"):
                     unit = ""
                 results["saga"].add(name, value, unit)
+        if "reply" in results:
+            progress(f"request/reply round trips, run {rep}")
+            from nmbus.tools.bench_reply import measure_reply
+
+            for name, value in (await measure_reply(options, Scratch)).items():
+                results["reply"].add(name, value, "ms" if name.endswith("_ms") else "")
         load = os.getloadavg()[0]
         for result in results.values():
             result.add("load_average_1m", load, "")
@@ -360,6 +370,10 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
             "contended_processes": o.processes,
             "contended_sagas": o.sagas,
         }
+    if mode == "reply":
+        from nmbus.tools.bench_reply import HANDLER_CONCURRENCY, IN_TIME
+
+        return {**base, "in_time_s": IN_TIME, "handler_concurrency": HANDLER_CONCURRENCY}
     if mode == "fanout":
         return {
             "messages": o.fanout_messages,

@@ -1,0 +1,95 @@
+"""``nmbus bench reply``: request/reply round trips when handlers take time.
+
+Kept apart from :mod:`nmbus.tools.bench` (which calls :func:`measure_reply` for
+the ``reply`` mode). A requesting endpoint fires its requests all at once at a
+replying endpoint whose handler sleeps, then answers with ``ctx.reply``; each
+round trip is timed from the call of ``bus.request`` to its return. Requests
+wait long enough for every answer (``WAIT`` seconds), so the percentiles are
+real; ``answered_in_time`` counts the round trips of at most ``IN_TIME``
+seconds, as many as a caller with a 3 s timeout would have seen answered. Two
+scenarios:
+
+``slow_50ms``   ``REQUESTS_50MS`` requests, each handled in 50 ms, at the given
+                batch size and one handler at a time.
+``concurrent``  ``REQUESTS_CONCURRENT`` requests handled in 0-4 s each (a fixed
+                pseudo-random spread), ``handler_concurrency=20``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+from nmbus.bus import Bus
+from nmbus.context import Context
+from nmbus.messages import Message
+from nmbus.tools.bench_scenarios import percentile
+from nmbus.tools.bench_scratch import BenchOptions, Scratch
+
+IN_TIME = 3.0
+WAIT = 120.0
+REQUESTS_50MS = 100
+REQUESTS_CONCURRENT = 300
+HANDLER_CONCURRENCY = 20
+
+
+class Ask(Message, type_name="nmbus.bench.Ask"):
+    """A request whose handler sleeps ``seconds`` before it answers."""
+
+    n: int
+    seconds: float
+
+
+class Answer(Message, type_name="nmbus.bench.Answer"):
+    n: int
+
+
+async def _round_trips(
+    options: BenchOptions, scratch: Scratch, waits: list[float], **settings: object
+) -> list[float]:
+    # Endpoint names of their own: the scratch schema is fresh, but a name says what it is.
+    replier_name = f"bench_replier_{uuid.uuid4().hex[:6]}"
+    replier = Bus(replier_name, settings=options.bus_settings(scratch.schema, **settings))
+    requester = Bus("bench_requester", settings=options.bus_settings(scratch.schema))
+
+    @replier.handler
+    async def answer(msg: Ask, ctx: Context) -> None:
+        await asyncio.sleep(msg.seconds)
+        await ctx.reply(Answer(n=msg.n))
+
+    async def one(n: int) -> float:
+        started = time.perf_counter()
+        reply = await requester.request(Ask(n=n, seconds=waits[n]), to=replier_name, timeout=WAIT)
+        if not isinstance(reply, Answer) or reply.n != n:
+            raise RuntimeError(f"request {n} got the wrong answer: {reply!r}")
+        return time.perf_counter() - started
+
+    async with replier, requester:
+        # Both endpoints' queues exist and their workers wait before the clock starts.
+        await asyncio.sleep(0.5)
+        return list(await asyncio.gather(*(one(n) for n in range(len(waits)))))
+
+
+def _figures(prefix: str, trips: list[float]) -> dict[str, float]:
+    return {
+        f"{prefix}_p50_ms": percentile(trips, 50) * 1000,
+        f"{prefix}_p99_ms": percentile(trips, 99) * 1000,
+        f"{prefix}_answered_in_time": float(sum(1 for t in trips if t <= IN_TIME)),
+        f"{prefix}_requests": float(len(trips)),
+    }
+
+
+async def measure_reply(options: BenchOptions, fresh: type[Scratch]) -> dict[str, float]:
+    """Both scenarios, each in a scratch schema of its own."""
+    figures: dict[str, float] = {}
+    async with fresh(options.dsn) as scratch:
+        trips = await _round_trips(options, scratch, [0.05] * REQUESTS_50MS)
+        figures.update(_figures("slow_50ms", trips))
+    spread = random.Random(23)
+    waits = [spread.uniform(0.0, 4.0) for _ in range(REQUESTS_CONCURRENT)]
+    async with fresh(options.dsn) as scratch:
+        trips = await _round_trips(options, scratch, waits, handler_concurrency=HANDLER_CONCURRENCY)
+        figures.update(_figures("concurrent", trips))
+    return figures

@@ -2,9 +2,10 @@
 
 python -m tests.workers worker DSN QUEUE [lease]   handle Ping/Crash until killed
 python -m tests.workers sender DSN QUEUE N          send N Pings, print each unique id
-python -m tests.workers poison DSN QUEUE LEASE BATCH POISON [pure]
+python -m tests.workers poison DSN QUEUE LEASE BATCH POISON [pure] [slow]
     handle Pings, recording each in effects; the Ping numbered POISON kills the process
-    ("pure": the handler declares outside_effects=False, batches run without savepoints)
+    ("pure": the handler declares outside_effects=False, batches run without savepoints;
+    "slow": each handler first sleeps 0.15 s, so a batch commits in parts)
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ async def worker(dsn: str, queue: str, lease: float) -> None:
 
 
 async def poison(
-    dsn: str, queue: str, lease: float, batch_size: int, pill: int, pure: bool = False
+    dsn: str,
+    queue: str,
+    lease: float,
+    batch_size: int,
+    pill: int,
+    pure: bool = False,
+    slow: bool = False,
 ) -> None:
     bus = Bus(
         queue,
@@ -57,6 +64,8 @@ async def poison(
     @bus.handler(outside_effects=not pure)
     async def on_ping(msg: Ping, ctx: Context) -> None:
         print(f"ran {msg.n} attempt {ctx.retry_count}", flush=True)
+        if slow:
+            await asyncio.sleep(0.15)
         if msg.n == pill:
             os.kill(os.getpid(), signal.SIGKILL)
         await ctx.connection.execute(
@@ -82,7 +91,7 @@ if __name__ == "__main__":
         asyncio.run(worker(dsn, queue, float(sys.argv[4]) if len(sys.argv) > 4 else 2.0))
     elif mode == "poison":
         lease, batch_size, pill = float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-        pure = sys.argv[7:] == ["pure"]
-        asyncio.run(poison(dsn, queue, lease, batch_size, pill, pure))
+        extra = sys.argv[7:]
+        asyncio.run(poison(dsn, queue, lease, batch_size, pill, "pure" in extra, "slow" in extra))
     else:
         asyncio.run(sender(dsn, queue, int(sys.argv[4])))

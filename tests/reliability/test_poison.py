@@ -122,3 +122,30 @@ async def test_a_crash_in_a_batch_without_savepoints_commits_each_mate_once(
     # The mates before the poison wrote in the batch that died; nothing of it stayed.
     runs = Counter(int(m.group(1)) for m in map(re.compile(r"ran (\d+) ").match, lines) if m)
     assert all(runs[n] == 2 for n in range(1, pill))
+
+
+@pytest.mark.timeout(150)
+async def test_a_poison_after_a_committed_part_of_its_batch_takes_only_the_rest_with_it(
+    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # Handlers of 0.15 s: the batch of 10 has committed its first part (at least
+    # 0.5 s of handlers) when the poison, sixth, kills the worker.
+    pill = 6
+    await db.execute("CREATE TABLE effects (n int, pid int)")
+    async with make_bus("billing", concurrency=0) as sender:
+        for n in range(1, MESSAGES + 1):
+            await sender.send(Ping(n=n), to="billing")
+
+    lines = await _supervise(dsn, db, MESSAGES, pill, "slow")
+
+    rows = await db.fetch("SELECT subqueue, retry_count FROM nmbus.billing ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["F" if n == pill else "X" for n in range(1, 11)]
+    effects = Counter(r["n"] for r in await db.fetch("SELECT n FROM effects"))
+    assert effects == Counter({n: 1 for n in range(1, MESSAGES + 1) if n != pill})
+    runs = Counter(int(m.group(1)) for m in map(re.compile(r"ran (\d+) ").match, lines) if m)
+    # The committed part ran once, one attempt; the rest at most twice.
+    committed = [n for n in range(1, pill) if runs[n] == 1]
+    assert committed[:1] == [1]
+    assert all(rows[n - 1]["retry_count"] == 1 for n in committed)
+    assert max(c for n, c in runs.items() if n != pill) <= 2
+    assert MAX_ATTEMPTS <= runs[pill] <= MAX_ATTEMPTS + 1

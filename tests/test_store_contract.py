@@ -232,3 +232,27 @@ async def test_a_tick_is_inserted_once_per_due_time_even_after_its_row_is_gone(
     assert await store.insert_tick("q", "other", earlier, envelope(0, uid="o0"))
     assert await store.insert_tick("q", "hourly", due + timedelta(hours=1), envelope(2, uid="t2"))
     assert await store.counts("q") == {"I": 2, "R": 0, "X": 0, "F": 0}
+
+
+async def test_a_batch_commits_a_part_and_goes_on_in_a_new_transaction(store: Store) -> None:
+    await store.ensure_queue("out")
+    await store.insert("q", "me", [envelope(n) for n in range(3)])
+    rows = await claim(store)
+    outcomes = Outcomes()
+    outcomes.processed(rows[0].id)
+    outcomes.processed(rows[1].id)
+    outcomes.add(rows[2].id, "R", delay=60.0, error_info="ValueError: later")
+    async with store.worker_session() as session, session.batch() as tx:
+        await tx.insert("out", "q", [envelope(10)])
+        part = outcomes.take()
+        assert await tx.finish("q", part, "c1") == 3
+        await tx.commit()
+        # Committed: seen from outside while the batch goes on.
+        assert await store.counts("q") == {"I": 0, "R": 1, "X": 2, "F": 0}
+        assert (await store.counts("out"))["I"] == 1
+        assert len(outcomes) == 0 and outcomes.all_processed
+        await tx.insert("out", "q", [envelope(11)])
+        assert (await store.counts("out"))["I"] == 1
+    assert (await store.counts("out"))["I"] == 2
+    assert part.subqueue == ["X", "X", "R"] and not part.all_processed
+    assert part.error_info == [None, None, "ValueError: later"]

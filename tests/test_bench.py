@@ -227,3 +227,25 @@ async def test_peers_runs_pgqueuer_in_the_bench_schema_beside_an_nmbus_drain(dsn
     finally:
         await conn.close()
     assert await _schemas(dsn) == []
+
+
+async def test_reply_times_round_trips_and_reply_lag_of_every_request(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nmbus.tools import bench_reply
+
+    monkeypatch.setattr(bench_reply, "REQUESTS_50MS", 10)
+    monkeypatch.setattr(bench_reply, "REQUESTS_CONCURRENT", 30)
+    monkeypatch.setattr(bench_reply, "LONGEST", 0.2)
+    options = BenchOptions(dsn=dsn)
+    [result] = await asyncio.wait_for(run(["reply"], options), timeout=120)
+    figures = result.figures
+    for scenario, count in (("slow_50ms", 10), ("concurrent", 30)):
+        assert figures[f"{scenario}_requests"] == count
+        assert 0 <= figures[f"{scenario}_answered_in_time"] <= count
+        assert 0 < figures[f"{scenario}_p50_ms"] <= figures[f"{scenario}_p99_ms"]
+        lag = figures[f"{scenario}_reply_lag_p50_ms"]
+        assert 0 < lag <= figures[f"{scenario}_reply_lag_p99_ms"]
+        # The lag is a part of the round trip.
+        assert lag < figures[f"{scenario}_p99_ms"]
+    assert result.settings["handler_concurrency"] == 20

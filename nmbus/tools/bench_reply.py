@@ -15,8 +15,8 @@ request waited for its turn or its handler took. Two scenarios:
 
 ``slow_50ms``   ``REQUESTS_50MS`` requests, each handled in 50 ms, at the given
                 batch size and one handler at a time.
-``concurrent``  ``REQUESTS_CONCURRENT`` requests handled in 0-4 s each (a fixed
-                pseudo-random spread), ``handler_concurrency=20``.
+``concurrent``  ``REQUESTS_CONCURRENT`` requests handled in 0-``LONGEST`` s each
+                (a fixed pseudo-random spread), ``handler_concurrency=20``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ IN_TIME = 3.0
 WAIT = 120.0
 REQUESTS_50MS = 100
 REQUESTS_CONCURRENT = 300
+LONGEST = 4.0
 HANDLER_CONCURRENCY = 20
 
 
@@ -108,7 +109,7 @@ async def measure_reply(options: BenchOptions, fresh: type[Scratch]) -> dict[str
         trips, lags = await _round_trips(options, scratch, [0.05] * REQUESTS_50MS)
         figures.update(_figures("slow_50ms", trips, lags))
     spread = random.Random(23)
-    waits = [spread.uniform(0.0, 4.0) for _ in range(REQUESTS_CONCURRENT)]
+    waits = [spread.uniform(0.0, LONGEST) for _ in range(REQUESTS_CONCURRENT)]
     async with fresh(options.dsn) as scratch:
         trips, lags = await _round_trips(
             options, scratch, waits, handler_concurrency=HANDLER_CONCURRENCY

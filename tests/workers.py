@@ -2,10 +2,11 @@
 
 python -m tests.workers worker DSN QUEUE [lease]   handle Ping/Crash until killed
 python -m tests.workers sender DSN QUEUE N          send N Pings, print each unique id
-python -m tests.workers poison DSN QUEUE LEASE BATCH POISON [pure] [slow]
+python -m tests.workers poison DSN QUEUE LEASE BATCH POISON [pure] [slow] [concurrent]
     handle Pings, recording each in effects; the Ping numbered POISON kills the process
     ("pure": the handler declares outside_effects=False, batches run without savepoints;
-    "slow": each handler first sleeps 0.15 s, so a batch commits in parts)
+    "slow": each handler first sleeps 0.15 s, so a batch commits in parts;
+    "concurrent": 3 handlers at once, the poison killing only once another row is X)
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import asyncio
 import os
 import signal
 import sys
+
+import asyncpg
 
 from nmbus import Bus, Context
 from tests.messages import Crash, Ping, Slow
@@ -43,6 +46,20 @@ async def worker(dsn: str, queue: str, lease: float) -> None:
         await bus.wait_stopped()
 
 
+async def _some_row_committed(dsn: str, queue: str, cap: float = 20.0) -> None:
+    """Wait (up to ``cap`` seconds) until a row of ``queue`` is X, seen from another connection."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with asyncio.timeout(cap):
+            sql = f"SELECT count(*) FROM nmbus.\"{queue}\" WHERE subqueue = 'X'"
+            while not await conn.fetchval(sql):
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        pass
+    finally:
+        await conn.close()
+
+
 async def poison(
     dsn: str,
     queue: str,
@@ -51,6 +68,7 @@ async def poison(
     pill: int,
     pure: bool = False,
     slow: bool = False,
+    concurrent: bool = False,
 ) -> None:
     bus = Bus(
         queue,
@@ -59,6 +77,7 @@ async def poison(
         poll_interval=0.2,
         max_attempts=3,
         batch_size=batch_size,
+        handler_concurrency=3 if concurrent else 1,
     )
 
     @bus.handler(outside_effects=not pure)
@@ -67,6 +86,8 @@ async def poison(
         if slow:
             await asyncio.sleep(0.15)
         if msg.n == pill:
+            if concurrent:
+                await _some_row_committed(dsn, queue)
             os.kill(os.getpid(), signal.SIGKILL)
         await ctx.connection.execute(
             "INSERT INTO effects (n, pid) VALUES ($1, $2)", msg.n, os.getpid()
@@ -92,6 +113,17 @@ if __name__ == "__main__":
     elif mode == "poison":
         lease, batch_size, pill = float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
         extra = sys.argv[7:]
-        asyncio.run(poison(dsn, queue, lease, batch_size, pill, "pure" in extra, "slow" in extra))
+        asyncio.run(
+            poison(
+                dsn,
+                queue,
+                lease,
+                batch_size,
+                pill,
+                "pure" in extra,
+                "slow" in extra,
+                "concurrent" in extra,
+            )
+        )
     else:
         asyncio.run(sender(dsn, queue, int(sys.argv[4])))

@@ -149,3 +149,29 @@ async def test_a_poison_after_a_committed_part_of_its_batch_takes_only_the_rest_
     assert all(rows[n - 1]["retry_count"] == 1 for n in committed)
     assert max(c for n, c in runs.items() if n != pill) <= 2
     assert MAX_ATTEMPTS <= runs[pill] <= MAX_ATTEMPTS + 1
+
+
+@pytest.mark.timeout(150)
+async def test_concurrent_handlers_commit_their_part_before_a_poison_kills_the_worker(
+    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # Three handlers at once; the poison waits until a part of its batch is
+    # committed (or 20 s), then kills the worker, on every attempt.
+    pill = 6
+    await db.execute("CREATE TABLE effects (n int, pid int)")
+    async with make_bus("billing", concurrency=0) as sender:
+        for n in range(1, MESSAGES + 1):
+            await sender.send(Ping(n=n), to="billing")
+
+    lines = await _supervise(dsn, db, MESSAGES, pill, "concurrent")
+
+    rows = await db.fetch("SELECT subqueue, retry_count FROM nmbus.billing ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["F" if n == pill else "X" for n in range(1, 11)]
+    effects = Counter(r["n"] for r in await db.fetch("SELECT n FROM effects"))
+    assert effects == Counter({n: 1 for n in range(1, MESSAGES + 1) if n != pill})
+    runs = Counter(int(m.group(1)) for m in map(re.compile(r"ran (\d+) ").match, lines) if m)
+    # The first commit came while the poison waited: whatever it held ran once.
+    once = [n for n in range(1, MESSAGES + 1) if n != pill and runs[n] == 1]
+    assert once and all(rows[n - 1]["retry_count"] == 1 for n in once)
+    assert max(c for n, c in runs.items() if n != pill) <= 2
+    assert MAX_ATTEMPTS <= runs[pill] <= MAX_ATTEMPTS + 1

@@ -124,3 +124,26 @@ async def test_a_committed_part_is_not_run_again_when_the_rest_of_its_batch_fail
     assert second["error_info"].startswith("OutcomeNotRecorded: batch transaction")
     assert runs == [0, 1]  # the second alone would have been [0, 1, 0, 1]
     assert await db.fetchval("SELECT count(*) FROM once WHERE n = 0") == 1
+
+
+async def test_stopping_during_a_batch_keeps_its_committed_part_and_gives_back_the_rest(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("billing", batch_size=40)
+    ran: list[int] = []
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        ran.append(msg.n)
+        await asyncio.sleep(0.2)
+
+    await send_pings(make_bus, 40)
+    async with bus:
+        # Stop once a part is committed, while the batch still has messages to go.
+        assert await visible(db, "SELECT count(*) FROM nmbus.billing WHERE subqueue = 'X'", 1)
+    rows = await db.fetch("SELECT msg_text, subqueue, retry_count FROM nmbus.billing ORDER BY id")
+    ends = [(r["subqueue"], r["retry_count"]) for r in rows]
+    # Each message handled once and X, or never started and given back with no attempt.
+    assert sorted(ran) == ran == list(range(len(ran)))
+    assert ends == [("X", 1)] * len(ran) + [("I", 0)] * (40 - len(ran))
+    assert len(ran) < 40  # 8 s of handlers; the stop came a part (0.5 s) in

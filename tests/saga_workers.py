@@ -69,6 +69,7 @@ async def counter(
     batch: int,
     kill_on: int | set[int],
     starts: bool = False,
+    commit_interval: float = 0.5,
 ) -> None:
     bus = counter_bus(
         dsn,
@@ -80,6 +81,7 @@ async def counter(
         lease_seconds=1.0,
         poll_interval=0.2,
         max_attempts=5,
+        batch_commit_interval=commit_interval,
     )
     async with bus:
         print("ready", flush=True)
@@ -93,5 +95,6 @@ if __name__ == "__main__":
         asyncio.run(counter(dsn, queue, concurrency, batch, kill_on))
     elif mode == "starts":
         concurrency, batch = (int(x) for x in sys.argv[4:6])
-        pills = {int(x) for x in sys.argv[6].split(",")} if len(sys.argv) > 6 else set()
-        asyncio.run(counter(dsn, queue, concurrency, batch, pills, starts=True))
+        pills = {int(x) for x in sys.argv[6].split(",") if x} if len(sys.argv) > 6 else set()
+        interval = float(sys.argv[7]) if len(sys.argv) > 7 else 0.5
+        asyncio.run(counter(dsn, queue, concurrency, batch, pills, True, interval))

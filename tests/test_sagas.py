@@ -4,6 +4,7 @@ row lock and saved in the handler's transaction; timeouts; several processes."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import re
 import time
 from collections.abc import Callable
@@ -667,8 +668,11 @@ async def _deadlocks(db: asyncpg.Connection) -> int:
 
 
 @pytest.mark.timeout(240)
+# 0.5 s: each batch commits once. 0.003 s: a batch commits in parts every few handlers,
+# and the rest of the batch must take its sagas' locks again, in order, after each part.
+@pytest.mark.parametrize("commit_interval", ["0.5", "0.003"], ids=["whole", "in-parts"])
 async def test_two_processes_of_two_loops_on_three_sagas_never_deadlock_nor_lose_an_update(
-    dsn: str, db: asyncpg.Connection
+    dsn: str, db: asyncpg.Connection, commit_interval: str
 ) -> None:
     keys, per_key = ["a", "b", "c"], 40
     total = len(keys) * per_key
@@ -677,7 +681,10 @@ async def test_two_processes_of_two_loops_on_three_sagas_never_deadlock_nor_lose
         for n in range(total):
             await bus.send(Increment(counter=keys[n % 3], n=n), to="counting")
     before = await _deadlocks(db)
-    procs = [Proc("tests.saga_workers", "starts", dsn, "counting", "2", "10") for _ in "ab"]
+    procs = [
+        Proc("tests.saga_workers", "starts", dsn, "counting", "2", "10", "", commit_interval)
+        for _ in "ab"
+    ]
     try:
         for proc in procs:
             await proc.wait_for("ready")
@@ -868,8 +875,12 @@ async def test_sigkills_of_two_processes_of_two_loops_on_five_sagas_lose_and_dou
         for proc in procs:
             proc.kill()
             lines.extend(proc.lines)
-    kills = sorted(line for line in lines if line.startswith("killing"))
-    assert kills == ["killing at 100", "killing at 250", "killing at 400", "killing at 550"]
+    kills = collections.Counter(line for line in lines if line.startswith("killing"))
+    # Each pill kills on its first attempt. A pill that died in a batch and was not the
+    # suspect kept alone is let go with that attempt given back (nothing said it was the
+    # one), so it may kill once more, alone; then its attempt counts, and it kills no more.
+    assert set(kills) == {f"killing at {n}" for n in pills.split(",")}
+    assert all(1 <= times <= 2 for times in kills.values()), kills
     rows = await db.fetch('SELECT saga_key, state FROM nmbus."counting$saga"')
     seen = {r["saga_key"]: Counter.model_validate_json(r["state"]).seen for r in rows}
     # Every increment counted exactly once: none lost, none doubled.

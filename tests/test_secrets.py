@@ -285,3 +285,28 @@ def test_settings_from_the_environment_never_show_a_hostile_password(
             # A password with a comma is read whole, not cut at the comma.
             values = [*settings.databases.values(), *settings.routes.values()]
             assert dsn in values
+
+
+@pytest.mark.parametrize(
+    ("dsn", "reason"),
+    [
+        (f"postgresql://app:{PASSWORD}@127.0.0.1:99999/x", "Port out of range"),
+        (f"postgresql://app:{PASSWORD}@127.0.0.1:abc/x", "Port could not be cast"),
+        (f"postgresql://app:{PASSWORD}@nmbus-no-such-host.invalid:99999/x", "Port out of range"),
+        (f"postgresql://app:{PASSWORD}@127.0.0.1/x?sslmode=bogus", "sslmode"),
+        (f"mysql://app:{PASSWORD}@127.0.0.1/x", "scheme"),
+        ("garbage", "scheme"),
+    ],
+)
+async def test_a_bus_on_a_malformed_dsn_says_so_in_one_line(dsn: str, reason: str) -> None:
+    """It raised a raw OverflowError or ValueError, or a StoreError naming the driver's class."""
+    from nmbus.errors import InvalidSetting
+
+    bus = Bus("orders", dsn=dsn, concurrency=0)
+    with pytest.raises(InvalidSetting) as raised:
+        async with bus:
+            pass
+    text = str(raised.value)
+    assert text.startswith("invalid DSN ") and reason in text, text
+    assert "\n" not in text and PASSWORD not in text and PASSWORD not in repr(raised.value)
+    assert "ClientConfigurationError" not in text

@@ -60,12 +60,14 @@ def wrap_errors(what: str) -> Iterator[None]:
 
 
 @contextmanager
-def wrap_connect_errors(dsn: str | None) -> Iterator[None]:
+def wrap_connect_errors(dsn: str | None, *, unavailable: bool = True) -> Iterator[None]:
     """Translate a failure to connect to ``dsn`` into one an operator can act on.
 
     A DSN that cannot work raises InvalidSetting (``invalid DSN ...``), a server
     that cannot be reached or refuses the connection DatabaseUnavailable
-    (``cannot connect to ...``); both name the DSN, without its password.
+    (``cannot connect to ...``); both name the DSN, without its password. With
+    ``unavailable=False`` only the first is translated: any other error goes on
+    as raised, for the caller's own translation (wrap_errors).
     """
     shown = scrub(dsn or "")
     try:
@@ -76,6 +78,8 @@ def wrap_connect_errors(dsn: str | None) -> Iterator[None]:
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         if problem := _port_problem(dsn):
             raise InvalidSetting(f"invalid DSN {shown}: {problem}") from exc
+        if not unavailable:
+            raise
         raise DatabaseUnavailable(f"cannot connect to {shown}: {scrub(str(exc))}") from exc
 
 

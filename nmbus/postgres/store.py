@@ -20,7 +20,7 @@ from asyncpg.transaction import Transaction
 from nmbus.errors import QueueNotFound, SchemaVersionError
 from nmbus.logs import log_failure, scrub
 from nmbus.messages import Envelope, StoredMessage
-from nmbus.postgres.errors import is_connection_error, wrap_errors
+from nmbus.postgres.errors import is_connection_error, wrap_connect_errors, wrap_errors
 from nmbus.postgres.pubsub import (
     create_queue_on,
     install_publish_function,
@@ -432,9 +432,12 @@ class PostgresStore:
 
     async def open(self) -> None:
         with wrap_errors("open"):
-            self._pool = await asyncpg.create_pool(
-                self.dsn, min_size=1, max_size=self._pool_size, timeout=10
-            )
+            # A DSN that cannot work is an InvalidSetting, as the operations layer says
+            # it; a server that cannot be reached stays "database unavailable".
+            with wrap_connect_errors(self.dsn, unavailable=False):
+                self._pool = await asyncpg.create_pool(
+                    self.dsn, min_size=1, max_size=self._pool_size, timeout=10
+                )
             async with self._pool.acquire() as conn:
                 await install_schema(conn, self.schema)
                 await install_publish_function(conn, self.schema)

@@ -39,7 +39,8 @@ def _keep_logging_config() -> Iterator[None]:
 
 def invoke(*argv: str, env: dict[str, str | None] | None = None) -> Result:
     # 80 columns: an error line must not be wrapped by the terminal width either.
-    return runner.invoke(app, list(argv), env={"COLUMNS": "80", "NMBUS_DSN": None, **(env or {})})
+    base = {"COLUMNS": "80", "NMBUS_DSN": None, "NMBUS_DASHBOARD_TOKEN": None}
+    return runner.invoke(app, list(argv), env={**base, **(env or {})})
 
 
 def nmbus(
@@ -161,6 +162,8 @@ BAD_ARGUMENTS = [
     (["queues", "create", "billing"], "no database"),
     (["forward", "--once", "--dsn", DOWN], "no routes"),
     (["demo", "--flaky-rate", "1.5", "--no-report", "--dsn", DOWN], "--flaky-rate"),
+    (["dashboard", "--host", "0.0.0.0", "--dsn", DOWN], "refusing to listen on 0.0.0.0"),
+    (["dashboard", "--token", "short", "--dsn", DOWN], "the token is too short"),
 ]
 
 

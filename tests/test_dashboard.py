@@ -426,7 +426,7 @@ async def test_read_only_refuses_every_change(
     assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'F'") == 3
 
 
-def test_starting_beyond_loopback_without_a_token_fails(dsn: str) -> None:
+def test_starting_beyond_loopback_without_a_token_is_wrong_usage(dsn: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "NMBUS_DASHBOARD_TOKEN"}
     for host in ("0.0.0.0", "::", "192.0.2.1"):
         done = subprocess.run(
@@ -437,7 +437,7 @@ def test_starting_beyond_loopback_without_a_token_fails(dsn: str) -> None:
             text=True,
             timeout=60,
         )
-        assert done.returncode == 1
+        assert done.returncode == 2  # wrong usage (docs/cli.md)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(
             f"error: refusing to listen on {host} without a token"
@@ -450,7 +450,7 @@ def test_starting_beyond_loopback_without_a_token_fails(dsn: str) -> None:
         text=True,
         timeout=60,
     )
-    assert short.returncode == 1 and "token is too short" in short.stderr
+    assert short.returncode == 2 and "token is too short" in short.stderr
 
 
 def test_a_missing_schema_is_one_line(dsn: str) -> None:

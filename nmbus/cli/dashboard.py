@@ -57,10 +57,11 @@ def dashboard(
     if not is_loopback(host) and not token:
         fail(
             f"refusing to listen on {host} without a token: pass --token or set "
-            "NMBUS_DASHBOARD_TOKEN (or keep the default --host 127.0.0.1)"
+            "NMBUS_DASHBOARD_TOKEN (or keep the default --host 127.0.0.1)",
+            code=2,  # wrong usage (docs/cli.md)
         )
     if token is not None and len(token) < MIN_TOKEN:
-        fail(f"the token is too short: use at least {MIN_TOKEN} characters")
+        fail(f"the token is too short: use at least {MIN_TOKEN} characters", code=2)
     cfg = settings(dsn, schema)
     made_up = token is None
     secret = token or secrets.token_urlsafe(18)

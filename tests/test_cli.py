@@ -180,6 +180,46 @@ async def test_failed_purge(cli: Cli, facts: Facts, db: asyncpg.Connection) -> N
     assert await count(db, "true") == 165 + 9  # nothing else was touched
 
 
+@pytest.mark.parametrize("verb", ["purge", "requeue"])
+async def test_failed_changes_only_what_it_counted(
+    cli: Cli, facts: Facts, dsn: str, verb: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message that fails between the count (the question, the progress bar) and the
+    change was changed without having been counted: what is confirmed is what is done."""
+    from nmbus.admin import Admin
+
+    counting = Admin.failed_count
+    late: list[int] = []
+
+    async def then_one_more_fails(self: Admin, queue: str, **filters: Any) -> Any:
+        found = await counting(self, queue, **filters)
+        if not late:  # the first count: one more message fails right after it
+            conn = await asyncpg.connect(dsn)
+            try:
+                late.append(
+                    await conn.fetchval(
+                        "INSERT INTO nmbus.billing (from_endpoint, to_endpoint, subqueue, "
+                        "retry_count, last_processed, label, msg_text, error_info) VALUES "
+                        "('orders', 'billing', 'F', 5, now(), 'billing.Charge', '{}', 'E: late') "
+                        "RETURNING id"
+                    )
+                )
+            finally:
+                await conn.close()
+        return found
+
+    monkeypatch.setattr(Admin, "failed_count", then_one_more_fails)
+    done = await cli("failed", verb, "billing", "--all", "--yes")
+    assert f"{'purged' if verb == 'purge' else 'requeued'} 3 message(s)" in done.stdout
+    assert "1 more matching message(s) failed after the count and were left" in done.stderr
+    db = await asyncpg.connect(dsn)
+    try:
+        assert await db.fetchval("SELECT subqueue FROM nmbus.billing WHERE id = $1", late[0]) == "F"
+        assert await count(db, "subqueue = 'F'") == 1
+    finally:
+        await db.close()
+
+
 async def test_failed_requeue_in_batches(cli: Cli, db: asyncpg.Connection) -> None:
     await cli("queues", "create", "bulk")
     await db.execute(

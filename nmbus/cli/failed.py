@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from nmbus.admin import FAILED_BATCH, Admin
+from nmbus.admin import FAILED_BATCH, Admin, FailedCount
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -116,19 +116,28 @@ def _selection(ids: list[int] | None, message_type: str | None, every: bool) -> 
     return "failed messages with " + " and ".join(parts)
 
 
+def _count(
+    cfg: Settings, queue: str, ids: list[int] | None, message_type: str | None
+) -> FailedCount:
+    """What a change will act on: counted once, shown in its question, and binding it."""
+    return operate(cfg, lambda admin: admin.failed_count(queue, ids=ids, message_type=message_type))
+
+
 def _in_batches(
     cfg: Settings,
     change: Callable[..., Awaitable[int]],
     verb: str,
-    queue: str,
+    counted: FailedCount,
     ids: list[int] | None,
     message_type: str | None,
     every: bool,
 ) -> int:
-    """``change`` (Admin.requeue_failed or purge_failed), with a progress bar if many move."""
+    """``change`` (Admin.requeue_failed or purge_failed) of what ``counted`` counted and
+    nothing that failed after it, with a progress bar if many move; says on stderr how
+    many more match now (they failed after the count, and were left)."""
+    queue, total = counted.queue, counted.count
 
     async def changing(admin: Admin) -> int:
-        total = await admin.count_failed(queue, ids=ids, message_type=message_type)
         with Progress(
             TextColumn(f"{verb} {queue}"),
             BarColumn(),
@@ -145,10 +154,26 @@ def _in_batches(
                 message_type=message_type,
                 every=every,
                 on_batch=lambda _queue, rows: progress.advance(task, rows),
+                counted=counted,
             )
-            return done
+        if not ids:
+            left = await admin.count_failed(queue, message_type=message_type)
+            if left:
+                errors.print(
+                    f"{left} more matching message(s) failed after the count and were left "
+                    f"as they are (run the command again to {verb} them)",
+                    markup=False,
+                    highlight=False,
+                    soft_wrap=True,
+                )
+        return done
 
     return operate(cfg, changing)
+
+
+def _matching(counted: FailedCount) -> str:
+    n = counted.count
+    return f"{n:,} match{'es' if n == 1 else ''} now; any that fail after this count stay"
 
 
 @failed.command("requeue")
@@ -170,9 +195,10 @@ def requeue(
     what = _selection(ids, message_type, every)
     cfg = settings(dsn, schema)
     name = queue_name(queue)
+    counted = _count(cfg, name, ids, message_type)
     if every or message_type:
-        confirm(f"Requeue {what} in {name!r}?", yes)
-    moved = _in_batches(cfg, Admin.requeue_failed, "requeue", name, ids, message_type, every)
+        confirm(f"Requeue {what} in {name!r}? {_matching(counted)}.", yes)
+    moved = _in_batches(cfg, Admin.requeue_failed, "requeue", counted, ids, message_type, every)
     if as_json:
         emit_json({"queue": name, "requeued": moved})
     else:
@@ -196,8 +222,9 @@ def purge(
     what = _selection(ids, message_type, every)
     cfg = settings(dsn, schema)
     name = queue_name(queue)
-    confirm(f"Delete {what} in {name!r} for good?", yes)
-    gone = _in_batches(cfg, Admin.purge_failed, "purge", name, ids, message_type, every)
+    counted = _count(cfg, name, ids, message_type)
+    confirm(f"Delete {what} in {name!r} for good? {_matching(counted)}.", yes)
+    gone = _in_batches(cfg, Admin.purge_failed, "purge", counted, ids, message_type, every)
     if as_json:
         emit_json({"queue": name, "purged": gone})
     else:

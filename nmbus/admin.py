@@ -114,6 +114,12 @@ class QueueStatus:
     sagas: int | None = None  # rows of the endpoint's saga table; None: it has none
     sagas_estimated: bool = False
 
+    @property
+    def ready_blocked(self) -> bool:
+        """Ready rows, none claimable: all are members parked behind a blocked sequence's
+        head (in F or R), so there is no oldest-ready age, and "blocked" says why."""
+        return self.oldest_ready_seconds is None and self.ready > 0 and bool(self.blocked)
+
 
 @dataclass(frozen=True, slots=True)
 class QueueDepth:

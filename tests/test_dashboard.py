@@ -851,3 +851,31 @@ async def test_the_header_names_the_schema_and_times_say_utc(
     for path in ("/", "/queues/shipping"):
         browser.get(server.url + path)
         assert "more rows than the dashboard reads" in browser.find_element(By.ID, "capped").text
+
+
+# -- ready rows held by a blocked sequence -------------------------------------------------
+
+
+async def test_oldest_ready_says_blocked_where_ready_rows_wait_behind_a_sequence(
+    serve: Callable[..., Server], browser: Any, make_bus: Callable[..., Any], db: asyncpg.Connection
+) -> None:
+    """The dashboard showed "–" where `nmbus status` says `blocked`."""
+    from tests.messages import Ping, Posted
+
+    async with make_bus("ledger", concurrency=0) as bus:
+        head = await bus.send(Posted(seq="acct", n=0), to="ledger", sequence="acct")
+        await bus.send(Posted(seq="acct", n=1), to="ledger", sequence="acct")
+        await bus.send(Ping(n=1), to="orders")
+    # The head failed for good: the member behind it is ready, but parked.
+    await db.execute("UPDATE nmbus.ledger SET subqueue = 'F' WHERE unique_id = $1", head)
+    server = serve("--token", TOKEN)
+    browser.get(server.url + "/")
+    assert cell(browser, "ledger", "I") == "1"
+    assert cell(browser, "ledger", "oldest-ready") == "blocked"
+    assert cell(browser, "orders", "oldest-ready").endswith(" s")  # a claimable row: its age
+    browser.get(server.url + "/queues/ledger")
+    assert browser.find_element("id", "oldest-ready").text == "blocked"
+    # Requeued, the head is claimable again: an age, not "blocked".
+    await db.execute("UPDATE nmbus.ledger SET subqueue = 'I' WHERE unique_id = $1", head)
+    browser.get(server.url + "/")
+    assert cell(browser, "ledger", "oldest-ready").endswith(" s")

@@ -128,9 +128,7 @@ def status(
 def _oldest_ready(q: QueueStatus) -> str:
     """The age of the oldest claimable row; "blocked" when the ready rows are all members
     parked behind a sequence's head in F or R (the blocked table below names it)."""
-    if q.oldest_ready_seconds is None and q.ready and q.blocked:
-        return "blocked"
-    return age_text(q.oldest_ready_seconds)
+    return "blocked" if q.ready_blocked else age_text(q.oldest_ready_seconds)
 
 
 def _routes_table(routes: list[RouteStatus]) -> None:

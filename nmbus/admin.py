@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -32,6 +32,7 @@ from nmbus.errors import ConfigurationError, QueueNotFound
 from nmbus.logs import scrub
 from nmbus.postgres import PostgresStore, notify_channel
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
+from nmbus.postgres.store import CREATED_BY_SEND
 from nmbus.retention import ProgressCallback, RetentionPolicy, RetentionResult, clean_queue
 from nmbus.settings import Settings
 from nmbus.sql import own_name, render
@@ -113,6 +114,19 @@ class QueueStatus:
     windows: tuple[WindowStats, ...] = ()  # the recent window first, then those asked for
     sagas: int | None = None  # rows of the endpoint's saga table; None: it has none
     sagas_estimated: bool = False
+    # A send created the queue and no endpoint has started on it since (a typo?):
+    # its table carries the mark of docs/operations.md. first_sender is the
+    # endpoint that sent its oldest message (None: it holds none now).
+    created_by_send: bool = False
+    first_sender: str | None = None
+
+    @property
+    def created_by_send_note(self) -> str | None:
+        """What the status and the dashboard say of a queue a send created (None: not one)."""
+        if not self.created_by_send:
+            return None
+        sender = f" from {self.first_sender}" if self.first_sender else ""
+        return f"created by a send{sender}, no endpoint has started on it"
 
     @property
     def ready_blocked(self) -> bool:
@@ -134,6 +148,7 @@ class QueueDepth:
     oldest_ready_seconds: float | None
     blocked: int  # blocked sequences, at most BLOCKED_SHOWN counted
     processed_estimated: bool = False
+    created_by_send: bool = False  # as QueueStatus.created_by_send (its sender is not read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,10 +355,36 @@ class Admin:
         """
         _check_window(window, *windows)
         async with self._session("queue status", read_only=True) as conn:
+            names = await self._queues(conn, queues)
+            marked = await self._created_by_send(conn, names)
             found = []
-            for name in await self._queues(conn, queues):
-                found.append(await self._status_of(conn, name, (window, *windows), exact))
+            for name in names:
+                status = await self._status_of(conn, name, (window, *windows), exact)
+                if name in marked:
+                    status = replace(status, created_by_send=True, first_sender=marked[name])
+                found.append(status)
             return found
+
+    async def queues_created_by_send(self) -> dict[str, str | None]:
+        """Queues a send created that no endpoint has started on since, by name: each with
+        the endpoint that sent its oldest message (None: it holds none now).
+
+        A few statements whatever the number of queues: the list of queues, one
+        read of the marks of every table (docs/operations.md), and one of the
+        oldest row of each marked one.
+        """
+        async with self._session("queues created by a send", read_only=True) as conn:
+            return await self._created_by_send(conn, await self._queues(conn))
+
+    async def _created_by_send(self, conn: Any, names: Sequence[str]) -> dict[str, str | None]:
+        """Which of ``names`` carry the mark of a queue a send created, with their first sender."""
+        sql = render("ops_marked_queues", self.schema)
+        marks = {r["name"] for r in await conn.fetch(sql, self.schema, CREATED_BY_SEND)}
+        marked = [n for n in names if n in marks]
+        found: dict[str, str | None] = dict.fromkeys(marked)
+        for k, row in await self._each_queue(conn, "ops_first_sender", marked):
+            found[marked[k]] = row["sender"]
+        return found
 
     async def queue_depths(self) -> list[QueueDepth]:
         """Every queue's depths, by name, in a few statements whatever the number of queues.
@@ -379,7 +420,13 @@ class Admin:
                 open_rows = row["ready"] + row["scheduled"] + row["failed"]
                 processed, estimated = max(int(size["live_rows"]) - open_rows, 0), True
             found.append(
-                QueueDepth(name, processed=processed, processed_estimated=estimated, **row)
+                QueueDepth(
+                    name,
+                    processed=processed,
+                    processed_estimated=estimated,
+                    created_by_send=size["note"] == CREATED_BY_SEND,
+                    **row,
+                )
             )
         return found
 
@@ -542,7 +589,11 @@ class Admin:
         _check_window(*windows)
         async with self._session(f"status of {queue}", read_only=True) as conn:
             await self._queue(conn, queue)
-            return await self._status_of(conn, queue, windows, exact=False)
+            status = await self._status_of(conn, queue, windows, exact=False)
+            marked = await self._created_by_send(conn, [queue])
+            if queue in marked:
+                status = replace(status, created_by_send=True, first_sender=marked[queue])
+            return status
 
     async def failed_messages(
         self, queue: str | None = None, *, message_type: str | None = None, limit: int = 100

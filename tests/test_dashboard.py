@@ -853,6 +853,45 @@ async def test_the_header_names_the_schema_and_times_say_utc(
         assert "more rows than the dashboard reads" in browser.find_element(By.ID, "capped").text
 
 
+# -- a queue a send created -----------------------------------------------------------------
+
+
+async def test_a_queue_a_send_created_is_marked_until_its_endpoint_starts(
+    serve: Callable[..., Server], browser: Any, make_bus: Callable[..., Any]
+) -> None:
+    from tests.messages import Ping
+
+    note = "created by a send from orders, no endpoint has started on it"
+    async with make_bus("orders", concurrency=0) as sender:
+        await sender.send(Ping(n=1), to="bililng")  # a typo
+
+    def mark(queue: str) -> str | None:
+        found = browser.execute_script(
+            "const sel = 'tr[data-queue=\"' + CSS.escape(arguments[0]) + '\"] "
+            '[data-mark="created-by-send"]\';'
+            "const el = document.querySelector(sel);"
+            "return el === null ? null : el.innerText.trim();",
+            queue,
+        )
+        return None if found is None else str(found)
+
+    server = serve("--token", TOKEN, "--refresh", "1")
+    browser.get(server.url + "/")
+    assert mark("bililng") == note
+    assert mark("orders") is None
+    browser.get(server.url + "/queues/bililng")
+    assert note in browser.find_element("id", "created-by-send").text
+    browser.get(server.url + "/")
+    browser.execute_script("window.notReloaded = true;")
+    # Its endpoint starts: the mark goes at the next refresh of the table.
+    async with make_bus("bililng", concurrency=0):
+        pass
+    wait_until(lambda: mark("bililng") is None and cell(browser, "bililng", "I") == "1")
+    assert browser.execute_script("return window.notReloaded === true;")
+    browser.get(server.url + "/queues/bililng")
+    assert not browser.find_elements("id", "created-by-send")
+
+
 # -- ready rows held by a blocked sequence -------------------------------------------------
 
 

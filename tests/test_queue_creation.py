@@ -8,13 +8,21 @@ it; ``create_queues=False`` refuses it with QueueNotFound.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Callable
+from typing import Any
 
 import asyncpg
 import pytest
+import structlog
 from structlog.testing import capture_logs
+from typer.testing import CliRunner, Result
 
 from nmbus import Bus, Context, QueueNotFound
+from nmbus.admin import DEPTH_CHUNK, Admin
+from nmbus.cli import app
+from nmbus.sql import render
 from nmbus.testing import drain
 from tests.messages import Ping, Pong
 
@@ -105,3 +113,83 @@ def test_create_queues_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setenv("NMBUS_CREATE_QUEUES", "false")
     assert Settings().create_queues is False
+
+
+# -- shown as such: `nmbus status` and the operations layer ------------------------------------
+
+NOTE = "created by a send from orders, no endpoint has started on it"
+
+
+def status(dsn: str, *args: str) -> Result:
+    saved = structlog.get_config()  # the CLI configures logging for the process
+    try:
+        result = CliRunner().invoke(
+            app, ["status", "--dsn", dsn, *args], env={"COLUMNS": "200", "NMBUS_DSN": None}
+        )
+    finally:
+        structlog.configure(**saved)
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    return result
+
+
+async def test_status_shows_a_queue_a_send_created_until_its_endpoint_starts(
+    make_bus: Callable[..., Bus], dsn: str
+) -> None:
+    async with make_bus("orders", concurrency=0) as sender:
+        await sender.send(Ping(n=1), to="bililng")  # a typo
+    got = json.loads((await asyncio.to_thread(status, dsn, "--json")).stdout)
+    fields = ("created_by_send", "first_sender", "note")
+    marks = {q["queue"]: tuple(q[f] for f in fields) for q in got["queues"]}
+    assert marks == {"bililng": (True, "orders", NOTE), "orders": (False, None, None)}
+    text = (await asyncio.to_thread(status, dsn)).stdout
+    assert "created by a send" in text and NOTE in " ".join(text.split()), text
+    async with Admin(dsn) as admin:
+        assert await admin.queues_created_by_send() == {"bililng": "orders"}
+        depths = {d.queue: d.created_by_send for d in await admin.queue_depths()}
+        assert depths == {"bililng": True, "orders": False}
+        assert (await admin.queue_detail("bililng")).created_by_send_note == NOTE
+    # Its endpoint starts: the queue is one someone meant, and no longer shown as a typo.
+    async with make_bus("bililng", concurrency=0):
+        pass
+    got = json.loads((await asyncio.to_thread(status, dsn, "--json")).stdout)
+    assert [q["created_by_send"] for q in got["queues"]] == [False, False]
+    assert [q["note"] for q in got["queues"]] == [None, None]
+    assert "created by a send" not in (await asyncio.to_thread(status, dsn)).stdout
+    async with Admin(dsn) as admin:
+        assert await admin.queues_created_by_send() == {}
+        assert not any(d.created_by_send for d in await admin.queue_depths())
+
+
+async def test_the_marks_of_many_queues_are_read_in_a_few_statements(
+    make_bus: Callable[..., Bus], dsn: str, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page over hundreds of queues reads the marks once, not once per queue."""
+    async with make_bus("orders", concurrency=0):
+        pass
+    names = [f"typo{n:03}" for n in range(3 * DEPTH_CHUNK)]
+    for name in names:  # as a send leaves them (docs/operations.md), made faster in SQL
+        await db.execute(render("create_queue", "nmbus", name))
+        await db.execute(render("register_queue", "nmbus"), name)
+        await db.execute(render("mark_created_by_send", "nmbus", name))
+    await db.execute(
+        "INSERT INTO nmbus.typo007 (from_endpoint, to_endpoint, label, msg_text) "
+        "VALUES ('shop', 'typo007', 'x', '{}'), ('orders', 'typo007', 'x', '{}')"
+    )
+    statements: list[str] = []
+    create_pool = asyncpg.create_pool
+
+    def counting_pool(*args: Any, **kwargs: Any) -> Any:
+        async def init(conn: asyncpg.Connection) -> None:
+            conn.add_query_logger(lambda record: statements.append(record.query))
+
+        return create_pool(*args, init=init, **kwargs)
+
+    monkeypatch.setattr(asyncpg, "create_pool", counting_pool)
+    async with Admin(dsn) as admin:
+        await admin.schema_exists()
+        statements.clear()
+        found = await admin.queue_status()
+    assert {q.queue for q in found if q.created_by_send} == set(names)
+    assert {q.queue: q.first_sender for q in found if q.first_sender} == {"typo007": "shop"}
+    assert sum("obj_description" in s for s in statements) == 1
+    assert sum("from_endpoint AS sender" in s for s in statements) == 1

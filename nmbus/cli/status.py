@@ -62,7 +62,13 @@ def status(
         emit_json(
             {
                 "window_seconds": seconds,
-                "queues": [{k: v for k, v in plain(q).items() if k != "windows"} for q in queues],
+                "queues": [
+                    {
+                        **{k: v for k, v in plain(q).items() if k != "windows"},
+                        "note": q.created_by_send_note,
+                    }
+                    for q in queues
+                ],
                 "routes": [plain(r) for r in routes],
             }
         )
@@ -104,6 +110,7 @@ def status(
         ],
         empty=f"no queues yet in schema {cfg.schema_name!r}",
     )
+    _created_by_send(queues)
     blocked = [(q.queue, b) for q in queues for b in q.blocked]
     if blocked:
         table(
@@ -129,6 +136,18 @@ def _oldest_ready(q: QueueStatus) -> str:
     """The age of the oldest claimable row; "blocked" when the ready rows are all members
     parked behind a sequence's head in F or R (the blocked table below names it)."""
     return "blocked" if q.ready_blocked else age_text(q.oldest_ready_seconds)
+
+
+def _created_by_send(queues: list[QueueStatus]) -> None:
+    """Queues a send created and no endpoint has started on (a typo?), with their sender."""
+    marked = [q for q in queues if q.created_by_send]
+    if not marked:
+        return
+    table(
+        "queues created by a send (a typo? see docs/operations.md)",
+        [Column("queue", key=True), Column("note", wrap=True)],
+        [[q.queue, q.created_by_send_note] for q in marked],
+    )
 
 
 def _routes_table(routes: list[RouteStatus]) -> None:

@@ -1040,14 +1040,25 @@ SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
 FROM open;
 
 -- ops_queue_sizes --
--- Every registered queue that has a table, by name: the statistics system's live-row count (as in ops_queue_counts) and its size in pages. $1: schema (unquoted).
+-- Every registered queue that has a table, by name: the statistics system's live-row count (as in ops_queue_counts), its size in pages and its table's comment (the mark of a queue a send created, see mark_created_by_send). $1: schema (unquoted).
 SELECT q.name, coalesce(s.n_live_tup, 0) AS live_rows,
-       pg_relation_size(c.oid) / current_setting('block_size')::bigint AS pages
+       pg_relation_size(c.oid) / current_setting('block_size')::bigint AS pages,
+       obj_description(c.oid, 'pg_class') AS note
 FROM {schema}.queues AS q
 JOIN pg_namespace AS n ON n.nspname = $1
 JOIN pg_class AS c ON c.relnamespace = n.oid AND c.relname = q.name AND c.relkind IN ('r', 'p')
 LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid
 ORDER BY q.name;
+
+-- ops_marked_queues --
+-- Every table of the schema whose comment is $2 (the mark of a queue a send created, see mark_created_by_send), in one read of the catalogue whatever the number of queues. $1: schema (unquoted).
+SELECT c.relname AS name
+FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') AND obj_description(c.oid, 'pg_class') = $2;
+
+-- ops_first_sender --
+-- The endpoint that sent a queue's oldest message (for a queue a send created: that send, unless retention removed it); no row when the table is empty.
+SELECT from_endpoint AS sender FROM {queue} ORDER BY id LIMIT 1;
 
 -- ops_queue_depth --
 -- One queue's depths, as ops_queue_counts reads them but without the statistics (see ops_queue_sizes), and how many sequences are blocked (at most $1). Admin.queue_depths reads many queues in one statement: a UNION ALL of this block, one per queue, each under its position in the list.

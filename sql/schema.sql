@@ -1,4 +1,4 @@
--- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 7).
+-- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 9).
 -- nmbus creates all of this itself when a Bus starts; to run it by hand:
 --   psql -v ON_ERROR_STOP=1 -f FILE
 

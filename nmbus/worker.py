@@ -380,6 +380,8 @@ class Worker:
             log.error("outcome_not_recorded", queue=self.queue, message_id=row.id, error=str(again))
             await self.store.abandon_leases(self.queue, [row.id], self.client_id)
             return
+        self.handled += 1
+        self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
         if self.metrics is not None:
             self.metrics.committed([row], outcomes, whole_batch=False)
 
@@ -551,6 +553,13 @@ class Worker:
         await tx.commit()
         committed.update(part.ids)
         self.in_flight.difference_update(part.ids)
+        # Counted as soon as committed: the rest of the batch may still fail.
+        self.handled += len(part)
+        self.outcomes.update(sq or "released" for sq in part.subqueue)
+        if lost:
+            log.warning("lease_lost", queue=self.queue, messages=lost, batch=len(part))
+        elif self.metrics is not None:
+            self.metrics.committed(batch, part)
         hooks = self.dispatcher.registry.batch_hooks
         if hooks:
             # The commit let go of what the hooks took (the saga locks): the rest of
@@ -558,12 +567,6 @@ class Worker:
             rest = [m for m in batch if m.id not in committed]
             for hook in hooks:
                 await hook(tx, rest)
-        self.handled += len(part)
-        self.outcomes.update(sq or "released" for sq in part.subqueue)
-        if lost:
-            log.warning("lease_lost", queue=self.queue, messages=lost, batch=len(part))
-        elif self.metrics is not None:
-            self.metrics.committed(batch, part)
 
     async def _handle_concurrently(
         self,

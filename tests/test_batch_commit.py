@@ -13,8 +13,10 @@ import contextlib
 from collections.abc import Callable
 
 import asyncpg
+from pydantic import BaseModel
 
-from nmbus import Bus, Context
+from nmbus import Bus, Context, Message
+from nmbus.postgres.sagas import _lock_id
 from nmbus.testing import drain
 from tests.messages import Ping, Pong
 
@@ -147,3 +149,53 @@ async def test_stopping_during_a_batch_keeps_its_committed_part_and_gives_back_t
     assert sorted(ran) == ran == list(range(len(ran)))
     assert ends == [("X", 1)] * len(ran) + [("I", 0)] * (40 - len(ran))
     assert len(ran) < 40  # 8 s of handlers; the stop came a part (0.5 s) in
+
+
+class Step(Message, type_name="test.batch_commit.Step"):
+    key: str
+    slow: bool = False
+
+
+class Tally(BaseModel):
+    n: int = 0
+
+
+async def test_a_committed_part_is_counted_when_the_rest_of_its_batch_fails_after_it(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+) -> None:
+    # After a part commits, the rest of a saga batch takes its saga locks again;
+    # here that fails (another session holds the lock past lock_timeout). The
+    # committed part stays X and the rest is recorded failed: both are counted.
+    name = await db.fetchval("SELECT current_database()")
+    await db.execute(f"ALTER DATABASE \"{name}\" SET lock_timeout = '300ms'")
+    bus = make_bus("acct", concurrency=0, batch_commit_interval=0.05, retry_delay=60)
+    saga = bus.saga(Tally, key="key")
+    other = await asyncpg.connect(dsn)
+    await other.execute("SET lock_timeout = 0")
+    first = _lock_id(f"nmbus.acct$saga/{saga.name}")
+    waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    taken: list[asyncio.Task[str]] = []
+
+    @saga.handler(start=True)
+    async def step(msg: Step, state: Tally, ctx: Context) -> None:
+        state.n += 1
+        if msg.slow:
+            # Queue up for b's lock, which this batch holds until its part commits.
+            lock = other.execute("SELECT pg_advisory_lock($1, $2)", first, _lock_id("b"))
+            taken.append(asyncio.create_task(lock))
+            assert await visible(db, waiting, 1)
+            await asyncio.sleep(0.1)
+
+    try:
+        async with make_bus("sender", concurrency=0) as sender, bus:
+            await sender.send(Step(key="a", slow=True), to="acct")
+            await sender.send(Step(key="b"), to="acct")
+            counts = await bus.worker.run_burst()
+        await asyncio.gather(*taken)
+    finally:
+        await other.close()
+    rows = await db.fetch("SELECT subqueue, error_info FROM nmbus.acct ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["X", "R"]
+    assert "lock timeout" in rows[1]["error_info"]
+    assert counts == {"X": 1, "R": 1, "F": 0}
+    assert bus.worker.handled == 2

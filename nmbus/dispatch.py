@@ -73,6 +73,10 @@ HAND_BACK_MAX_DELAY = 5.0
 # its headers name: a live requester gets it within a few hand-backs, so after an
 # hour its process is gone (or the deadline was forged) and the reply is late.
 HAND_BACK_MAX_AGE = 3600.0
+# Deadlocks or serialization failures that one message's handlers may lose in this
+# process without spending an attempt; beyond, each is a failed attempt, so a
+# handler that conflicts every time (a trigger raising 40001) reaches F.
+MAX_FREE_CONFLICTS = 10
 
 
 def _hand_back_delay(row: StoredMessage) -> float | None:
@@ -328,6 +332,8 @@ class Dispatcher:
         # valid while the registry is unchanged.
         self._plans: dict[type[Message], tuple[tuple[Handler, ...], Any, RetryPolicy]] = {}
         self._plans_for = -1
+        # Conflicts lost so far by each message that lost one (MAX_FREE_CONFLICTS).
+        self._conflicts: dict[int, int] = {}
         # The tracing of the current batch: None unless spans are recorded (start_batch).
         self._batch_tracing: Tracing | None = None
         # structlog's context variables for the two keys bound per message.
@@ -560,6 +566,13 @@ class Dispatcher:
             log.info("late_reply", correlation_id=row.correlation_id)
         return True
 
+    def _free_conflict(self, id: int) -> bool:
+        """Whether message ``id``'s conflict may cost no attempt (its first MAX_FREE_CONFLICTS)."""
+        if len(self._conflicts) >= 10_000 and id not in self._conflicts:
+            self._conflicts.clear()  # bounded: forgetting only makes more conflicts free
+        lost = self._conflicts[id] = self._conflicts.get(id, 0) + 1
+        return lost <= MAX_FREE_CONFLICTS
+
     def expired(self, row: StoredMessage, outcomes: Outcomes) -> None:
         """Record an expired row without running a handler: F, or X with ``on_expired="drop"``."""
         reason = error_info(
@@ -600,7 +613,7 @@ class Dispatcher:
         elif isinstance(exc, asyncio.CancelledError):
             exc = because(HandlerCancelled("cancelled by something other than the worker"), exc)
         info = error_info(exc)
-        if is_conflict(exc):
+        if is_conflict(exc) and self._free_conflict(row.id):
             # A deadlock or serialization failure says nothing about the message: its
             # writes were rolled back, it is tried again soon, and the attempt is not spent.
             seconds = _retry_delay(random.uniform(0.05, 0.5))

@@ -16,6 +16,7 @@ import pytest
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, HandlerError, Message, Saga
+from nmbus.dispatch import MAX_FREE_CONFLICTS
 from nmbus.errors import ConfigurationError, StoreError
 from nmbus.recovery import is_conflict
 from nmbus.store import SCHEMA_VERSION
@@ -735,6 +736,9 @@ async def _deadlock_once(
         await other.close()
 
 
+SELECT_PAIR = "SELECT subqueue, retry_count, error_info FROM nmbus.locking WHERE id = 1"
+
+
 async def _wait_done(db: asyncpg.Connection, queue: str) -> asyncpg.Record:
     async with asyncio.timeout(20):
         while True:
@@ -776,6 +780,36 @@ async def test_a_handler_that_loses_a_deadlock_is_retried_without_spending_an_at
     assert runs == [1, 1]
     # The lost run left nothing; the run that won and the other transaction did.
     assert dict(await db.fetch("SELECT id, v FROM pair")) == {1: 11, 2: 11}
+
+
+@pytest.mark.parametrize("outside_effects", [True, False], ids=["savepoint", "replayed"])
+async def test_a_handler_that_conflicts_every_time_reaches_f_after_its_free_retries(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, outside_effects: bool
+) -> None:
+    # A trigger or function that raises serialization_failure whatever happens: the
+    # refund of a conflict's attempt must not retry such a message for ever.
+    await db.execute(
+        "CREATE FUNCTION always_conflicts() RETURNS void LANGUAGE plpgsql AS $$ BEGIN "
+        "RAISE EXCEPTION 'could not serialize' USING ERRCODE = 'serialization_failure'; "
+        "END $$"
+    )
+    bus = make_bus("locking", poll_interval=0.2, max_attempts=2, retry_delay=0.01)
+    runs: list[int] = []
+
+    @bus.handler(outside_effects=outside_effects)
+    async def conflicts(msg: Pair, ctx: Context) -> None:
+        runs.append(ctx.retry_count)
+        await ctx.connection.execute("SELECT always_conflicts()")
+
+    async with bus:
+        await bus.send(Pair(), to="locking")
+        async with asyncio.timeout(120):
+            while (row := await db.fetchrow(SELECT_PAIR)) is None or row["subqueue"] != "F":
+                await asyncio.sleep(0.05)
+    assert row["retry_count"] == 2
+    assert "SerializationError" in row["error_info"]
+    # The free retries, then the two attempts max_attempts allows.
+    assert len(runs) == MAX_FREE_CONFLICTS + 2
 
 
 async def test_a_batch_that_loses_a_deadlock_outside_its_handlers_runs_again_at_no_cost(

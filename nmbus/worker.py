@@ -335,8 +335,22 @@ class Worker:
         except DatabaseUnavailable:
             raise
         except LeaseLost as exc:
-            # Another worker has these rows now; running them again here would be a waste.
+            # Another worker has some of these rows now; running them again here would
+            # be a waste. The others, still ours and rolled back, go back at once (those
+            # never started without their attempt), not as crash suspects a lease later.
             log.warning("lease_lost", queue=self.queue, batch=len(batch), error=str(exc))
+            held = [i for i in ids if i not in committed]
+            for group, refund in (
+                ([i for i in held if i in started], False),
+                ([i for i in held if i not in started], True),
+            ):
+                if group:
+                    try:
+                        await self.store.abandon_leases(
+                            self.queue, group, self.client_id, refund=refund
+                        )
+                    except StoreError as again:
+                        log.warning("worker_abandon_failed", queue=self.queue, error=str(again))
             return []
         except Exception as exc:
             rest = [m for m in batch if m.id not in committed] if committed else batch

@@ -265,3 +265,25 @@ async def test_concurrent_processes_enqueue_a_due_time_once_before_and_after_ret
         )
     finally:
         await store.close()
+
+
+async def test_a_process_whose_clock_ran_ahead_does_not_stop_the_schedule_of_the_others(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        schedule = Schedule.of(noop, 60.0, None, "minutely", "last")
+        scheduler = Scheduler("clock", store, EnvelopeBuilder(10_000), [schedule])
+        now = datetime.now(UTC)
+        # A host whose clock is a year ahead enqueues the due time it sees.
+        assert await scheduler.enqueue(schedule, schedule.latest(now + timedelta(days=365)))
+        # The processes whose clocks are right still enqueue theirs, once each.
+        on_time = schedule.latest(now)
+        assert await scheduler.enqueue(schedule, on_time)
+        assert not await scheduler.enqueue(schedule, on_time)
+        await db.execute("DELETE FROM nmbus.clock")  # what retention does to handled ticks
+        assert not await scheduler.enqueue(schedule, on_time)
+        assert await scheduler.enqueue(schedule, on_time + timedelta(minutes=1))
+    finally:
+        await store.close()

@@ -359,7 +359,10 @@ SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
 -- tick of that schedule due at $9 or later was enqueued before, and record $9 as
 -- its latest due time: one statement, so the record and the row commit together.
 -- Two processes trying the same due time serialise on the record's row; the
--- second finds last_due = $9 and inserts nothing. The unique index still keeps a
+-- second finds last_due = $9 and inserts nothing. A record more than a minute
+-- ahead of the database's clock (a process whose clock ran ahead) is not trusted:
+-- any due time replaces it, so that process cannot stop the schedule for the
+-- others until their clocks catch up. The unique index still keeps a
 -- row whose tick was enqueued before the record existed. $2 correlation_id,
 -- $3 label, $4 msg_text, $5 msg_headers (JSON text), $6 unique_id, $7 notify
 -- channel. Returns how many rows were inserted (0 or 1).
@@ -368,7 +371,7 @@ WITH due AS (
     VALUES ($1, $8, $9)
     ON CONFLICT (endpoint, schedule) DO UPDATE
         SET last_due = excluded.last_due, recorded_at = now()
-        WHERE d.last_due < excluded.last_due
+        WHERE d.last_due < excluded.last_due OR d.last_due > now() + interval '1 minute'
     RETURNING 1
 ), ins AS (
     INSERT INTO {queue} (from_endpoint, to_endpoint, correlation_id, label, msg_text,

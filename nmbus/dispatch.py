@@ -334,6 +334,9 @@ class Dispatcher:
         self._plans_for = -1
         # Conflicts lost so far by each message that lost one (MAX_FREE_CONFLICTS).
         self._conflicts: dict[int, int] = {}
+        # Rows of replies handed to their request: a batch run again (a conflict, a
+        # split) must not hand one to its type's handlers as well.
+        self._resolved: set[int] = set()
         # The tracing of the current batch: None unless spans are recorded (start_batch).
         self._batch_tracing: Tracing | None = None
         # structlog's context variables for the two keys bound per message.
@@ -530,6 +533,9 @@ class Dispatcher:
             return False
         if not isinstance(headers, dict) or IN_REPLY_TO_HEADER not in headers:
             return False
+        if row.id in self._resolved:
+            outcomes.add(row.id, "X")  # its request has it: only its outcome was lost
+            return True
         replies = self.replies
         if replies is not None and row.correlation_id in replies:
             try:
@@ -537,6 +543,9 @@ class Dispatcher:
             except (ValidationError, ValueError):
                 return False  # recorded as undecodable by the usual path
             if replies.resolve(row.correlation_id, message):
+                if len(self._resolved) >= 10_000:
+                    self._resolved.clear()  # bounded; a batch's own are its last few
+                self._resolved.add(row.id)
                 outcomes.add(row.id, "X")
                 if per_message_logs():
                     log.info("reply_received", correlation_id=row.correlation_id)

@@ -326,3 +326,37 @@ async def test_a_reply_is_handed_back_for_an_hour_at_most_whatever_its_deadline(
     # A young one still goes back for its requester, its attempt not counted.
     assert rows["c-young"]["subqueue"] == "R"
     assert rows["c-young"]["retry_count"] == 0
+
+
+async def test_a_reply_whose_batch_runs_again_after_a_conflict_is_not_handled_again(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # The reply is handed to its request; then the batch's finish loses a
+    # serialization failure (once) and the batch runs again under its claim. The
+    # request has its answer: the reply goes to X, not to Quote's handler too.
+    shop = make_bus("shop", poll_interval=0.2)
+    handled: list[str] = []
+
+    @shop.handler
+    async def quoted(msg: Quote, ctx: Context) -> None:
+        handled.append(msg.item)
+
+    async with shop, pricing_bus(make_bus):
+        await db.execute("CREATE SEQUENCE finishes")
+        await db.execute(
+            "CREATE FUNCTION conflict_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.subqueue = 'X' THEN IF nextval('finishes') = 1 THEN RAISE EXCEPTION "
+            "'could not serialize' USING ERRCODE = 'serialization_failure'; END IF; "
+            "END IF; RETURN NEW; END $$"
+        )
+        await db.execute(
+            "CREATE TRIGGER conflict_once BEFORE UPDATE ON nmbus.shop "
+            "FOR EACH ROW EXECUTE FUNCTION conflict_once()"
+        )
+        answer = await shop.request(GetQuote(item="tea"), to="pricing", timeout=20)
+        await drain(shop, timeout=20)
+    assert answer == Quote(item="tea", price=3.0)
+    assert await db.fetchval("SELECT last_value FROM finishes") == 2  # the conflict happened
+    row = await db.fetchrow("SELECT subqueue, retry_count FROM nmbus.shop")
+    assert tuple(row) == ("X", 1)
+    assert handled == []

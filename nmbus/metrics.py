@@ -171,12 +171,21 @@ class WorkerMetrics:
         series.seconds += seconds
 
     def committed(
-        self, batch: Sequence[StoredMessage], outcomes: Outcomes, whole_batch: bool = True
+        self,
+        batch: Sequence[StoredMessage],
+        outcomes: Outcomes,
+        whole_batch: bool = True,
+        size: int | None = None,
     ) -> None:
-        """Count the outcomes of a batch that has just been committed."""
+        """Count the outcomes of a batch that has just been committed.
+
+        ``whole_batch``: observe the batch's size (``size``, else its outcomes),
+        once per batch: False for the parts a batch commits before its last.
+        """
         if whole_batch:
-            self._batches[bisect_left(BATCH_BUCKETS, len(outcomes))] += 1
-            self._batched += len(outcomes)
+            size = len(outcomes) if size is None else size
+            self._batches[bisect_left(BATCH_BUCKETS, size)] += 1
+            self._batched += size
         labels = {m.id: m.label for m in batch}
         for id, subqueue, error in zip(
             outcomes.ids, outcomes.subqueue, outcomes.error_info, strict=True

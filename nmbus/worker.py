@@ -531,7 +531,8 @@ class Worker:
         self.handled += len(outcomes)
         self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
         if self.metrics is not None and not partial:
-            self.metrics.committed(batch, outcomes)
+            # One batch, whatever the parts it was committed in.
+            self.metrics.committed(batch, outcomes, size=len(committed) + len(outcomes))
         # Committed: ours, and in flight from now on (the lease renewer must see them).
         self.in_flight.update(m.id for m in ahead)
         return ahead
@@ -573,7 +574,7 @@ class Worker:
         if lost:
             log.warning("lease_lost", queue=self.queue, messages=lost, batch=len(part))
         elif self.metrics is not None:
-            self.metrics.committed(batch, part)
+            self.metrics.committed(batch, part, whole_batch=False)
         hooks = self.dispatcher.registry.batch_hooks
         if hooks:
             # The commit let go of what the hooks took (the saga locks): the rest of

@@ -350,3 +350,31 @@ def test_durations_and_batch_sizes_land_in_the_right_buckets() -> None:
     assert value(found, "nmbus_messages_handled_total", queue="unit", type="(unknown)") == 205
     assert value(found, "nmbus_lease_renewals_total", queue="unit") == 7
     assert value(found, "nmbus_lease_renewal_failures_total", queue="unit") == 1
+
+
+async def test_a_batch_committed_in_parts_is_one_batch_of_its_size(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # Each handler outlasts batch_commit_interval: the batch of six commits in
+    # parts, and nmbus_batch_size still sees one batch of six ("batch fill").
+    bus = make_bus("metered", metrics_port=0, batch_size=10, batch_commit_interval=0.01)
+
+    @bus.handler
+    async def slow(msg: Slow, ctx: Context) -> None:
+        await asyncio.sleep(msg.seconds)
+
+    async with make_bus("metered", concurrency=0) as sender:
+        for _ in range(6):
+            await sender.send(Slow(seconds=0.05), to="metered")
+    async with bus:
+        port = bus.metrics_port
+        assert port is not None
+        await wait_rows(db, "metered", {"X": 6})
+        async with asyncio.timeout(30):
+            while bus.worker.outcomes["X"] < 6:
+                await asyncio.sleep(0.01)
+        found = samples(await asyncio.to_thread(scrape, port))
+    q = {"queue": "metered"}
+    assert value(found, "nmbus_messages_handled_total", type="obs.Slow", **q) == 6
+    assert value(found, "nmbus_batch_size_sum", **q) == 6
+    assert value(found, "nmbus_batch_size_count", **q) == 1

@@ -171,6 +171,20 @@ FAILED_UNIQUE_ID_HEADER = "nmbus-failed-unique-id"
 FAILED_ERROR_HEADER = "nmbus-failed-error"
 
 
+# What routes a message to a waiting request or to a saga instance: a copy in the
+# failure port is neither.
+_NOT_COPIED_TO_PORT = frozenset(
+    {
+        IN_REPLY_TO_HEADER,
+        REQUESTER_HEADER,
+        REPLY_BY_HEADER,
+        SAGA_HEADER,
+        SAGA_KEY_HEADER,
+        SAGA_INSTANCE_HEADER,
+    }
+)
+
+
 def dead_letter_copy(
     queue: str,
     id: int,
@@ -187,6 +201,10 @@ def dead_letter_copy(
     None when the row is itself a failure port's copy (it has FAILED_QUEUE_HEADER):
     a copy of a copy is never made, so failure ports that point at each other,
     in a cycle of any length, stop after one copy instead of copying for ever.
+
+    The copy is nobody's reply and no saga's timeout: the headers that would make
+    the port's workers hand it to a request, or back to another process of their
+    endpoint, or to a saga of the same name, are not copied.
     """
     headers: dict[str, str] = {}
     if msg_headers:
@@ -197,7 +215,9 @@ def dead_letter_copy(
         if isinstance(loaded, dict):
             if FAILED_QUEUE_HEADER in loaded:
                 return None
-            headers = {str(k): str(v) for k, v in loaded.items()}
+            headers = {
+                str(k): str(v) for k, v in loaded.items() if str(k) not in _NOT_COPIED_TO_PORT
+            }
     headers[FAILED_QUEUE_HEADER] = queue
     headers[FAILED_ID_HEADER] = str(id)
     headers[FAILED_UNIQUE_ID_HEADER] = unique_id

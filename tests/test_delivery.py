@@ -13,6 +13,7 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, Context, InvalidMessage, PermanentError
+from nmbus.envelopes import dead_letter_copy
 from nmbus.messages import Envelope
 from nmbus.postgres import PostgresStore
 from nmbus.testing import MemoryStore, drain
@@ -359,3 +360,26 @@ async def test_failure_ports_in_a_cycle_copy_a_failure_once_and_never_a_copy(
     assert json.loads(copy["msg_headers"])["nmbus-failed-id"] == str(original["id"])
     for name in cycle[2:]:
         assert await rows(db, name) == []
+
+
+def test_a_failure_port_copy_is_nobodys_reply_and_no_sagas_timeout() -> None:
+    # A failed reply, or a failed saga timeout, copied with its routing headers would
+    # be handed back and forth between the port's processes, or act on a saga there.
+    routing = {
+        "nmbus-in-reply-to": "req-1",
+        "nmbus-requester": "another-process",
+        "nmbus-reply-by": "9999-12-31T00:00:00+00:00",
+        "nmbus-saga": "Fulfilment",
+        "nmbus-saga-key": "42",
+        "nmbus-saga-instance": "0f0e",
+    }
+    kept = {"x-tenant": "t-7", "nmbus-reply-to": "orders", "traceparent": "00-ab-cd-01"}
+    copy = dead_letter_copy(
+        "billing", 7, "u-7", "test.Ping", '{"n":1}', json.dumps({**routing, **kept}), "c-1", "E"
+    )
+    assert copy is not None
+    headers = json.loads(copy.msg_headers)
+    assert not set(routing) & set(headers)
+    assert {k: headers[k] for k in kept} == kept
+    assert headers["nmbus-failed-queue"] == "billing" and headers["nmbus-failed-id"] == "7"
+    assert copy.correlation_id == "c-1" and copy.msg_text == '{"n":1}'

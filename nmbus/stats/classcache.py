@@ -186,7 +186,7 @@ def _key(java_home: str, spark_home: str | None, extra_classpath: str = "") -> s
     for name in ("release", os.path.join("lib", "server", "libjvm.so")):
         digest.update(f"{name}:{_stamp(os.path.join(home, name))}".encode())
     if spark_home is None:
-        spark_home = _spark_home()
+        spark_home = find_spark_home()
     digest.update(os.path.realpath(spark_home).encode())
     jars = os.path.join(spark_home, "jars")
     with contextlib.suppress(OSError):
@@ -212,7 +212,8 @@ def _stamp(path: str) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 
-def _spark_home() -> str:
+def find_spark_home() -> str:
+    """Spark's installation: ``$SPARK_HOME``, else pyspark's own."""
     if os.environ.get("SPARK_HOME"):
         return os.environ["SPARK_HOME"]
     from pyspark.find_spark_home import _find_spark_home

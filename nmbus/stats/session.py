@@ -339,7 +339,8 @@ def _joined(ours: list[str], theirs: str | None, key: str) -> str:
 
 def spark_default(key: str) -> str | None:
     """``key``'s value in the spark-defaults.conf Spark's launcher reads, if any."""
-    conf_dir = os.environ.get("SPARK_CONF_DIR") or os.path.join(classcache._spark_home(), "conf")
+    spark_conf = os.environ.get("SPARK_CONF_DIR")
+    conf_dir = spark_conf or os.path.join(classcache.find_spark_home(), "conf")
     try:
         with open(os.path.join(conf_dir, "spark-defaults.conf"), encoding="utf-8") as fh:
             lines = fh.read().splitlines()

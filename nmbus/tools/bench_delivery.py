@@ -15,7 +15,7 @@ from typing import Any
 
 from nmbus.bus import Bus
 from nmbus.context import Context
-from nmbus.tools.bench_scenarios import _deadline, wait_until
+from nmbus.tools.bench_scenarios import drain_timeout, wait_until
 from nmbus.tools.bench_scratch import QUEUE, TICK, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
 
@@ -49,7 +49,7 @@ async def measure_delivery_drain(
             first.append(time.perf_counter())
 
     async with bus:
-        await wait_until(lambda: bus.worker.handled >= total, _deadline(total) * 4)
+        await wait_until(lambda: bus.worker.handled >= total, drain_timeout(total) * 4)
         elapsed = time.perf_counter() - first[0]
     processed = await scratch.count("X")
     if processed != total:

@@ -29,7 +29,7 @@ import asyncpg
 
 from nmbus.bus import Bus
 from nmbus.context import Context
-from nmbus.tools.bench_scenarios import _deadline, open_loop, percentile, wait_until
+from nmbus.tools.bench_scenarios import drain_timeout, open_loop, percentile, wait_until
 from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
 
 BURST_MAX = 20_000
@@ -83,7 +83,7 @@ async def _run_once(
     async with receiver, producer:
         await asyncio.sleep(0.3)  # let the listeners connect
         await open_loop(send, options.rate, total)
-        await wait_until(lambda: len(started_at) >= total, _deadline(total))
+        await wait_until(lambda: len(started_at) >= total, drain_timeout(total))
         counted = range(skip, total) if total > skip else range(total)
         latencies = [(started_at[n] - called[n]) * 1000.0 for n in counted]
 
@@ -95,7 +95,7 @@ async def _run_once(
                 async with conn.transaction():
                     for n in range(start, min(last, start + options.batch_size)):
                         await producer.send(Tick(n=n, sent=0.0), to=QUEUE, connection=conn)
-        await wait_until(lambda: len(started_at) >= last, _deadline(burst))
+        await wait_until(lambda: len(started_at) >= last, drain_timeout(burst))
         elapsed = time.perf_counter() - t0
     return {
         "p50_ms": percentile(latencies, 50),

@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.postgres.store import notify_channel
-from nmbus.tools.bench_scenarios import _deadline, wait_until
+from nmbus.tools.bench_scenarios import drain_timeout, wait_until
 from nmbus.tools.bench_scratch import QUEUE, TICK, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
 
@@ -88,7 +88,7 @@ async def _drain(options: BenchOptions, scratch: Scratch, kind: str) -> float:
             state.last = msg.n
 
     async with bus:
-        await wait_until(lambda: bus.worker.handled >= total, _deadline(total))
+        await wait_until(lambda: bus.worker.handled >= total, drain_timeout(total))
         elapsed = time.perf_counter() - first[0]
         if with_saga:
             states = [await saga.load(k) for k in range(min(SAGAS, total))]
@@ -173,7 +173,7 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
             render("bench_preload", scratch.schema, QUEUE), total, "I", TICK, prefix
         )
         await scratch.c.execute("SELECT pg_notify($1, $2)", notify_channel(scratch.schema), QUEUE)
-        deadline = time.monotonic() + _deadline(total) + 300
+        deadline = time.monotonic() + drain_timeout(total) + 300
         while int(await scratch.c.fetchval(count_done)) < total:
             if time.monotonic() > deadline:
                 raise RuntimeError("the saga processes did not finish in time")

@@ -43,8 +43,11 @@ async def open_loop(
     await asyncio.gather(*tasks)
 
 
-def _deadline(count: int) -> float:
-    # Generous: a loaded machine must not turn a slow run into a failure.
+def drain_timeout(count: int) -> float:
+    """Seconds a run of ``count`` messages may take before the benchmark gives up.
+
+    Generous: a loaded machine must not turn a slow run into a failure.
+    """
     return 60.0 + count / 200.0
 
 
@@ -170,7 +173,7 @@ async def measure_drain(
 
     async with bus:
         cpu = time.process_time()
-        await wait_until(lambda: bus.worker.handled >= total, _deadline(total))
+        await wait_until(lambda: bus.worker.handled >= total, drain_timeout(total))
         elapsed = time.perf_counter() - first[0]
         cpu = time.process_time() - cpu
     if cpu_used is not None:
@@ -280,7 +283,7 @@ async def measure_latency(
     async with worker, producer:
         await asyncio.sleep(0.2)  # let the worker's listener connect
         await open_loop(send, options.rate, total)
-        await wait_until(lambda: len(started_at) >= total, _deadline(total))
+        await wait_until(lambda: len(started_at) >= total, drain_timeout(total))
     counted = range(skip, total) if total > skip else range(total)
     return latency_figures(started_at, called, returned, counted)
 

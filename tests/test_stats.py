@@ -837,54 +837,115 @@ def test_unreachable_database_cli(out_dir: Path) -> None:
 
 
 STATS = ROOT / "nmbus" / "stats"
-ZIP_COMMAND = "python -m zipfile -c nmbus-stats.zip nmbus/stats/*.py"
+SHIP_COMMAND = "python nmbus/stats/ship.py nmbus-stats.zip"
+# What a cluster's Python has: the standard library, no site-packages (so no nmbus,
+# not even pyspark) and nothing from the environment or the current folder.
+CLEAN_PYTHON = [sys.executable, "-I", "-S"]
+
+
+def _ship(out_dir: Path) -> tuple[Path, Path]:
+    """The documented zip (written from the checkout) and submit.py alone in a folder."""
+    zipped = out_dir / "nmbus-stats.zip"
+    command = SHIP_COMMAND.split()
+    subprocess.run(
+        [sys.executable, *command[1:-1], str(zipped)], check=True, cwd=ROOT, capture_output=True
+    )
+    app = out_dir / "app"
+    app.mkdir()
+    shutil.copy(STATS / "submit.py", app)
+    return zipped, app / "submit.py"
 
 
 def _run_job_file(
-    job_py: Path, sys_path: list[Path], cwd: Path
+    job_py: Path, sys_path: list[Path], cwd: Path, python: list[str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run job.py as spark-submit does: a plain file, nmbus not importable, ``sys_path`` first."""
+    """Run the entry file as spark-submit does: a plain file, nmbus not importable,
+    ``sys_path`` first; in ``python`` (blocking nmbus by hand if it is installed there)."""
     code = (
         "import runpy, sys; sys.modules['nmbus'] = None; "
         f"sys.path[:0] = {[str(p) for p in sys_path]!r}; "
-        "sys.argv = ['job.py', '--dsn', 'postgresql://postgres@127.0.0.1:1/x', "
+        "sys.argv = ['submit.py', '--dsn', 'postgresql://postgres@127.0.0.1:1/x', "
         f"'--out', {str(cwd)!r}]; "
         f"runpy.run_path({str(job_py)!r}, run_name='__main__')"
     )
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=cwd
+        [*(python or [sys.executable]), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
     )
 
 
 def test_job_file_runs_standalone_and_fails_clearly(out_dir: Path) -> None:
-    """As spark-submit runs it: a plain file, nmbus not importable; exit 2 with a reason."""
-    proc = _run_job_file(STATS / "job.py", [STATS], out_dir)
+    """As spark-submit runs it on a machine without nmbus: exit 2 with a reason."""
+    zipped, submit = _ship(out_dir)
+    check = subprocess.run(
+        [*CLEAN_PYTHON, "-c", "import importlib.util as u; print(u.find_spec('nmbus'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert check.stdout.strip() == "None", "nmbus must be out of reach of the clean Python"
+    proc = _run_job_file(submit, [zipped], out_dir, CLEAN_PYTHON)
     assert proc.returncode == 2, proc.stderr
     assert "cannot reach PostgreSQL at 127.0.0.1:1" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_job_file_runs_with_its_siblings_only_in_the_documented_zip(out_dir: Path) -> None:
-    """Cluster mode: job.py alone in its folder, every sibling from the --py-files zip."""
-    for doc in (ROOT / "docs" / "statistics.md", STATS / "job.py"):
+def test_job_file_runs_with_its_package_only_in_the_documented_zip(out_dir: Path) -> None:
+    """Cluster mode: submit.py alone in its folder, the whole job from the --py-files zip."""
+    for doc in (ROOT / "docs" / "statistics.md", STATS / "job.py", STATS / "submit.py"):
         text = doc.read_text()
-        assert ZIP_COMMAND in text and "--py-files nmbus-stats.zip" in text, doc
-    zipped = out_dir / "nmbus-stats.zip"
-    files = [str(f.relative_to(ROOT)) for f in sorted(STATS.glob("*.py"))]
-    subprocess.run(
-        [sys.executable, "-m", "zipfile", "-c", str(zipped), *files], check=True, cwd=ROOT
-    )
-    app = out_dir / "app"
-    app.mkdir()
-    shutil.copy(STATS / "job.py", app)
+        assert SHIP_COMMAND in text and "--py-files nmbus-stats.zip" in text, doc
+    zipped, submit = _ship(out_dir)
 
     # Without the zip the job cannot start: nmbus really is out of reach.
-    proc = _run_job_file(app / "job.py", [], out_dir)
+    proc = _run_job_file(submit, [], out_dir)
     assert proc.returncode == 1 and "No module named" in proc.stderr, proc.stderr
-    proc = _run_job_file(app / "job.py", [zipped], out_dir)
+    assert SHIP_COMMAND in proc.stderr  # and says how to make the zip
+    proc = _run_job_file(submit, [zipped], out_dir)
     assert proc.returncode == 2, proc.stderr
     assert "cannot reach PostgreSQL at 127.0.0.1:1" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_job_is_a_package_that_imports_nothing_else_of_nmbus(out_dir: Path) -> None:
+    """Every module of the shipped zip imports in a Python without nmbus (nor pyspark),
+    and none of nmbus.stats names nmbus in an import: they import each other relatively."""
+    import ast
+
+    for path in sorted(STATS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            assert not any(n == "nmbus" or n.startswith("nmbus.") for n in names), (
+                f"{path.name}:{node.lineno} imports {names}: use a relative import"
+            )
+    zipped, _ = _ship(out_dir)
+    modules = sorted(f"nmbus_stats.{p.stem}" for p in STATS.glob("*.py") if p.stem != "__init__")
+    code = (
+        f"import importlib, json, sys; sys.path.insert(0, {str(zipped)!r}); "
+        f"[importlib.import_module(m) for m in {modules!r}]; "
+        "import nmbus_stats.options as o; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('nmbus')))); "
+        "print(o.StatsError.__mro__[1].__name__)"
+    )
+    proc = subprocess.run(
+        [*CLEAN_PYTHON, "-c", code], capture_output=True, text=True, timeout=60, cwd=out_dir
+    )
+    assert proc.returncode == 0, proc.stderr
+    loaded, base = proc.stdout.splitlines()
+    assert json.loads(loaded) == sorted(["nmbus_stats", *modules])  # nothing of nmbus itself
+    assert base == "Exception"
+    # Within nmbus, a StatsError is one of its errors, as the CLI reports them.
+    from nmbus.errors import ToolError
+
+    assert issubclass(job.StatsError, ToolError)
 
 
 def test_missing_jdbc_jar_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

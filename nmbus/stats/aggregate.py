@@ -28,10 +28,7 @@ import os
 import time
 from typing import Any
 
-try:  # a module of the nmbus package
-    from nmbus.stats.options import WINDOWS, Options
-except ImportError:  # a plain file under spark-submit: the siblings are on sys.path
-    from options import WINDOWS, Options  # type: ignore[no-redef]
+from .options import WINDOWS, Options
 
 PERCENTILES = (0.5, 0.95, 0.99)
 NO_LABEL = "(none)"

@@ -13,10 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
-try:  # a module of the nmbus package
-    from nmbus.stats.options import StatsError
-except ImportError:  # a plain file under spark-submit: the siblings are on sys.path
-    from options import StatsError  # type: ignore[no-redef]
+from .options import StatsError
 
 JDBC_JAR_CANDIDATES = (
     "/usr/share/java/postgresql.jar",

@@ -10,15 +10,17 @@ counting each (queue, id) once. It writes:
 * ``summary.json``: the same figures for scripts;
 * ``report.html``: one self-contained page with charts.
 
-Run it on any master, with its sibling files zipped for ``--py-files``::
+Run it on any master, its package zipped for ``--py-files``::
 
-    python -m zipfile -c nmbus-stats.zip nmbus/stats/*.py
+    python nmbus/stats/ship.py nmbus-stats.zip
     spark-submit --jars /usr/share/java/postgresql.jar --py-files nmbus-stats.zip \\
-        nmbus/stats/job.py --dsn postgresql://user@db:5432/app --out hdfs:///reports/nmbus
+        nmbus/stats/submit.py --dsn postgresql://user@db:5432/app --out hdfs:///reports/nmbus
 
-This file is the entry point: ``run`` and the command line. The work is done
-by its siblings, one concern each, which import only pyspark, the standard
-library and each other, so they run where nmbus is not installed:
+(``submit.py`` runs this module's ``main``; ``python -m nmbus.stats.job`` does too.)
+This module holds ``run`` and the command line. The work is done by the other
+modules of the package, one concern each, which import only pyspark, the
+standard library and each other (relatively: never the rest of nmbus), so the
+package runs where nmbus is not installed:
 
 * ``options.py``: ``Options``, their checks, ``StatsError``;
 * ``jdbc.py``: DSN to JDBC settings, the driver jar, reachability, quoting;
@@ -38,59 +40,25 @@ import sys
 import time
 from typing import Any
 
-try:  # modules of the nmbus package
-    from nmbus.stats import outputs, pgcopy, source
-    from nmbus.stats.aggregate import aggregate, choose_window, figures, prepare, time_span
-    from nmbus.stats.jdbc import check_driver, check_reachable, find_jdbc_jar, jdbc_from_dsn
-    from nmbus.stats.options import (
-        AUTO_WINDOW,
-        DEFAULT_ACCURACY,
-        SOURCES,
-        WINDOWS,
-        Options,
-        StatsError,
-        parse_time,
-    )
-    from nmbus.stats.outputs import Result
-    from nmbus.stats.session import (
-        active_session,
-        build_session,
-        command_line_session,
-        stop_session,
-    )
-except ImportError:  # plain files under spark-submit: the siblings are on sys.path
-    import outputs  # type: ignore[no-redef]
-    import pgcopy  # type: ignore[no-redef]
-    import source  # type: ignore[no-redef]
-    from aggregate import (  # type: ignore[no-redef]
-        aggregate,
-        choose_window,
-        figures,
-        prepare,
-        time_span,
-    )
-    from jdbc import (  # type: ignore[no-redef]
-        check_driver,
-        check_reachable,
-        find_jdbc_jar,
-        jdbc_from_dsn,
-    )
-    from options import (  # type: ignore[no-redef]
-        AUTO_WINDOW,
-        DEFAULT_ACCURACY,
-        SOURCES,
-        WINDOWS,
-        Options,
-        StatsError,
-        parse_time,
-    )
-    from outputs import Result  # type: ignore[no-redef]
-    from session import (  # type: ignore[no-redef]
-        active_session,
-        build_session,
-        command_line_session,
-        stop_session,
-    )
+from . import outputs, pgcopy, source
+from .aggregate import aggregate, choose_window, figures, prepare, time_span
+from .jdbc import check_driver, check_reachable, find_jdbc_jar, jdbc_from_dsn
+from .options import (
+    AUTO_WINDOW,
+    DEFAULT_ACCURACY,
+    SOURCES,
+    WINDOWS,
+    Options,
+    StatsError,
+    parse_time,
+)
+from .outputs import Result
+from .session import (
+    active_session,
+    build_session,
+    command_line_session,
+    stop_session,
+)
 
 # What nmbus report, the demo and the benchmark use through this module.
 __all__ = [

@@ -1,14 +1,15 @@
 """What the statistics job is asked to do: ``Options``, their checks, and ``StatsError``.
 
 Every other module of the job reads an ``Options``; this one imports only the
-standard library (and nmbus's error tree when nmbus is installed), so it sits
-at the bottom of the job's imports.
+standard library, so it sits at the bottom of the job's imports.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 # "second" suits short runs such as the demo's, which fit in one minute.
 WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
@@ -21,10 +22,23 @@ DEFAULT_ACCURACY = 10_000
 SOURCES = ("auto", "jdbc", "copy")
 
 
-try:  # within nmbus, a StatsError is one of its errors (a ToolError)
-    from nmbus.errors import ToolError as _ErrorBase
-except ImportError:  # a plain file under spark-submit, where nmbus is not installed
-    _ErrorBase = Exception  # type: ignore[misc,assignment]
+def _error_base() -> type[Exception]:
+    """nmbus's ``ToolError`` when the job runs as ``nmbus.stats``, else ``Exception``.
+
+    The job imports nothing of nmbus. Within nmbus, the package ``nmbus`` has
+    loaded its error tree before any of its subpackages, so a StatsError joins
+    it there (the CLI reports it as one of its own errors); shipped on its own
+    (``nmbus_stats`` in the zip for ``--py-files``) it is a plain exception.
+    """
+    errors = sys.modules.get("nmbus.errors") if __name__.startswith("nmbus.") else None
+    base: type[Exception] = getattr(errors, "ToolError", Exception)
+    return base
+
+
+if TYPE_CHECKING:
+    _ErrorBase = Exception
+else:
+    _ErrorBase = _error_base()
 
 
 class StatsError(_ErrorBase):

@@ -14,16 +14,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-try:  # modules of the nmbus package
-    from nmbus.stats import report_html
-    from nmbus.stats.aggregate import PERCENTILES, sort_columns, sort_records
-    from nmbus.stats.jdbc import Jdbc, jdbc_error, quote_ident
-    from nmbus.stats.options import WINDOWS, Options
-except ImportError:  # plain files under spark-submit: the siblings are on sys.path
-    import report_html  # type: ignore[no-redef]
-    from aggregate import PERCENTILES, sort_columns, sort_records  # type: ignore[no-redef]
-    from jdbc import Jdbc, jdbc_error, quote_ident  # type: ignore[no-redef]
-    from options import WINDOWS, Options  # type: ignore[no-redef]
+from . import report_html
+from .aggregate import PERCENTILES, sort_columns, sort_records
+from .jdbc import Jdbc, jdbc_error, quote_ident
+from .options import WINDOWS, Options
 
 
 def _plain(value: Any) -> Any:

@@ -24,20 +24,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-try:  # modules of the nmbus package
-    from nmbus.stats.jdbc import Jdbc, quote_ident
-    from nmbus.stats.options import Options, StatsError
-    from nmbus.stats.source import no_registry, pick_queues, queues_sql, registry_sql, select_sql
-except ImportError:  # plain files under spark-submit: the siblings are on sys.path
-    from jdbc import Jdbc, quote_ident  # type: ignore[no-redef]
-    from options import Options, StatsError  # type: ignore[no-redef]
-    from source import (  # type: ignore[no-redef]
-        no_registry,
-        pick_queues,
-        queues_sql,
-        registry_sql,
-        select_sql,
-    )
+from .jdbc import Jdbc, quote_ident
+from .options import Options, StatsError
+from .source import no_registry, pick_queues, queues_sql, registry_sql, select_sql
 
 # Queues exported at once (one connection each).
 CONCURRENCY = 4

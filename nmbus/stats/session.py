@@ -19,14 +19,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-try:  # a module of the nmbus package
-    from nmbus.stats import classcache
-    from nmbus.stats.jdbc import find_jdbc_jar
-    from nmbus.stats.options import StatsError
-except ImportError:  # a plain file under spark-submit: the siblings are on sys.path
-    import classcache  # type: ignore[no-redef]
-    from jdbc import find_jdbc_jar  # type: ignore[no-redef]
-    from options import StatsError  # type: ignore[no-redef]
+from . import classcache
+from .jdbc import find_jdbc_jar
+from .options import StatsError
 
 # Spark 4 runs on Java 17 and 21.
 MIN_JAVA = 17

@@ -19,12 +19,8 @@ import math
 import os
 from typing import Any
 
-try:  # a module of the nmbus package
-    from nmbus.stats.jdbc import Jdbc, query, quote_ident, quote_literal, sql_time
-    from nmbus.stats.options import Options, StatsError
-except ImportError:  # a plain file under spark-submit: the siblings are on sys.path
-    from jdbc import Jdbc, query, quote_ident, quote_literal, sql_time  # type: ignore[no-redef]
-    from options import Options, StatsError  # type: ignore[no-redef]
+from .jdbc import Jdbc, query, quote_ident, quote_literal, sql_time
+from .options import Options, StatsError
 
 
 def copy_available() -> bool:

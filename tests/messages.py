@@ -38,3 +38,13 @@ class Posted(Message, type_name="test.Posted"):
 
     seq: str
     n: int
+
+
+class Hop1(Message, type_name="otel.Hop1"):
+    """The first hop of a traced chain (tests/test_tracing.py)."""
+
+    n: int
+
+
+class Hop2(Message, type_name="otel.Hop2"):
+    n: int

@@ -41,7 +41,7 @@ if not os.path.isfile(JAR):
 
 from nmbus.stats.session import ensure_java  # noqa: E402
 from tests.procs import JVM_NOISE  # noqa: E402
-from tests.test_stats import _seed, _seed_doomed  # noqa: E402
+from tests.stats_data import seed, seed_doomed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -264,8 +264,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 600, quiet: bool 
 def test_cluster_runs_the_job_like_local(cluster: Cluster, dsn: str, tmp_path: Path) -> None:
     import asyncio
 
-    asyncio.run(_seed(dsn, QUEUES))
-    asyncio.run(_seed_doomed(dsn))
+    asyncio.run(seed(dsn, QUEUES))
+    asyncio.run(seed_doomed(dsn))
     env = dict(cluster.env)
     common = ["--dsn", dsn, "--window", "minute", "--partitions", "4"]
 

@@ -47,43 +47,10 @@ if not os.path.isfile(JAR):
 from nmbus.stats import aggregate, jdbc, job  # noqa: E402
 from nmbus.stats.options import DEFAULT_ACCURACY, parse_time  # noqa: E402
 from nmbus.stats.session import build_session  # noqa: E402
+from tests.stats_data import T0, seed, seed_doomed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-T0 = datetime(2024, 3, 1, 9, 40, tzinfo=UTC)
-ERRORS = ["ValueError: boom", "KeyError: 'customer_id'", "TimeoutError: gateway"]
-LABELS = ["orders.OrderPlaced", "billing.ChargeCard", "mail.SendReceipt"]
 PCTS = (0.5, 0.95, 0.99)
-
-# $1 queue name, $2 start time, $3 error lines, $4 labels, $5 rows.
-SEED = """
-INSERT INTO {q} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
-                 retry_count, retry_time, error_info, label, unique_id)
-SELECT 'test', $1,
-       CASE WHEN g % 10 = 0 THEN 'F' WHEN g % 97 = 0 THEN 'I' WHEN g % 89 = 0 THEN 'R'
-            ELSE 'X' END,
-       ins,
-       CASE WHEN g % 211 = 0 THEN NULL
-            ELSE ready + ((g * 37) % 1000 + 1) * interval '1 millisecond'
-                 + (g % 13) * interval '1 microsecond'
-                 + CASE WHEN g % 50 = 7 THEN interval '5 seconds' ELSE interval '0' END
-       END,
-       1 + g % 4, ready,
-       CASE WHEN g % 10 = 0 AND g % 30 <> 20
-                 THEN ($3::text[])[1 + (g / 10) % 3] || E'  \\nTraceback:\\n  line 1'
-            WHEN g % 4 > 0 AND g % 3 = 0 THEN E'TimeoutError: slow\\r\\n  File x'
-            WHEN g % 4 > 0 AND g % 7 = 0
-                 THEN 'LookupError: order ' || g || ' not found (ref 0x' || to_hex(g * 7919)
-                      || ', trace ' || md5(g::text)::uuid || ')'
-            WHEN g % 4 > 0 AND g % 11 = 0 THEN 'RetryLater: greylisted for ' || g % 5 || 's'
-       END,
-       CASE WHEN g % 53 = 0 THEN NULL ELSE ($4::text[])[1 + g % 3] END,
-       $1 || '-' || g
-FROM (
-    SELECT g, $2::timestamptz + g * interval '1.7 seconds' AS ins,
-           $2::timestamptz + g * interval '1.7 seconds' + (g % 7) * interval '250 ms' AS ready
-    FROM generate_series(1, $5::int) AS g
-) AS s
-"""
 
 # Every queue's X/F rows as one relation, in plain SQL.
 ROWS = """
@@ -122,58 +89,6 @@ def is_deferral(line: str | None) -> bool:
 
 def _run(coro: Any) -> Any:
     return asyncio.run(coro)
-
-
-async def _seed(dsn: str, sizes: dict[str, int], start: datetime = T0) -> None:
-    store = PostgresStore(dsn)
-    await store.open()
-    try:
-        for q in sizes:
-            await store.ensure_queue(q)
-    finally:
-        await store.close()
-    conn = await asyncpg.connect(dsn)
-    try:
-        for i, (q, n) in enumerate(sizes.items()):
-            if n:
-                await conn.execute(
-                    SEED.format(q=f'nmbus."{q}"'),
-                    q,
-                    start + timedelta(minutes=13 * i),
-                    ERRORS,
-                    LABELS,
-                    n,
-                )
-    finally:
-        await conn.close()
-
-
-async def _seed_doomed(dsn: str) -> None:
-    """A queue where everything failed; one row has no error text, one no timestamps left."""
-    store = PostgresStore(dsn)
-    await store.open()
-    try:
-        await store.ensure_queue("doomed")
-    finally:
-        await store.close()
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(
-            """
-            INSERT INTO nmbus.doomed (from_endpoint, to_endpoint, subqueue, insert_time,
-                last_processed, retry_count, retry_time, error_info, label, unique_id)
-            SELECT 'test', 'doomed', 'F', $1::timestamptz + g * interval '1 minute',
-                   CASE WHEN g = 2 THEN NULL
-                        ELSE $1::timestamptz + g * interval '1 minute' + interval '3 s' END,
-                   5, $1::timestamptz + g * interval '1 minute',
-                   CASE WHEN g = 3 THEN NULL ELSE 'RuntimeError: poison' || E'\\nTraceback' END,
-                   'poison.Pill', 'doomed-' || g
-            FROM generate_series(1, 6) AS g
-            """,
-            T0,
-        )
-    finally:
-        await conn.close()
 
 
 async def _fetch(dsn: str, sql: str, *args: Any) -> list[asyncpg.Record]:
@@ -311,8 +226,8 @@ QUEUES = {"orders": 3000, "billing": 1200, "empty": 0}
 
 @pytest.mark.parametrize("accuracy", [DEFAULT_ACCURACY, 100])
 def test_figures_match_exact_sql(spark: Any, dsn: str, out_dir: Path, accuracy: int) -> None:
-    _run(_seed(dsn, QUEUES))
-    _run(_seed_doomed(dsn))
+    _run(seed(dsn, QUEUES))
+    _run(seed_doomed(dsn))
     opts = job.Options(dsn=dsn, out=str(out_dir), accuracy=accuracy, partitions=3, window="hour")
     opts.write_table = accuracy == DEFAULT_ACCURACY
     result = job.run(spark, opts)
@@ -506,8 +421,8 @@ def _sorted_rows(spark: Any, out: Path, table: str) -> list[tuple]:
 
 def test_copy_and_jdbc_readers_give_identical_figures(spark: Any, dsn: str, out_dir: Path) -> None:
     """The same data read over JDBC and through COPY -> Parquet: every figure equal."""
-    _run(_seed(dsn, QUEUES))
-    _run(_seed_doomed(dsn))
+    _run(seed(dsn, QUEUES))
+    _run(seed_doomed(dsn))
     _run(_seed_awkward(dsn))
     archive = out_dir / "archive"
     _write_archive(archive, "orders", _archive_rows(dsn, "orders", "id <= 400"), "b1")
@@ -561,12 +476,12 @@ def test_copy_reader_missing_database_is_a_clear_error(spark: Any, dsn: str, out
     with pytest.raises(job.StatsError, match="database 'no_such_database_here' does not exist"):
         job.run(spark, job.Options(dsn=bad, out=str(out_dir), source="copy"))
     with pytest.raises(job.StatsError, match="no such queue"):
-        _run(_seed(dsn, {"orders": 10}))
+        _run(seed(dsn, {"orders": 10}))
         job.run(spark, job.Options(dsn=dsn, out=str(out_dir), source="copy", queues=["nope"]))
 
 
 def test_since_until_filter(spark: Any, dsn: str, out_dir: Path) -> None:
-    _run(_seed(dsn, {"orders": 3000}))
+    _run(seed(dsn, {"orders": 3000}))
     since, until = T0 + timedelta(minutes=20), T0 + timedelta(minutes=61)
     opts = job.Options(dsn=dsn, out=str(out_dir), since=since, until=until, window="minute")
     result = job.run(spark, opts)
@@ -649,7 +564,7 @@ def _write_archive(root: Path, queue: str, rows: list[dict], name: str) -> None:
 
 
 def test_archived_and_live_rows_are_counted_once(spark: Any, dsn: str, out_dir: Path) -> None:
-    _run(_seed(dsn, {"orders": 3000, "gone": 40}))
+    _run(seed(dsn, {"orders": 3000, "gone": 40}))
     exact = exact_levels(dsn, ["orders", "gone"])
     archive = out_dir / "archive"
     # Retention archived X rows up to id 1500 (twice, as after a retried batch) and
@@ -682,7 +597,7 @@ def test_archived_and_live_rows_are_counted_once(spark: Any, dsn: str, out_dir: 
 
 
 def test_empty_archive_directory_and_empty_tables(spark: Any, dsn: str, out_dir: Path) -> None:
-    _run(_seed(dsn, {"idle": 0, "waiting": 0}))
+    _run(seed(dsn, {"idle": 0, "waiting": 0}))
     _run(
         _fetch(
             dsn,
@@ -704,7 +619,7 @@ def test_empty_archive_directory_and_empty_tables(spark: Any, dsn: str, out_dir:
 
 
 def test_missing_archive_directory_is_a_clear_error(spark: Any, dsn: str, out_dir: Path) -> None:
-    _run(_seed(dsn, {"orders": 10}))
+    _run(seed(dsn, {"orders": 10}))
     with pytest.raises(job.StatsError, match="does not exist"):
         job.run(spark, job.Options(dsn=dsn, out=str(out_dir), archive_dir=str(out_dir / "nope")))
 
@@ -759,8 +674,8 @@ def assert_charts_rendered(dom: str) -> None:
 
 
 def test_report_renders_in_headless_chromium(spark: Any, dsn: str, out_dir: Path) -> None:
-    _run(_seed(dsn, {"orders": 3000, "billing": 1200}))
-    _run(_seed_doomed(dsn))
+    _run(seed(dsn, {"orders": 3000, "billing": 1200}))
+    _run(seed_doomed(dsn))
     result = job.run(spark, job.Options(dsn=dsn, out=str(out_dir), window="minute"))
     page = Path(result.html_path)
     html = page.read_text()
@@ -804,7 +719,7 @@ def test_nmbus_report_command(spark: Any, dsn: str, out_dir: Path) -> None:
 
     from nmbus.cli import app
 
-    _run(_seed(dsn, {"orders": 300}))
+    _run(seed(dsn, {"orders": 300}))
     res = CliRunner().invoke(
         app, ["report", "--dsn", dsn, "--out", str(out_dir), "--window", "day", "--json"]
     )

@@ -10,6 +10,7 @@ from ever being mapped, without a JVM.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -266,7 +267,8 @@ def test_an_archive_is_installed_only_once_java_maps_it(
 pyspark = pytest.importorskip("pyspark")
 
 from tests.procs import JVM_NOISE  # noqa: E402
-from tests.test_stats import _run, _seed  # noqa: E402
+from tests.stats_data import seed  # noqa: E402
+from tests.waits import wait_until  # noqa: E402
 
 
 def _report(dsn: str, out: Path, env: dict[str, str], *extra: str) -> dict:
@@ -279,20 +281,18 @@ def _report(dsn: str, out: Path, env: dict[str, str], *extra: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def _wait_for_archive(folder: Path, timeout: float = 600) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        built = list(folder.glob("spark-*.jsa"))
-        locks = [
-            classcache.ClassCache(folder, p.name.removeprefix(".building-"), "").building()
-            for p in folder.glob(".building-*")
-        ]
-        if built and not any(locks):
-            return built[0]
-        failed = list(folder.glob("*.failed"))
-        assert not failed, [p.read_text() for p in folder.glob("build-*.log")]
-        time.sleep(0.5)
-    raise AssertionError(f"no archive after {timeout}s: {sorted(folder.iterdir())}")
+def _archive(folder: Path) -> Path | None:
+    """The class archive once it is built and no builder holds its lock; a failed build fails."""
+    built = list(folder.glob("spark-*.jsa"))
+    locks = [
+        classcache.ClassCache(folder, p.name.removeprefix(".building-"), "").building()
+        for p in folder.glob(".building-*")
+    ]
+    if built and not any(locks):
+        return built[0]
+    failed = list(folder.glob("*.failed"))
+    assert not failed, [p.read_text() for p in folder.glob("build-*.log")]
+    return None
 
 
 def _figures(summary: dict) -> dict:
@@ -307,12 +307,19 @@ def _figures(summary: dict) -> dict:
 def test_the_next_report_starts_from_the_archive_the_first_one_left(
     dsn: str, tmp_path: Path
 ) -> None:
-    _run(_seed(dsn, {"orders": 400, "billing": 100}))
+    asyncio.run(seed(dsn, {"orders": 400, "billing": 100}))
     folder = tmp_path / "classes"
     env = {**os.environ, classcache.ENV: str(folder)}
 
     first = _report(dsn, tmp_path / "first", env)
-    archive = _wait_for_archive(folder)
+    archive = asyncio.run(
+        wait_until(
+            lambda: _archive(folder),
+            timeout=600,
+            interval=0.5,
+            what=f"the class archive in {folder}",
+        )
+    )
     key = archive.name.split("-")[1]
     left = sorted(p.name for p in folder.iterdir())
     # No recording, no class path, no half-written archive, no lock file.

@@ -24,14 +24,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from nmbus import Bus, Context, Message, RetryLater
 from nmbus.messages import Envelope
-
-
-class Hop1(Message, type_name="otel.Hop1"):
-    n: int
-
-
-class Hop2(Message, type_name="otel.Hop2"):
-    n: int
+from tests.messages import Hop1, Hop2
 
 
 class Failing(Message, type_name="otel.Failing"):
@@ -366,7 +359,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from nmbus import Bus, Context
-from tests.test_tracing import Hop1
+from tests.messages import Hop1
 
 async def main():
     bus = Bus("global_otel", dsn=sys.argv[1], concurrency=0, subscription_ttl=None)

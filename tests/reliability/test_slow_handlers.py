@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from datetime import timedelta
 
 import asyncpg
 import pytest
@@ -11,14 +12,24 @@ import pytest
 from nmbus import Bus, Context
 from nmbus.testing import drain
 from tests.messages import Ping, Slow
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.reliability
 
 
-async def _wait_for_row(db: asyncpg.Connection, subqueue: str, timeout: float = 30) -> None:
-    async with asyncio.timeout(timeout):
-        while await db.fetchval("SELECT subqueue FROM nmbus.billing") != subqueue:
-            await asyncio.sleep(0.05)
+async def _wait_for_row(db: asyncpg.Connection, subqueue: str) -> None:
+    await wait_until("SELECT subqueue FROM nmbus.billing", db=db, until=lambda s: s == subqueue)
+
+
+async def _outlive_leases(db: asyncpg.Connection, leases: int) -> None:
+    """Wait until the one row's lease was renewed ``leases`` leases (of 1 s) past its first."""
+    first = await db.fetchval("SELECT lease_expires FROM nmbus.billing")
+    await wait_until(
+        "SELECT lease_expires FROM nmbus.billing",
+        db=db,
+        until=lambda expires: expires is not None and expires >= first + timedelta(seconds=leases),
+        what=f"the lease renewed {leases} leases past {first}",
+    )
 
 
 def _rival(make_bus: Callable[..., Bus], runs: list[str]) -> Bus:
@@ -37,18 +48,20 @@ async def test_a_handler_running_for_many_leases_keeps_its_message(
 ) -> None:
     bus = make_bus("billing", lease_seconds=1.0, handler_timeout=30)
     runs: list[str] = []
-    started = asyncio.Event()
+    started, outlived = asyncio.Event(), asyncio.Event()
 
     @bus.handler
     async def slow(msg: Slow, ctx: Context) -> None:
         runs.append("owner")
         started.set()
-        await asyncio.sleep(4.0)  # four leases long
+        await outlived.wait()
 
     async with bus:
         await bus.send(Slow(n=1), to="billing")
         await asyncio.wait_for(started.wait(), 10)
         async with _rival(make_bus, runs):
+            await _outlive_leases(db, 3)  # its first lease long run out, the rival polling
+            outlived.set()
             await _wait_for_row(db, "X")
     assert runs == ["owner"]
     row = await db.fetchrow("SELECT * FROM nmbus.billing")
@@ -60,13 +73,13 @@ async def test_lease_renewal_survives_an_exhausted_send_pool(
 ) -> None:
     bus = make_bus("billing", lease_seconds=1.0, send_pool_size=1, handler_timeout=30)
     runs: list[str] = []
-    started = asyncio.Event()
+    started, outlived = asyncio.Event(), asyncio.Event()
 
     @bus.handler
     async def slow(msg: Slow, ctx: Context) -> None:
         runs.append("owner")
         started.set()
-        await asyncio.sleep(4.0)
+        await outlived.wait()
 
     async with bus:
         await bus.store.ensure_queue("audit")
@@ -81,7 +94,8 @@ async def test_lease_renewal_survives_an_exhausted_send_pool(
                 waiting = [
                     asyncio.create_task(bus.send(Ping(n=n), to="audit")) for n in range(1, 50)
                 ]
-                await asyncio.sleep(4.0)
+                await _outlive_leases(db, 3)  # renewed while the pool is held
+            outlived.set()
             await asyncio.gather(*waiting)
             await _wait_for_row(db, "X")
     assert runs == ["owner"]
@@ -112,9 +126,12 @@ async def test_a_hung_handler_is_cancelled_at_its_timeout_and_retried(
     async with bus:
         await bus.send(Slow(n=1), to="billing")
         await bus.send(Ping(n=7), to="billing")
-        async with asyncio.timeout(20):
-            while await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue='X'") < 2:
-                await asyncio.sleep(0.05)
+        await wait_until(
+            "SELECT count(*) FROM nmbus.billing WHERE subqueue = 'X'",
+            db=db,
+            until=lambda done: done >= 2,
+            timeout=20,
+        )
         await drain(bus)
     assert cancelled == [1]
     assert sorted(attempts) == [-7, 1, 2]

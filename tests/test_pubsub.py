@@ -20,6 +20,7 @@ from tests import procs
 from tests.messages import Event, OrderPlaced, Ping
 from tests.pubsub_workers import Event as PsEvent
 from tests.pubsub_workers import order_placed
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,12 +53,6 @@ async def queue_rows(db: asyncpg.Connection, queue: str) -> list[asyncpg.Record]
     return await db.fetch(f'SELECT * FROM nmbus."{queue}" ORDER BY id')
 
 
-async def wait_until(check: Callable[[], object], timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await check():  # type: ignore[misc]
-            await asyncio.sleep(0.05)
-
-
 # -- the issue's required tests ----------------------------------------------------------
 
 
@@ -79,11 +74,7 @@ async def test_a_publish_reaches_exactly_the_two_subscribers_once_each(
             "billing,shipping"
         ] * 20
 
-        async def all_handled() -> bool:
-            count = await db.fetchval("SELECT count(*) FROM received")
-            return bool(count >= 40)
-
-        await wait_until(all_handled)
+        await wait_until("SELECT count(*) FROM received", db=db, until=lambda count: count >= 40)
         await asyncio.sleep(1.0)  # room for a duplicate or a stray copy to show up
     received = await db.fetch("SELECT * FROM received ORDER BY endpoint, n")
     by_endpoint: dict[str, list[int]] = {}
@@ -128,10 +119,7 @@ async def test_a_subscriber_that_only_knows_the_base_class_decodes_the_subclass_
         async with make_bus("orders", concurrency=0) as orders:
             assert await orders.publish(order_placed()(n=7, order_id=70)) == ["shipping"]
 
-        async def handled() -> bool:
-            return bool(await db.fetchval("SELECT count(*) FROM received"))
-
-        await wait_until(handled)
+        await wait_until("SELECT count(*) FROM received", db=db)
     (row,) = await db.fetch("SELECT * FROM received")
     assert (row["label"], row["decoded_as"], row["n"]) == ("ps.OrderPlaced", "ps.Event", 7)
     (stored,) = await queue_rows(db, "shipping")
@@ -168,10 +156,7 @@ async def test_a_subscriber_that_stops_renewing_stops_receiving_and_a_renewing_o
         # Keep publishing over more than two lifetimes: 'alive' renews, 'doomed' cannot.
         await publish_for(2 * ttl + 1.0)
 
-        async def alive_has_all() -> bool:
-            return bool(await db.fetchval("SELECT count(*) FROM received") >= n)
-
-        await wait_until(alive_has_all)
+        await wait_until("SELECT count(*) FROM received", db=db, until=lambda count: count >= n)
 
     # The renewing subscriber got every single publish.
     got = [r["n"] for r in await db.fetch("SELECT n FROM received WHERE endpoint = 'alive'")]
@@ -288,13 +273,15 @@ async def test_fan_out_is_one_statement_whatever_the_number_of_subscribers(
                 async with conn.transaction():
                     # Warm up: asyncpg prepares the statement and looks up its types once.
                     await orders.publish(Ping(n=0), connection=conn)
-                    await asyncio.sleep(0.1)  # the logger is called soon after, not at once
+                    # asyncpg calls the logger soon after a statement, not at once:
+                    # those of all statements so far together, on the loop's next turn.
+                    await wait_until(lambda: statements, what="the warm-up logged")
                     statements.clear()
                     subs = await orders.publish(Event(name="x"), connection=conn)
                     copies = await orders.publish_many(
                         [Event(name=str(n)) for n in range(100)], connection=conn
                     )
-                    await asyncio.sleep(0.1)
+                    await wait_until(lambda: statements, what="the publishes logged")
                     assert len(statements) == 2, statements
             finally:
                 await conn.close()
@@ -363,10 +350,11 @@ async def test_renewal_rewrites_a_deleted_row_and_purges_long_expired_ones(
         await db.execute("DELETE FROM nmbus.subscriptions WHERE subscriber_endpoint = 'billing'")
         assert [r[0] for r in await db.fetch(query)] in (["gone"], [])  # [] if already purged
 
-        async def renewed_and_purged() -> bool:
-            return [r[0] for r in await db.fetch(query)] == ["billing"]
+        async def subscribers() -> list[str]:
+            return [r[0] for r in await db.fetch(query)]
 
-        await wait_until(renewed_and_purged, timeout=10)
+        # The deleted row renewed, the long-expired one purged.
+        await wait_until(subscribers, until=lambda found: found == ["billing"], timeout=10)
         rows = [tuple(r) for r in await db.fetch(query)]
     # The deleted row is back as declared, expiring within a lifetime (not permanent);
     # the row that expired an hour ago (its subscriber long gone) is removed.

@@ -29,6 +29,7 @@ from nmbus.postgres.forwarder import Forwarder, RemoteUnavailable
 from nmbus.settings import Settings, build_settings
 from nmbus.store import SCHEMA_VERSION
 from tests.pg import Databases
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,12 +56,6 @@ async def db_b(dsn_b: str) -> AsyncIterator[asyncpg.Connection]:
         yield conn
     finally:
         await conn.close()
-
-
-async def wait_until(check: Callable[[], Any], timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await check():
-            await asyncio.sleep(0.02)
 
 
 async def remote_ids(db: asyncpg.Connection, queue: str = "billing") -> list[str]:
@@ -176,8 +171,8 @@ async def test_a_routed_send_is_handled_in_the_other_database(
     async with billing, orders:
         await asyncio.sleep(0.3)  # the listeners connect (and look at what waits) first
         uid = await orders.send(OrderPlaced(order_id=1), to="billing")
-        await wait_until(lambda: _true(got))
-        await wait_until(lambda: _empty(db))
+        await wait_until(lambda: got, what="the remote handler run")
+        await _outbox_empty(db)
     assert got == [(1, "orders")]
     assert await remote_ids(db_b) == [uid]
     # Nothing of billing's was ever made in the sender's database.
@@ -188,12 +183,8 @@ async def _ignore(msg: OrderPlaced, ctx: Context) -> None:
     pass
 
 
-async def _true(items: Sequence[object]) -> bool:
-    return bool(items)
-
-
-async def _empty(db: asyncpg.Connection) -> bool:
-    return not await db.fetchval("SELECT count(*) FROM nmbus.outbox")
+async def _outbox_empty(db: asyncpg.Connection) -> None:
+    await wait_until("SELECT count(*) FROM nmbus.outbox", db=db, until=lambda n: n == 0)
 
 
 async def test_a_rolled_back_send_never_reaches_the_remote(
@@ -315,17 +306,13 @@ async def test_a_handler_sends_and_publishes_to_other_databases_in_its_transacti
         await orders.send(OrderPlaced(order_id=1), to="orders")
         await orders.send(OrderPlaced(order_id=2), to="orders")
         done = "SELECT count(*) FROM nmbus.orders WHERE subqueue IN ('X', 'F')"
-        await wait_until(lambda: _count(db, done, 2))
-        await wait_until(lambda: _empty(db))
+        await wait_until(done, db=db, until=lambda n: n == 2)
+        await _outbox_empty(db)
     rows = await db_b.fetch("SELECT label, msg_text, from_endpoint FROM nmbus.billing ORDER BY id")
     assert [(r[0], json.loads(r[1])["order_id"], r[2]) for r in rows] == [
         ("test.routes.OrderPlaced", 10, "orders"),
         ("test.routes.Invoiced", 1, "orders"),
     ]
-
-
-async def _count(db: asyncpg.Connection, sql: str, want: int) -> bool:
-    return bool(await db.fetchval(sql) == want)
 
 
 async def test_a_queue_another_forwarder_holds_does_not_hold_back_the_others(
@@ -454,8 +441,8 @@ async def test_publish_reaches_a_subscriber_in_another_database(
         assert [tuple(r) for r in rows] == [("audit", False), ("billing", True)]
         assert await db_b.fetchval("SELECT count(*) FROM nmbus.subscriptions") == 0
         assert await orders.publish(OrderPlaced(order_id=7)) == ["audit", "billing"]
-        await wait_until(lambda: _true(got["billing"]))
-        await wait_until(lambda: _true(got["audit"]))
+        await wait_until(lambda: got["billing"], what="billing's copy handled")
+        await wait_until(lambda: got["audit"], what="audit's copy handled")
     assert got == {"billing": [7], "audit": [7]}
     assert await db.fetchval("SELECT to_regclass('nmbus.billing')") is None
 

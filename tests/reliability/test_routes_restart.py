@@ -9,8 +9,7 @@ by itself, exactly once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import asyncpg
 import pytest
@@ -19,6 +18,7 @@ from nmbus import Bus, Message
 from nmbus.admin import Admin
 from tests.pg import with_database
 from tests.reliability.pgserver import PrivateServer, private_server
+from tests.waits import wait_until
 
 
 class Shipped(Message, type_name="test.routes.Shipped"):
@@ -40,12 +40,6 @@ async def _database(server: PrivateServer, name: str) -> str:
     finally:
         await conn.close()
     return with_database(server.dsn, name)
-
-
-async def wait_until(check: Callable[[], Any], timeout: float = 60.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await check():
-            await asyncio.sleep(0.05)
 
 
 async def test_the_remote_server_stopped_and_restarted_mid_run(
@@ -80,9 +74,9 @@ async def test_the_remote_server_stopped_and_restarted_mid_run(
 
     async with bus:
         await send(100)
-        await wait_until(lambda: _equals(remote_count, 100))
+        await wait_until(remote_count, until=lambda n: n == 100, timeout=60)
         sending = asyncio.create_task(send(400))  # the stop lands mid-run
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: len(sent) > 100, interval=0.005, what="the second run begun")
         remote_server.stop()
         await sending
         await send(100)
@@ -94,8 +88,8 @@ async def test_the_remote_server_stopped_and_restarted_mid_run(
         assert route.reachable is False and route.waiting == waiting
         remote_server.start()
         # Nothing is done by hand: the bus's forwarder resumes on its own.
-        await wait_until(lambda: _equals(remote_count, 600))
-        await wait_until(lambda: _equals(outbox, 0))
+        await wait_until(remote_count, until=lambda n: n == 600, timeout=60)
+        await wait_until(outbox, until=lambda n: n == 0, timeout=60)
     conn = await asyncpg.connect(remote)
     try:
         rows = await conn.fetch("SELECT unique_id FROM nmbus.shipping")
@@ -149,31 +143,22 @@ async def test_a_subscriber_starts_while_its_publishers_database_is_down(
         finally:
             await conn.close()
 
-    async def have(n: int) -> bool:
-        return n in got
-
-    async def written() -> bool:
-        return await rows() == [("test.routes.Returned", True), ("test.routes.Shipped", False)]
-
     async with billing:  # the publisher's database is down: it starts all the same
         assert billing.subscriptions.pending == {"orders"}
         await billing.send(Shipped(n=1), to="billing")  # its own queue works meanwhile
-        await wait_until(lambda: have(1))
+        await wait_until(lambda: 1 in got, timeout=60, what="message 1 handled")
         remote_server.start()
         # Nothing is done by hand: both rows, the permanent one too, get written.
-        await wait_until(written)
+        want = [("test.routes.Returned", True), ("test.routes.Shipped", False)]
+        await wait_until(rows, until=lambda found: found == want, timeout=60)
         assert billing.subscriptions.pending == set()
         orders = Bus("orders", dsn=publisher_dsn, routes={"billing": dsn}, poll_interval=1.0)
         orders.handler(Returned)(_nothing)
         async with orders:
             assert await orders.publish(Shipped(n=2)) == ["billing"]
-            await wait_until(lambda: have(2))
+            await wait_until(lambda: 2 in got, timeout=60, what="message 2 handled")
     assert got == [1, 2]
 
 
 async def _nothing(msg: Shipped, ctx: object) -> None:
     pass
-
-
-async def _equals(read: Callable[[], Any], want: int) -> bool:
-    return bool(await read() == want)

@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import asyncpg
 import pytest
 
 from nmbus.tools.embedded import EmbeddedPostgres, _bin_dir
+from tests.waits import wait_until
 
 pytest.importorskip("pgserver", reason="the embedded extra (pgserver) is not installed")
 
@@ -48,15 +48,16 @@ def _version(dsn: str) -> str:
     return str(asyncio.run(_fetch(dsn, "SHOW server_version")))
 
 
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def _wait_gone(pid: int) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"process {pid} still alive")
+    asyncio.run(wait_until(lambda: _gone(pid), interval=0.1, what=f"process {pid} to end"))
 
 
 def test_start_listens_on_tcp_and_is_reused(embedded: EmbeddedPostgres) -> None:

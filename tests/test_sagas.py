@@ -23,6 +23,7 @@ from nmbus.store import SCHEMA_VERSION
 from nmbus.testing import MemoryStore, drain
 from tests.procs import Proc
 from tests.saga_workers import Counter, Increment, Open, counter_bus
+from tests.waits import wait_until
 
 SAGAS_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "sagas.md").read_text()
 
@@ -142,10 +143,13 @@ async def test_a_timeout_arrives_about_on_time(
     async with bus:
         started = time.time()
         await bus.send(OrderPlaced(order_id=7), to="orders")
-        async with asyncio.timeout(10):
-            # Committed, not just run.
-            while (state := await saga.load(7)) is None or state.overdue_at is None:
-                await asyncio.sleep(0.02)
+        # Committed, not just run.
+        state = await wait_until(
+            lambda: saga.load(7),
+            until=lambda state: state is not None and state.overdue_at is not None,
+            timeout=10,
+            interval=0.02,
+        )
     late = state.overdue_at - started
     assert 1.0 <= late < 4.0, late
 
@@ -160,8 +164,13 @@ async def test_a_timeout_of_a_completed_saga_is_ignored(
         await bus.send(PaymentTaken(order_id=8), to="orders")
         await bus.send(Shipped(order_id=8), to="orders")
         await drain(bus)
-        await asyncio.sleep(0.8)
-        await drain(bus)
+        # The timeout comes due after the saga completed, and is handled (as nothing).
+        await wait_until(
+            "SELECT subqueue FROM nmbus.orders WHERE label = 'test.saga.Overdue'",
+            db=db,
+            until=lambda subqueue: subqueue == "X",
+            timeout=10,
+        )
     assert "overdue 8" not in events
     assert await db.fetchval("SELECT count(*) FROM nmbus.orders WHERE subqueue <> 'X'") == 0
 
@@ -361,11 +370,14 @@ async def test_the_memory_store_refuses_sagas_at_start() -> None:
 
 
 async def _wait_count(db: asyncpg.Connection, queue: str, total: int, timeout: float) -> None:
-    async with asyncio.timeout(timeout):
-        while await db.fetchval(f"SELECT count(*) FROM nmbus.{queue} WHERE subqueue = 'X'") < total:
-            failed = await db.fetch(f"SELECT error_info FROM nmbus.{queue} WHERE subqueue = 'F'")
-            assert not failed, failed[0]["error_info"]
-            await asyncio.sleep(0.1)
+    """Wait for ``total`` rows of ``queue`` in X; a row in F fails the wait at once."""
+
+    async def done() -> int:
+        failed = await db.fetch(f"SELECT error_info FROM nmbus.{queue} WHERE subqueue = 'F'")
+        assert not failed, failed[0]["error_info"]
+        return int(await db.fetchval(f"SELECT count(*) FROM nmbus.{queue} WHERE subqueue = 'X'"))
+
+    await wait_until(done, until=lambda n: n >= total, timeout=timeout, interval=0.1)
 
 
 @pytest.mark.timeout(120)
@@ -532,15 +544,12 @@ def life_bus(
 
 
 async def _first_timeout_done(db: asyncpg.Connection, first_id: int) -> asyncpg.Record:
-    async with asyncio.timeout(20):
-        while True:
-            row = await db.fetchrow(
-                "SELECT subqueue, error_info, retry_count FROM nmbus.lives WHERE id = $1",
-                first_id,
-            )
-            if row["subqueue"] in ("X", "F"):
-                return row
-            await asyncio.sleep(0.05)
+    sql = "SELECT subqueue, error_info, retry_count FROM nmbus.lives WHERE id = $1"
+    return await wait_until(lambda: db.fetchrow(sql, first_id), until=_finished, timeout=20)
+
+
+def _due_ran(state: Life | None) -> bool:
+    return state is not None and state.due > 0
 
 
 async def test_an_old_sagas_timeout_does_not_act_on_a_new_saga_with_the_same_key(
@@ -610,9 +619,7 @@ async def test_a_timeout_from_before_the_instance_header_acts_as_it_did(
             "UPDATE nmbus.lives SET msg_headers = msg_headers - 'nmbus-saga-instance' "
             "WHERE label = 'test.saga.Due'"
         )
-        async with asyncio.timeout(20):
-            while (state := await saga.load(7)) is None or state.due == 0:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: saga.load(7), until=_due_ran, timeout=20)
     assert events == ["begin 7", "due 7"]
     assert await db.fetchval("SELECT count(*) FROM nmbus.lives WHERE subqueue <> 'X'") == 0
 
@@ -650,9 +657,7 @@ async def test_schema_8_adds_the_instance_column_to_existing_saga_tables_in_plac
             "WHERE label = 'test.saga.Due' AND msg_headers ? 'nmbus-saga-instance'"
         )
         assert carried == instance
-        async with asyncio.timeout(20):
-            while (state := await saga.load(8)) is None or state.due == 0:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: saga.load(8), until=_due_ran, timeout=20)
     assert events.count("due 8") == 1
 
 
@@ -740,14 +745,12 @@ SELECT_PAIR = "SELECT subqueue, retry_count, error_info FROM nmbus.locking WHERE
 
 
 async def _wait_done(db: asyncpg.Connection, queue: str) -> asyncpg.Record:
-    async with asyncio.timeout(20):
-        while True:
-            row = await db.fetchrow(
-                f"SELECT subqueue, retry_count, error_info FROM nmbus.{queue} WHERE id = 1"
-            )
-            if row is not None and row["subqueue"] in ("X", "F"):
-                return row
-            await asyncio.sleep(0.05)
+    sql = f"SELECT subqueue, retry_count, error_info FROM nmbus.{queue} WHERE id = 1"
+    return await wait_until(lambda: db.fetchrow(sql), until=_finished, timeout=20)
+
+
+def _finished(row: asyncpg.Record | None) -> bool:
+    return row is not None and row["subqueue"] in ("X", "F")
 
 
 @pytest.mark.parametrize("outside_effects", [True, False], ids=["savepoint", "replayed"])

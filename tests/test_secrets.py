@@ -21,6 +21,7 @@ from nmbus.errors import DatabaseUnavailable
 from nmbus.logs import scrub
 from nmbus.postgres import PostgresStore
 from tests.messages import Ping
+from tests.waits import wait_until
 
 PASSWORD = "TopS3cretPW"
 
@@ -55,9 +56,9 @@ class Output:
         return self.text
 
     async def wait_for(self, event: str, timeout: float = 15.0) -> None:
-        async with asyncio.timeout(timeout):
-            while event not in self.read():
-                await asyncio.sleep(0.05)
+        await wait_until(
+            lambda: event in self.read(), timeout=timeout, what=f"{event!r} in the output"
+        )
 
 
 @pytest.fixture

@@ -13,10 +13,9 @@ import re
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from nmbus.sql import render
 from tests.ops_data import Facts
 from tests.procs import ROOT
+from tests.waits import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -81,33 +81,40 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-def start(dsn: str, *args: str, url_host: str = "127.0.0.1") -> Server:
-    """The dashboard on a free port; ``url_host`` is how to reach it (as --host says)."""
+def launch(dsn: str, *args: str, url_host: str = "127.0.0.1") -> Server:
+    """The dashboard starting on a free port; ``url_host`` is how to reach it (as --host says)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "nmbus", "dashboard", "--dsn", dsn, "--port", str(port), *args]
     env = {k: v for k, v in os.environ.items() if k != "NMBUS_DASHBOARD_TOKEN"}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    server = Server(f"http://{url_host}:{port}", proc)
-    for _ in range(300):
+    return Server(f"http://{url_host}:{port}", proc)
+
+
+async def start(dsn: str, *args: str, url_host: str = "127.0.0.1") -> Server:
+    """The dashboard on a free port, once it answers."""
+    server = launch(dsn, *args, url_host=url_host)
+    proc = server.proc
+
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"dashboard exited: {proc.stderr.read() if proc.stderr else ''}")
         try:
-            if server.get("/healthz")[0] == 200:
-                return server
+            return server.get("/healthz")[0] == 200
         except OSError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the dashboard did not answer within 30 s")
+            return False
+
+    await wait_until(healthy, interval=0.1, what="the dashboard's /healthz")
+    return server
 
 
 @pytest.fixture
-def serve(dsn: str) -> Iterator[Callable[..., Server]]:
+def serve(dsn: str) -> Iterator[Callable[..., Awaitable[Server]]]:
     started: list[Server] = []
 
-    def run(*args: str, url_host: str = "127.0.0.1") -> Server:
-        server = start(_with_password(dsn), *args, url_host=url_host)
+    async def run(*args: str, url_host: str = "127.0.0.1") -> Server:
+        server = await start(_with_password(dsn), *args, url_host=url_host)
         started.append(server)
         return server
 
@@ -153,22 +160,12 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         driver.quit()
 
 
-def wait_until(check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.1)
-
-
-def note(browser: Any) -> str:
+async def note(browser: Any) -> str:
     """The note of the page a change ended on, once that page has loaded."""
     from selenium.webdriver.common.by import By
 
-    return str(wait_until(lambda: browser.find_elements(By.ID, "note"))[0].text)
+    found = await wait_until(lambda: browser.find_elements(By.ID, "note"))
+    return str(found[0].text)
 
 
 def cell(browser: Any, queue: str, column: str) -> str:
@@ -199,7 +196,7 @@ async def test_queues_page_shows_every_queue_and_its_counts(
 ) -> None:
     from selenium.webdriver.common.by import By
 
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     browser.get(server.url + "/")
     names = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "td.name")]
     assert names == ["billing", "shipping"]
@@ -220,7 +217,7 @@ async def test_queues_page_shows_every_queue_and_its_counts(
 async def test_the_queues_page_refreshes_itself_without_a_reload(
     serve: Callable[..., Server], browser: Any, facts: Facts, db: asyncpg.Connection
 ) -> None:
-    server = serve("--token", TOKEN, "--refresh", "1")
+    server = await serve("--token", TOKEN, "--refresh", "1")
     browser.get(server.url + "/")
     browser.execute_script("window.notReloaded = true;")
     assert cell(browser, "shipping", "I") == "1"
@@ -228,7 +225,7 @@ async def test_the_queues_page_refreshes_itself_without_a_reload(
         "INSERT INTO nmbus.shipping (from_endpoint, to_endpoint, label, msg_text) "
         "SELECT 'orders', 'shipping', 'x', '{}' FROM generate_series(1, 4)"
     )
-    wait_until(lambda: cell(browser, "shipping", "I") == "5")
+    await wait_until(lambda: cell(browser, "shipping", "I"), until=lambda text: text == "5")
     assert browser.execute_script("return window.notReloaded === true;")
 
 
@@ -247,7 +244,7 @@ async def test_open_a_failed_message_and_requeue_it_with_the_token(
         "WHERE id = $1",
         first,
     )
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     browser.get(server.url + "/failed?queue=billing")
     links = browser.find_elements(By.CSS_SELECTOR, "#failed-table a.open")
     assert [int(a.text) for a in links] == facts.failed_ids[::-1]  # newest first
@@ -262,7 +259,7 @@ async def test_open_a_failed_message_and_requeue_it_with_the_token(
     browser.find_element(By.ID, "token").send_keys(TOKEN)
     browser.find_element(By.ID, "do-it").click()
     # The click starts a navigation; the page that answers it may not be there yet.
-    assert note(browser) == "requeued 1 message"
+    assert await note(browser) == "requeued 1 message"
     row = await db.fetchrow("SELECT subqueue, retry_count FROM nmbus.billing WHERE id = $1", first)
     assert (row["subqueue"], row["retry_count"]) == ("I", 0)
     assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'F'") == 2
@@ -273,21 +270,22 @@ async def test_requeue_all_matching_and_purge_with_a_filter(
 ) -> None:
     from selenium.webdriver.common.by import By
 
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     browser.get(server.url + "/failed?" + urlencode({"error": "DECLINED"}))
     assert len(browser.find_elements(By.CSS_SELECTOR, "#failed-table a.open")) == 2
     browser.find_element(By.ID, "purge-matching").click()
     assert "2 failed messages" in browser.find_element(By.ID, "summary").text
     browser.find_element(By.ID, "token").send_keys("not-the-token!")
     browser.find_element(By.ID, "do-it").click()
-    assert "wrong token" in wait_until(lambda: browser.find_elements(By.ID, "message"))[0].text
+    found = await wait_until(lambda: browser.find_elements(By.ID, "message"))
+    assert "wrong token" in found[0].text
     assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'F'") == 3
     browser.back()
     token = browser.find_element(By.ID, "token")
     token.clear()
     token.send_keys(TOKEN)
     browser.find_element(By.ID, "do-it").click()
-    assert note(browser) == "purged 2 messages"
+    assert await note(browser) == "purged 2 messages"
     left = await db.fetch("SELECT label FROM nmbus.billing WHERE subqueue = 'F'")
     assert [r["label"] for r in left] == ["billing.Refund"]
 
@@ -308,7 +306,7 @@ async def test_hostile_text_from_the_database_is_shown_as_text(
     # A table registered by hand under a name nmbus itself would refuse.
     await db.execute(render("create_queue", "nmbus", HOSTILE_QUEUE))
     await db.execute(render("register_queue", "nmbus"), HOSTILE_QUEUE)
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     for path in ("/failed", f"/failed/billing/{facts.failed_ids[0]}", "/subscriptions"):
         browser.get(server.url + path)
         assert HOSTILE in browser.find_element(By.TAG_NAME, "main").text
@@ -330,7 +328,7 @@ async def test_queue_page_draws_its_history(
 ) -> None:
     from selenium.webdriver.common.by import By
 
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     browser.get(server.url + "/queues/billing")
     bars = browser.find_elements(By.CSS_SELECTOR, "svg.history g")
     assert len(bars) == 60
@@ -345,7 +343,7 @@ async def test_subscriptions_page_marks_expired_rows(
 ) -> None:
     from selenium.webdriver.common.by import By
 
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     browser.get(server.url + "/subscriptions")
     expired = browser.find_elements(By.CSS_SELECTOR, "#subscriptions tr.expired")
     assert [r.find_elements(By.TAG_NAME, "td")[2].text for r in expired] == ["audit"]
@@ -370,7 +368,7 @@ def _form(
 async def test_a_change_without_token_or_csrf_is_refused(
     serve: Callable[..., Server], facts: Facts, db: asyncpg.Connection
 ) -> None:
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     first = str(facts.failed_ids[0])
     form, cookie = _form(server, f"action=requeue&queue=billing&id={first}")
     form["id"] = first
@@ -403,7 +401,7 @@ async def test_pages_answer_only_to_this_machines_own_names(
 ) -> None:
     # A page of another site whose name was rebound to 127.0.0.1 sends its own
     # name as Host: on loopback the dashboard does not answer it.
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     assert server.get("/")[0] == 200
     assert server.get("/", {"Host": "localhost"})[0] == 200
     assert server.get("/", {"Host": "rebound.example"})[0] == 400
@@ -413,7 +411,7 @@ async def test_pages_answer_only_to_this_machines_own_names(
 async def test_read_only_refuses_every_change(
     serve: Callable[..., Server], facts: Facts, db: asyncpg.Connection
 ) -> None:
-    server = serve("--token", TOKEN, "--read-only")
+    server = await serve("--token", TOKEN, "--read-only")
     status, html, _ = server.get("/failed")
     assert status == 200 and "read-only" in html and "Requeue" not in html
     assert server.get("/confirm?action=purge&queue=billing")[0] == 403
@@ -473,7 +471,7 @@ def test_a_missing_schema_is_one_line(dsn: str) -> None:
 async def test_metrics_parse_and_carry_the_documented_series(
     serve: Callable[..., Server], facts: Facts
 ) -> None:
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     status, text, headers = server.get("/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
     assert PASSWORD not in text
@@ -524,7 +522,7 @@ async def test_every_loopback_address_answers_only_its_own_names(
     # DNS rebinding: a page of another site whose name now resolves to this
     # loopback address sends its own name as Host. Whatever loopback address
     # the dashboard listens on, only this machine's names are answered.
-    server = serve("--token", TOKEN, "--host", host, url_host=url_host)
+    server = await serve("--token", TOKEN, "--host", host, url_host=url_host)
     port = server.url.rsplit(":", 1)[1]
     assert server.get("/")[0] == 200
     assert server.get("/", {"Host": f"{own}:{port}"})[0] == 200
@@ -539,7 +537,7 @@ async def test_a_change_acts_only_on_what_its_confirmation_counted(
 ) -> None:
     from selenium.webdriver.common.by import By
 
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     browser.get(server.url + "/failed?queue=billing")
     browser.find_element(By.ID, "purge-matching").click()
     assert "3 failed messages" in browser.find_element(By.ID, "summary").text
@@ -557,7 +555,7 @@ async def test_a_change_acts_only_on_what_its_confirmation_counted(
     )
     browser.find_element(By.ID, "token").send_keys(TOKEN)
     browser.find_element(By.ID, "do-it").click()
-    assert note(browser) == (
+    assert await note(browser) == (
         "purged 3 messages; 501 more matching failed after the confirmation and were left "
         "as they are (confirm again to purge them)"
     )
@@ -569,7 +567,7 @@ async def test_a_change_acts_only_on_what_its_confirmation_counted(
 async def test_a_requeue_by_form_is_bound_to_its_count_too(
     serve: Callable[..., Server], facts: Facts, db: asyncpg.Connection
 ) -> None:
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     form, cookie = _form(server, "action=requeue&queue=billing&error=declined")
     await db.execute(
         "UPDATE nmbus.billing SET subqueue = 'F', last_processed = clock_timestamp(), "
@@ -596,7 +594,7 @@ async def test_a_requeue_by_form_is_bound_to_its_count_too(
 async def test_bad_filters_and_cursors_are_clear_400s(
     serve: Callable[..., Server], facts: Facts
 ) -> None:
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     cases = [
         ("/failed?error=%00", "the error filter holds a NUL character"),
         ("/failed?type=a%00b", "the type filter holds a NUL character"),
@@ -631,7 +629,7 @@ async def test_long_texts_are_cut_with_a_link_to_the_whole_text(
         HOSTILE,
         first,
     )
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     status, page, _ = server.get("/failed?queue=billing")
     assert status == 200 and len(page) < 100_000
     status, page, _ = server.get(f"/failed/billing/{first}")
@@ -644,7 +642,10 @@ async def test_long_texts_are_cut_with_a_link_to_the_whole_text(
     cut = browser.find_elements(By.CSS_SELECTOR, "#failed-table td.error a.cut")
     assert len(cut) == 1
     cut[0].click()
-    wait_until(lambda: browser.current_url.endswith(f"/failed/billing/{first}/error"))
+    await wait_until(
+        lambda: browser.current_url,
+        until=lambda url: url.endswith(f"/failed/billing/{first}/error"),
+    )
     shown = browser.find_element(By.TAG_NAME, "body").text
     assert shown.startswith(HOSTILE) and shown.endswith("Traceback: the rest")
     assert browser.execute_script("return window.pwned === undefined;")
@@ -657,7 +658,9 @@ async def test_long_texts_are_cut_with_a_link_to_the_whole_text(
     assert '"tenant": "acme"' in browser.find_element(By.ID, "headers").text
     assert browser.execute_script("return window.pwned === undefined;")
     browser.find_element(By.LINK_TEXT, "the whole body").click()
-    wait_until(lambda: browser.current_url.endswith(f"/failed/billing/{first}/body"))
+    await wait_until(
+        lambda: browser.current_url, until=lambda url: url.endswith(f"/failed/billing/{first}/body")
+    )
     assert browser.execute_script("return window.pwned === undefined;")
 
 
@@ -695,7 +698,7 @@ async def test_the_queues_page_pages_many_queues_attention_first(
     def names() -> list[str]:
         return [e.text for e in browser.find_elements(By.CSS_SELECTOR, "td.name")]
 
-    server = serve("--token", TOKEN, "--refresh", "1")
+    server = await serve("--token", TOKEN, "--refresh", "1")
     status, page, _ = server.get("/")
     assert status == 200 and page.count("<tr data-queue=") == 50
     browser.get(server.url + "/")
@@ -704,21 +707,24 @@ async def test_the_queues_page_pages_many_queues_attention_first(
     assert names()[4:] == many[:46]
     assert browser.find_element(By.ID, "paging").text.startswith(f"Queues 1–50 of {total}")
     browser.find_element(By.ID, "next").click()
-    wait_until(lambda: "page=2" in browser.current_url)
+    await wait_until(lambda: browser.current_url, until=lambda url: "page=2" in url)
     assert names() == many[46:96]
     browser.execute_script("window.notReloaded = true;")
     # After a refresh of the table (the script stamps it) it is still page 2.
-    wait_until(lambda: browser.find_element(By.ID, "updated").text.startswith("updated"))
+    await wait_until(
+        lambda: browser.find_element(By.ID, "updated").text,
+        until=lambda text: text.startswith("updated"),
+    )
     assert names() == many[46:96]
     assert browser.execute_script("return window.notReloaded === true;")
     browser.find_element(By.ID, "next").click()
-    wait_until(lambda: "page=3" in browser.current_url)
+    await wait_until(lambda: browser.current_url, until=lambda url: "page=3" in url)
     assert names() == many[96:]
     assert not browser.find_elements(By.ID, "next")
     query = browser.find_element(By.ID, "q")
     query.send_keys("MANY01")
     query.submit()
-    wait_until(lambda: "q=MANY01" in browser.current_url)
+    await wait_until(lambda: browser.current_url, until=lambda url: "q=MANY01" in url)
     assert names() == many[10:20]
     assert "10 of" in browser.find_element(By.ID, "paging").text
 
@@ -827,7 +833,7 @@ async def test_the_header_names_the_schema_and_times_say_utc(
 
     from nmbus.store import SCHEMA_VERSION
 
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     for path in ("/", "/queues/billing", "/failed", "/subscriptions"):
         browser.get(server.url + path)
         header = browser.find_element(By.ID, "database").text
@@ -875,7 +881,7 @@ async def test_a_queue_a_send_created_is_marked_until_its_endpoint_starts(
         )
         return None if found is None else str(found)
 
-    server = serve("--token", TOKEN, "--refresh", "1")
+    server = await serve("--token", TOKEN, "--refresh", "1")
     browser.get(server.url + "/")
     assert mark("bililng") == note
     assert mark("orders") is None
@@ -886,7 +892,10 @@ async def test_a_queue_a_send_created_is_marked_until_its_endpoint_starts(
     # Its endpoint starts: the mark goes at the next refresh of the table.
     async with make_bus("bililng", concurrency=0):
         pass
-    wait_until(lambda: mark("bililng") is None and cell(browser, "bililng", "I") == "1")
+    await wait_until(
+        lambda: (mark("bililng"), cell(browser, "bililng", "I")),
+        until=lambda seen: seen == (None, "1"),
+    )
     assert browser.execute_script("return window.notReloaded === true;")
     browser.get(server.url + "/queues/bililng")
     assert not browser.find_elements("id", "created-by-send")
@@ -907,7 +916,7 @@ async def test_oldest_ready_says_blocked_where_ready_rows_wait_behind_a_sequence
         await bus.send(Ping(n=1), to="orders")
     # The head failed for good: the member behind it is ready, but parked.
     await db.execute("UPDATE nmbus.ledger SET subqueue = 'F' WHERE unique_id = $1", head)
-    server = serve("--token", TOKEN)
+    server = await serve("--token", TOKEN)
     browser.get(server.url + "/")
     assert cell(browser, "ledger", "I") == "1"
     assert cell(browser, "ledger", "oldest-ready") == "blocked"

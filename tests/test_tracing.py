@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from nmbus import Bus, Context, Message, RetryLater
 from nmbus.messages import Envelope
 from tests.messages import Hop1, Hop2
+from tests.waits import wait_until
 
 
 class Failing(Message, type_name="otel.Failing"):
@@ -75,9 +76,13 @@ def parent_of(span: ReadableSpan) -> int:
 
 
 async def wait_spans(exporter: InMemorySpanExporter, name: str, count: int = 1) -> None:
-    async with asyncio.timeout(60):
-        while len(by_name(exporter.get_finished_spans(), name)) < count:
-            await asyncio.sleep(0.02)
+    await wait_until(
+        lambda: len(by_name(exporter.get_finished_spans(), name)),
+        until=lambda finished: finished >= count,
+        timeout=60,
+        interval=0.02,
+        what=f"{count} finished span(s) {name!r}",
+    )
 
 
 async def test_a_send_in_a_span_is_the_parent_of_its_handler_across_two_hops(
@@ -245,9 +250,7 @@ async def test_an_exception_that_cannot_be_printed_still_ends_its_span_and_fails
     async with bus:
         await bus.send(Failing(n=1), to="failing")
         await wait_spans(exporter, "process failing")
-        async with asyncio.timeout(30):
-            while not await db.fetchval("SELECT count(*) FROM nmbus.failing WHERE subqueue = 'F'"):
-                await asyncio.sleep(0.05)
+        await wait_until("SELECT count(*) FROM nmbus.failing WHERE subqueue = 'F'", db=db)
     span = only(exporter.get_finished_spans(), "process failing")
     assert span.status.status_code is StatusCode.ERROR
     assert span.status.description == "Unprintable"
@@ -345,9 +348,7 @@ async def test_without_a_configured_provider_nothing_is_recorded_and_context_sti
     async with bus:
         await bus.store.ensure_queue("plain_out")
         await bus.send(Hop1(n=1), to="plain", headers={"traceparent": incoming})
-        async with asyncio.timeout(60):
-            while not await db.fetchval("SELECT count(*) FROM nmbus.plain_out"):
-                await asyncio.sleep(0.02)
+        await wait_until("SELECT count(*) FROM nmbus.plain_out", db=db, timeout=60, interval=0.02)
     stored = json.loads(await db.fetchval("SELECT msg_headers FROM nmbus.plain_out"))
     assert stored["traceparent"] == incoming
 

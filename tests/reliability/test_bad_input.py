@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
@@ -23,6 +22,7 @@ from nmbus import (
 )
 from nmbus.testing import drain
 from tests.messages import Ping, Pong
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -237,9 +237,9 @@ async def test_deliver_at_far_past_far_future_and_negative_delays(
         # A handler asking for a negative retry delay fails with a clear error.
         await bus.send(Note(text="retry-negative", retry_in=-1), to="billing")
         await drain(bus, timeout=20)
-        async with asyncio.timeout(20):
-            while await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'F'") < 1:
-                await asyncio.sleep(0.05)
+        await wait_until(
+            "SELECT count(*) FROM nmbus.billing WHERE subqueue = 'F'", db=db, timeout=20
+        )
         assert_workers_alive(bus)
     rows = {r["msg_text"]: r for r in await db.fetch("SELECT * FROM nmbus.billing ORDER BY id")}
     by_text = {Note.model_validate_json(k).text: v for k, v in rows.items()}

@@ -14,6 +14,7 @@ import pytest
 
 from nmbus import Bus
 from tests.messages import Ping
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -76,9 +77,12 @@ async def test_sigterm_during_a_drain_finishes_in_flight_work(
     proc = _start(dsn, logfile, seconds=0.05, timeout=20)
     try:
         await _ready(proc)
-        async with asyncio.timeout(60):
-            while await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue='X'") < 40:
-                await asyncio.sleep(0.05)
+        await wait_until(
+            "SELECT count(*) FROM nmbus.billing WHERE subqueue = 'X'",
+            db=db,
+            until=lambda done: done >= 40,
+            timeout=60,
+        )
         started_before, _ = _log(logfile)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -112,9 +116,7 @@ async def test_sigterm_with_a_hung_handler_gives_up_at_the_timeout(
     proc = _start(dsn, logfile, seconds=3600, timeout=1.0)
     try:
         await _ready(proc)
-        async with asyncio.timeout(30):
-            while len(_log(logfile)[0]) < 2:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: len(_log(logfile)[0]), until=lambda started: started >= 2)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(proc.wait, 30)

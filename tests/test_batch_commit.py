@@ -9,7 +9,6 @@ depends on how fast the machine is.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 
 import asyncpg
@@ -19,18 +18,18 @@ from nmbus import Bus, Context, Message
 from nmbus.postgres.sagas import _lock_id
 from nmbus.testing import drain
 from tests.messages import Ping, Pong
+from tests.waits import wait_until
 
 CAP = 20.0
 
 
 async def visible(db: asyncpg.Connection, sql: str, want: int) -> bool:
     """Whether ``sql`` counts ``want`` rows within CAP seconds, from the test's connection."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(CAP):
-            while await db.fetchval(sql) < want:
-                await asyncio.sleep(0.02)
-            return True
-    return False
+    try:
+        await wait_until(sql, db=db, until=lambda n: n >= want, timeout=CAP, interval=0.02)
+    except AssertionError:  # not within CAP
+        return False
+    return True
 
 
 async def send_pings(make_bus: Callable[..., Bus], count: int) -> None:

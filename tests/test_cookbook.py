@@ -17,6 +17,7 @@ from nmbus.postgres import install_schema
 from nmbus.store import SCHEMA_VERSION
 from tests.messages import Ping
 from tests.ops_data import CHARGE_ERROR, REFUND_ERROR, Facts
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 COOKBOOK = ROOT / "sql" / "cookbook"
@@ -140,9 +141,10 @@ async def test_requeued_message_is_handled_again(
     async with bus:
         await bus.send(Ping(n=7), to="billing")
         assert await asyncio.wait_for(seen.get(), 20) == 7
-        async with asyncio.timeout(20):  # the handler ran; wait for its batch to commit
-            while await db.fetchval("SELECT subqueue FROM nmbus.billing") != "X":
-                await asyncio.sleep(0.05)
+        # The handler ran; wait for its batch to commit.
+        await wait_until(
+            "SELECT subqueue FROM nmbus.billing", db=db, until=lambda sq: sq == "X", timeout=20
+        )
         await db.execute("UPDATE nmbus.billing SET subqueue = 'F', retry_count = 5")
         # The fallback poll is a minute away: only the NOTIFY can wake the worker in time.
         got = await psql(dsn, "requeue_all.sql", queue="billing")
@@ -168,9 +170,10 @@ async def test_injected_message_is_handled(dsn: str, db: asyncpg.Connection) -> 
         assert len(got) == 1 and got[0]["notified"] == "t"
         n, unique_id = await asyncio.wait_for(seen.get(), 20)
         assert (n, unique_id) == (7, got[0]["unique_id"]) and len(unique_id) == 36
-        async with asyncio.timeout(20):  # the handler ran; wait for its batch to commit
-            while await db.fetchval("SELECT subqueue FROM nmbus.billing") != "X":
-                await asyncio.sleep(0.05)
+        # The handler ran; wait for its batch to commit.
+        await wait_until(
+            "SELECT subqueue FROM nmbus.billing", db=db, until=lambda sq: sq == "X", timeout=20
+        )
         # A second injection gets a unique_id of its own (the dedup index stays).
         again = await psql(dsn, "inject_message.sql", queue="billing", type="test.Ping",
                            body='{"n": 8}', **{"from": "ops"})  # fmt: skip

@@ -19,6 +19,7 @@ from nmbus.postgres import PostgresStore
 from nmbus.testing import MemoryStore, drain
 from tests.messages import Ping
 from tests.procs import ROOT
+from tests.waits import wait_until
 
 
 async def rows(db: asyncpg.Connection, queue: str = "billing") -> list[asyncpg.Record]:
@@ -159,7 +160,7 @@ async def test_an_expired_message_goes_to_f_unhandled_and_a_live_one_is_handled(
     async with make_bus("sender", concurrency=0) as sender:
         await sender.send(Ping(n=1), to="billing", ttl=0.5)
         await sender.send(Ping(n=2), to="billing", ttl=60)
-    await asyncio.sleep(0.7)
+    await wait_until("SELECT count(*) FROM nmbus.billing WHERE expires_at <= now()", db=db)
     seen: list[int] = []
     bus = make_bus("billing")
 
@@ -303,10 +304,11 @@ async def test_the_failure_port_copy_is_rolled_back_with_a_batch_that_loses_its_
         await bus.send(Ping(n=1), to="billing")
         # The wait must not share `db` with the handler: one connection runs
         # one statement at a time.
-        async with asyncio.timeout(10):
-            while not bus.worker.outcomes and not stolen.is_set():
-                await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)
+        await wait_until(
+            lambda: stolen.is_set() and not bus.worker.in_flight,
+            timeout=10,
+            what="the message taken over and let go",
+        )
     assert await db.fetchval("SELECT to_regclass('nmbus.errors')") is None or (
         await db.fetchval("SELECT count(*) FROM nmbus.errors") == 0
     )

@@ -17,6 +17,7 @@ from nmbus import Bus, Context, PermanentError, RetryLater, RetryPolicy
 from nmbus.testing import drain
 from tests import procs
 from tests.messages import Crash, Event, OrderPlaced, Ping, Pong, Slow
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -191,18 +192,16 @@ async def test_failures_retry_on_schedule_then_fail(
 
     async with bus:
         await bus.send(Ping(n=1), to="billing")
-        async with asyncio.timeout(10):
-            while len(attempts) < 1:
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: len(attempts), until=lambda n: n >= 1, timeout=10, interval=0.01)
         await asyncio.sleep(0.05)
         (row,) = await rows(db)
         assert row["subqueue"] == "R"
         assert row["retry_count"] == 1
         assert row["error_info"].startswith("RuntimeError: boom 1\n")
         assert row["retry_time"] > row["last_processed"]
-        async with asyncio.timeout(10):
-            while (await rows(db))[0]["subqueue"] != "F":
-                await asyncio.sleep(0.05)
+        await wait_until(
+            lambda: rows(db), until=lambda found: found[0]["subqueue"] == "F", timeout=10
+        )
     (row,) = await rows(db)
     assert row["retry_count"] == 3
     assert row["error_info"].startswith("RuntimeError: boom 3")
@@ -258,9 +257,7 @@ async def test_a_worker_killed_mid_handler_loses_nothing(
         handled.append(ctx.retry_count)
 
     async with bus:
-        async with asyncio.timeout(10):
-            while not handled:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: handled, timeout=10)
         await drain(bus)
     assert handled == [2]
     (row,) = await rows(db)
@@ -424,9 +421,7 @@ async def test_deliver_at_is_not_early_and_about_on_time(
         await bus.send(Ping(n=1), to="billing", deliver_at=when)
         (row,) = await rows(db)
         assert row["subqueue"] == "R"
-        async with asyncio.timeout(10):
-            while not handled_at:
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: handled_at, timeout=10, interval=0.01)
     assert when <= handled_at[0] < when + timedelta(seconds=1)
 
 

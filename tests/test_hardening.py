@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 from nmbus import Bus, Context, Message
 from nmbus.testing import drain
 from tests.messages import Ping
+from tests.waits import wait_until
 
 
 class Weird(Message, type_name="test.hardening.Weird"):
@@ -121,9 +122,7 @@ async def test_a_side_task_that_dies_is_logged_and_restarted(
 
     with capture_logs() as logs:
         async with bus:
-            async with asyncio.timeout(10):
-                while calls < 2:
-                    await asyncio.sleep(0.02)
+            await wait_until(lambda: calls, until=lambda n: n >= 2, timeout=10, interval=0.02)
             await asyncio.sleep(0.3)  # the restarted listener is connected
             await bus.send(Ping(n=1), to="billing")
             # Woken by the restarted listener, not by the 30 s poll.

@@ -28,6 +28,7 @@ from nmbus.errors import ConfigurationError, InvalidSetting
 from nmbus.messages import Envelope
 from nmbus.settings import Settings
 from tests.messages import Ping
+from tests.waits import wait_until
 
 
 class Good(Message, type_name="obs.Good"):
@@ -86,12 +87,11 @@ def documented_worker_series() -> list[tuple[str, str]]:
 
 async def wait_rows(db: asyncpg.Connection, queue: str, expected: dict[str, int]) -> None:
     query = f"SELECT subqueue, count(*) FROM nmbus.{queue} GROUP BY subqueue"
-    async with asyncio.timeout(60):
-        while True:
-            rows = {r[0].strip(): r[1] for r in await db.fetch(query)}
-            if rows == expected:
-                return
-            await asyncio.sleep(0.05)
+
+    async def counts() -> dict[str, int]:
+        return {r[0].strip(): r[1] for r in await db.fetch(query)}
+
+    await wait_until(counts, until=lambda found: found == expected, timeout=60)
 
 
 async def test_running_worker_serves_the_documented_series(
@@ -120,9 +120,11 @@ async def test_running_worker_serves_the_documented_series(
         await bus.store.insert("metered", "elsewhere", [made_up])
         await wait_rows(db, "metered", {"X": 5, "F": 3})
         # The counters move after the commit the rows above show: wait for the last batch.
-        async with asyncio.timeout(30):
-            while sum(bus.worker.outcomes[s] for s in "XRF") < 10:
-                await asyncio.sleep(0.01)
+        await wait_until(
+            lambda: sum(bus.worker.outcomes[s] for s in "XRF"),
+            until=lambda n: n >= 10,
+            interval=0.01,
+        )
         text = await asyncio.to_thread(scrape, port)
     found = samples(text)
     q = {"queue": "metered"}
@@ -192,9 +194,11 @@ async def test_two_buses_in_one_process_keep_their_own_series(
             await two.send(Good(n=n), to="two")
         await wait_rows(db, "one", {"X": 1})
         await wait_rows(db, "two", {"X": 3})
-        async with asyncio.timeout(30):
-            while one.worker.outcomes["X"] < 1 or two.worker.outcomes["X"] < 3:
-                await asyncio.sleep(0.01)
+        await wait_until(
+            lambda: (one.worker.outcomes["X"], two.worker.outcomes["X"]),
+            until=lambda done: done[0] >= 1 and done[1] >= 3,
+            interval=0.01,
+        )
         assert one.metrics_port is not None and two.metrics_port is not None
         first = samples(await asyncio.to_thread(scrape, one.metrics_port))
         second = samples(await asyncio.to_thread(scrape, two.metrics_port))
@@ -290,16 +294,14 @@ async def test_nmbus_worker_serves_metrics_from_the_environment(dsn: str) -> Non
         match = re.search(r"metrics_port=(\d+)", line)
         assert match, line
         port = int(match.group(1))
-        async with asyncio.timeout(60):
-            while True:
-                found = samples(await asyncio.to_thread(scrape, port))
-                key = (
-                    "nmbus_messages_handled_total",
-                    (("queue", "clitest"), ("type", "test.Ping")),
-                )
-                if found.get(key) == 2:
-                    break
-                await asyncio.sleep(0.2)
+        key = ("nmbus_messages_handled_total", (("queue", "clitest"), ("type", "test.Ping")))
+
+        async def scraped() -> Samples:
+            return samples(await asyncio.to_thread(scrape, port))
+
+        found = await wait_until(
+            scraped, until=lambda found: found.get(key) == 2, timeout=60, interval=0.2
+        )
         assert (
             value(found, "nmbus_handler_duration_seconds_sum", queue="clitest", type="test.Ping")
             >= 4

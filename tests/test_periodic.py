@@ -18,6 +18,7 @@ from nmbus.postgres import PostgresStore
 from nmbus.retention import RetentionPolicy, clean_queue
 from nmbus.testing import MemoryStore, drain
 from tests import procs
+from tests.waits import wait_until
 
 
 async def noop(tick: Tick, ctx: Context) -> None:
@@ -113,9 +114,7 @@ async def test_a_schedule_that_fails_at_run_time_never_stops_the_others(
     bus._schedules.clear()
     bus._schedules.update({"broken": broken, **good})  # the broken one runs first
     async with bus:
-        async with asyncio.timeout(15):
-            while len(seen) < 3:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: len(seen), until=lambda n: n >= 3, timeout=15)
     assert {t.name for t in seen} == {"fast"}
     names = await db.fetch("SELECT DISTINCT label, unique_id FROM nmbus.clock")
     assert all(":fast:" in r["unique_id"] for r in names)
@@ -153,9 +152,7 @@ async def test_a_one_second_cron_schedule_fires_and_its_handler_gets_the_tick(
         seen.append(tick)
 
     async with bus:
-        async with asyncio.timeout(10):
-            while len(seen) < 2:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: len(seen), until=lambda n: n >= 2, timeout=10)
     first = seen[0]
     assert first.name == "every_second"
     assert first.scheduled_at.microsecond == 0
@@ -217,18 +214,14 @@ async def test_a_tick_that_retention_removed_does_not_run_again_at_restart(
         return bus
 
     async with endpoint(marker=False) as bus:
-        async with asyncio.timeout(15):
-            while not handled:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: handled, timeout=15)
         await drain(bus)
     # nmbus cleanup --older-than 0s: the processed tick's row goes.
     await clean_queue(db, "nmbus", "clock", RetentionPolicy(max_age=timedelta(0)))
     assert await db.fetchval("SELECT count(*) FROM nmbus.clock") == 0
 
     async with endpoint(marker=True) as bus:
-        async with asyncio.timeout(15):
-            while not any(name == "marker_" for name, _ in handled):
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: any(name == "marker_" for name, _ in handled), timeout=15)
         await drain(bus)
     due_times = Counter(at for name, at in handled if name == "hourly")
     assert max(due_times.values()) == 1, due_times

@@ -12,6 +12,7 @@ import asyncpg
 
 from nmbus import Bus
 from samples.shop.fulfilment import OrderPlaced
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,11 +79,13 @@ async def test_a_payment_overdue_timeout_reminds_the_customer(
             while not lines or b"payment overdue" not in lines[-1]:
                 lines.append(await proc.stdout.readline())
         assert b"order 77: payment overdue, reminding ada" in lines[-1]
-        async with asyncio.timeout(10):  # printed in the handler, committed just after
-            while '"reminded": true' not in await db.fetchval(
-                'SELECT state::text FROM nmbus."fulfilment$saga"'
-            ):
-                await asyncio.sleep(0.05)
+        # Printed in the handler, committed just after.
+        await wait_until(
+            'SELECT state::text FROM nmbus."fulfilment$saga"',
+            db=db,
+            until=lambda state: '"reminded": true' in state,
+            timeout=10,
+        )
     finally:
         proc.terminate()
         await proc.wait()

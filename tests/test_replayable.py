@@ -27,6 +27,7 @@ from nmbus.envelopes import IN_REPLY_TO_HEADER
 from nmbus.messages import StoredMessage
 from nmbus.testing import drain
 from tests.messages import Ping, Pong
+from tests.waits import wait_until
 
 
 async def _send(bus: Bus, messages: list[Ping | Pong]) -> None:
@@ -195,10 +196,8 @@ async def test_a_stop_during_a_replay_keeps_the_failure_that_caused_it(
 
     await _send(bus, [Ping(n=n) for n in range(1, 4)])
     async with bus:
-        async with asyncio.timeout(30):
-            while not stopping:
-                await asyncio.sleep(0.01)
-            await stopping[0]
+        await wait_until(lambda: stopping, interval=0.01)
+        await asyncio.wait_for(stopping[0], 30)
     states = await db.fetch(
         'SELECT subqueue, retry_count, error_info FROM nmbus."billing" ORDER BY id'
     )

@@ -13,6 +13,7 @@ import pytest
 
 from nmbus import Bus, ConfigurationError, Context, Message
 from nmbus.testing import drain
+from tests.waits import wait_until
 
 
 class GetQuote(Message, type_name="test.rr.GetQuote"):
@@ -88,9 +89,7 @@ async def test_a_late_reply_goes_to_x_with_a_note_or_to_its_handler(
         with pytest.raises(TimeoutError):
             await shop.request(GetQuote(item="late", wait=1.0), to="pricing", timeout=0.3)
         await drain(shop, queues=["pricing", "shop"])
-        async with asyncio.timeout(10):
-            while not await db.fetchval("SELECT count(*) FROM nmbus.shop WHERE subqueue = 'X'"):
-                await asyncio.sleep(0.05)
+        await wait_until("SELECT count(*) FROM nmbus.shop WHERE subqueue = 'X'", db=db, timeout=10)
     row = await db.fetchrow("SELECT subqueue, error_info FROM nmbus.shop")
     assert row["subqueue"] == "X"
     assert row["error_info"].startswith("late reply: no request waits for correlation id")
@@ -104,9 +103,7 @@ async def test_a_late_reply_goes_to_x_with_a_note_or_to_its_handler(
     async with pricing_bus(make_bus), shop2:
         with pytest.raises(TimeoutError):
             await shop2.request(GetQuote(item="later", wait=1.0), to="pricing", timeout=0.3)
-        async with asyncio.timeout(10):
-            while not handled:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: handled, timeout=10)
     assert handled == [Quote(item="later", price=5.0)]
 
 
@@ -185,9 +182,7 @@ async def test_headers_travel_across_two_hops(
             correlation_id="conv-1",
             reply_to="app",
         )
-        async with asyncio.timeout(15):
-            while len(seen) < 4:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: len(seen), until=lambda n: n >= 4, timeout=15)
     by_hop = {hop: (cid, headers) for hop, cid, headers in seen}
     assert all(cid == "conv-1" for cid, _ in by_hop.values())
     assert by_hop[1][1] == {"tenant": "acme", "traceparent": trace, "nmbus-reply-to": "app"}
@@ -281,9 +276,13 @@ async def test_replies_of_slow_handlers_do_not_wait_for_their_whole_batch(
 
     async with make_bus("shop", poll_interval=0.2) as shop:
         asking = [asyncio.create_task(ask(shop, n)) for n in range(count)]
-        async with asyncio.timeout(20):
-            while await db.fetchval("SELECT count(*) FROM nmbus.pricing") < count:
-                await asyncio.sleep(0.02)
+        await wait_until(
+            "SELECT count(*) FROM nmbus.pricing",
+            db=db,
+            until=lambda n: n >= count,
+            timeout=20,
+            interval=0.02,
+        )
         assert pricing.settings.batch_size >= count
         async with pricing:
             replies = await asyncio.gather(*asking)
@@ -311,9 +310,9 @@ async def test_a_reply_is_handed_back_for_an_hour_at_most_whatever_its_deadline(
         "WHERE correlation_id = 'c-old'"
     )
     async with make_bus("shop", poll_interval=0.2) as shop:
-        async with asyncio.timeout(20):
-            while shop.worker.handled < 2:
-                await asyncio.sleep(0.02)
+        await wait_until(
+            lambda: shop.worker.handled, until=lambda n: n >= 2, timeout=20, interval=0.02
+        )
     rows = {
         r["correlation_id"]: r
         for r in await db.fetch(

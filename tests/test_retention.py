@@ -29,6 +29,7 @@ from nmbus.sql import render
 from tests import retention_bench as bench
 from tests.ops_data import populate
 from tests.procs import Proc
+from tests.waits import wait_until
 
 ALL = "SELECT * FROM nmbus.billing ORDER BY id"
 # Every archived column (test_the_archive_holds_every_column_of_the_queue_table
@@ -187,9 +188,8 @@ async def test_a_run_killed_while_writing_a_file_never_blocks_the_next_run(
     size = await asyncio.to_thread(os.path.getsize, stuck)
     assert size == 0 if mode == "empty" else size > 0
     assert await ids(db, OLD) == set(expected)  # the killed run deleted nothing
-    async with asyncio.timeout(30):  # the server ends the dead run's session
-        while await advisory_locks(db):
-            await asyncio.sleep(0.05)
+    # The server ends the dead run's session, and with it its lock.
+    await wait_until(lambda: advisory_locks(db), until=lambda locks: not locks)
 
     policy = RetentionPolicy(max_age=timedelta(hours=12), batch_size=9, archive_dir=tmp_path)
     result = await clean_queue(db, "nmbus", "billing", policy)
@@ -306,9 +306,9 @@ async def test_retention_runs_inside_a_worker_on_a_schedule(
         retention_archive_dir=str(tmp_path) if archive else None,
     )
     async with bus:
-        async with asyncio.timeout(30):
-            while await ids(db, "id = ANY($1)", list(old)):
-                await asyncio.sleep(0.1)
+        await wait_until(
+            lambda: ids(db, "id = ANY($1)", list(old)), until=lambda left: not left, interval=0.1
+        )
     assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'X'") == 160
     if archive:
         assert set(read_archive(tmp_path).column("id").to_pylist()) == old

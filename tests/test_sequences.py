@@ -20,6 +20,7 @@ from nmbus.sql import render
 from nmbus.testing import MemoryStore, drain
 from tests import procs
 from tests.messages import Crash, Ping, Posted
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,9 +69,13 @@ async def start_workers(dsn: str, db: asyncpg.Connection, fails: str = "") -> li
 
 
 async def wait_done(db: asyncpg.Connection, count: int, timeout: float = 60) -> None:
-    async with asyncio.timeout(timeout):
-        while await db.fetchval("SELECT count(*) FROM seq_log") < count:
-            await asyncio.sleep(0.1)
+    await wait_until(
+        "SELECT count(*) FROM seq_log",
+        db=db,
+        until=lambda n: n >= count,
+        timeout=timeout,
+        interval=0.1,
+    )
 
 
 async def test_twenty_members_on_two_processes_arrive_in_exactly_send_order(
@@ -186,9 +191,7 @@ async def test_an_f_member_blocks_its_sequence_until_requeued(
         broken["acct"] = False
         await db.execute("UPDATE nmbus.ledger SET subqueue = 'I' WHERE id = $1", head)
         bus.worker.wake()
-        async with asyncio.timeout(10):
-            while len(seen) < 4:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: len(seen), until=lambda n: n >= 4, timeout=10)
     assert seen == [0, 1, 2, 3]
     assert await blocked_of(dsn, "ledger") == ()
 
@@ -216,9 +219,7 @@ async def test_a_purged_f_member_lets_its_sequence_go_on(
         assert seen == []
         await db.execute("DELETE FROM nmbus.ledger WHERE subqueue = 'F'")
         bus.worker.wake()
-        async with asyncio.timeout(10):
-            while len(seen) < 2:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: len(seen), until=lambda n: n >= 2, timeout=10)
     assert seen == [1, 2]
 
 
@@ -250,9 +251,7 @@ async def test_a_member_killed_mid_way_is_recovered_before_the_next_starts(
         seen.append(f"ping {msg.n}")
 
     async with bus:
-        async with asyncio.timeout(20):
-            while len(seen) < 2:
-                await asyncio.sleep(0.1)
+        await wait_until(lambda: len(seen), until=lambda n: n >= 2, timeout=20, interval=0.1)
     assert seen == ["crash 0 attempt 2", "ping 1"]
 
 

@@ -31,6 +31,7 @@ from nmbus.errors import (
 from nmbus.testing import MemoryStore, drain
 from tests.messages import Event, Ping, Pong
 from tests.saga_workers import Counter
+from tests.waits import wait_until
 
 INF = float("inf")
 NAN = float("nan")
@@ -566,9 +567,7 @@ async def test_the_shortest_lease_still_works(
 
     async with bus:
         await bus.send(Ping(n=1), to="billing")
-        async with asyncio.timeout(20):
-            while not handled:
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: handled, timeout=20)
         async with rival:
             await drain(bus)
     assert handled == [1]

@@ -18,6 +18,7 @@ import structlog
 from nmbus import Bus, Context
 from nmbus.testing import drain
 from tests.messages import Ping
+from tests.waits import wait_until
 
 
 async def test_waiting_and_non_waiting_handlers_succeed_fail_and_time_out(
@@ -100,8 +101,11 @@ async def test_a_lease_lost_in_a_batch_that_wrote_nothing_is_logged_not_rerun(
                 await sender.send(Ping(n=n), to="billing")
         with structlog.testing.capture_logs() as logs:
             async with bus:
-                while len(seen) < 5 or bus.worker.in_flight:
-                    await asyncio.sleep(0.05)
+                await wait_until(
+                    lambda: (len(seen), len(bus.worker.in_flight)),
+                    until=lambda state: state[0] >= 5 and state[1] == 0,
+                    what="(messages seen, in flight) to be (5, 0)",
+                )
                 await asyncio.sleep(0.2)
     finally:
         await thief.close()

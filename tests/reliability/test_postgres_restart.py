@@ -13,6 +13,7 @@ from nmbus import Bus, Context, DatabaseUnavailable
 from nmbus.testing import drain
 from tests.messages import Ping
 from tests.reliability.pgserver import PrivateServer
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -63,9 +64,9 @@ async def test_workers_and_senders_live_through_a_postgres_restart(
         async with bus, sender:
             for n in range(1500):
                 results[await sender.send(Ping(n=n), to="billing")] = "ok"
-            async with asyncio.timeout(60):
-                while bus.worker.handled < 200:
-                    await asyncio.sleep(0.02)
+            await wait_until(
+                lambda: bus.worker.handled, until=lambda n: n >= 200, timeout=60, interval=0.02
+            )
 
             # 1. The server goes down: sends fail loudly while it is down.
             await asyncio.to_thread(private_server.stop, mode)

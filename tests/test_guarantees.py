@@ -193,7 +193,8 @@ async def test_failures_retry_on_schedule_then_fail(
     async with bus:
         await bus.send(Ping(n=1), to="billing")
         await wait_until(lambda: len(attempts), until=lambda n: n >= 1, timeout=10, interval=0.01)
-        await asyncio.sleep(0.05)
+        # The failed attempt committed: the row is out of I.
+        await wait_until("SELECT subqueue FROM nmbus.billing", db=db, until=lambda sq: sq != "I")
         (row,) = await rows(db)
         assert row["subqueue"] == "R"
         assert row["retry_count"] == 1

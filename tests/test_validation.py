@@ -360,7 +360,7 @@ async def test_reconnect_max_delay_reaches_the_listener(make_bus: Callable[..., 
 
     bus.store.listen = spy  # type: ignore[method-assign]
     async with bus:
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: given, what="the listener started")
     assert given == [0.7]
 
 

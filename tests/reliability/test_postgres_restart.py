@@ -35,6 +35,10 @@ async def _send_through(
         await asyncio.sleep(0.005)
 
 
+def _logged(logs: list[dict[str, object]], event: str) -> bool:
+    return any(e["event"] == event for e in logs)
+
+
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 async def test_workers_and_senders_live_through_a_postgres_restart(
     private_server: PrivateServer, private_dsn: str, mode: str
@@ -76,16 +80,22 @@ async def test_workers_and_senders_live_through_a_postgres_restart(
                         await sender.send(Ping(n=-1), to="billing")
                 with pytest.raises(DatabaseUnavailable):
                     await sender.publish(Ping(n=-2))
-                await asyncio.sleep(1.5)  # the workers notice and back off
+                # The workers notice, and back off while it stays down.
+                await wait_until(lambda: _logged(logs, "worker_connection_lost"))
             finally:
                 await asyncio.to_thread(private_server.start)
 
             # 2. A real `pg_ctl restart` while a sender keeps sending.
             stop_sending = asyncio.Event()
+            before = len(results)
             sending = asyncio.create_task(_send_through(sender, 10_000, stop_sending, results))
-            await asyncio.sleep(0.5)
+            await wait_until(lambda: len(results) - before >= 20, what="the sender under way")
             await asyncio.to_thread(private_server.restart, mode)
-            await asyncio.sleep(1.0)
+            after = len(results)
+            await wait_until(
+                lambda: list(results.values())[after:].count("ok") >= 20,
+                what="sends going through again after the restart",
+            )
             stop_sending.set()
             await sending
 

@@ -10,6 +10,7 @@ each run (executors up, jobs, tasks) is printed: see docs/statistics.md.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -42,6 +43,7 @@ if not os.path.isfile(JAR):
 from nmbus.stats.session import ensure_java  # noqa: E402
 from tests.procs import JVM_NOISE  # noqa: E402
 from tests.stats_data import seed, seed_doomed  # noqa: E402
+from tests.waits import wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -114,15 +116,17 @@ class Cluster:
                     *("--webui-port", str(ui), "--work-dir", str(work)),
                 ],
             )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            for proc in self.procs:
-                assert proc.poll() is None, self.logs()
-            state = self.state()
-            if state and sum(w["state"] == "ALIVE" for w in state.get("workers", [])) == 2:
-                return
-            time.sleep(0.5)
-        raise AssertionError("the cluster did not come up:\n" + self.logs())
+        try:
+            asyncio.run(wait_until(self.alive, until=lambda n: n == 2, timeout=120, interval=0.5))
+        except AssertionError as exc:
+            raise AssertionError(f"the cluster did not come up: {exc}\n{self.logs()}") from None
+
+    def alive(self) -> int:
+        """How many workers the master lists as alive; a process that ended fails."""
+        for proc in self.procs:
+            assert proc.poll() is None, self.logs()
+        state = self.state() or {}
+        return sum(w["state"] == "ALIVE" for w in state.get("workers", []))
 
     def state(self) -> dict[str, Any] | None:
         try:
@@ -262,8 +266,6 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 600, quiet: bool 
 
 
 def test_cluster_runs_the_job_like_local(cluster: Cluster, dsn: str, tmp_path: Path) -> None:
-    import asyncio
-
     asyncio.run(seed(dsn, QUEUES))
     asyncio.run(seed_doomed(dsn))
     env = dict(cluster.env)

@@ -20,6 +20,7 @@ import asyncpg
 
 from nmbus import Bus, Context
 from tests.messages import Crash, Ping, Slow
+from tests.waits import wait_until
 
 
 async def worker(dsn: str, queue: str, lease: float) -> None:
@@ -50,11 +51,9 @@ async def _some_row_committed(dsn: str, queue: str, cap: float = 20.0) -> None:
     """Wait (up to ``cap`` seconds) until a row of ``queue`` is X, seen from another connection."""
     conn = await asyncpg.connect(dsn)
     try:
-        async with asyncio.timeout(cap):
-            sql = f"SELECT count(*) FROM nmbus.\"{queue}\" WHERE subqueue = 'X'"
-            while not await conn.fetchval(sql):
-                await asyncio.sleep(0.05)
-    except TimeoutError:
+        sql = f"SELECT count(*) FROM nmbus.\"{queue}\" WHERE subqueue = 'X'"
+        await wait_until(sql, db=conn, timeout=cap)
+    except AssertionError:  # not within cap: go on all the same
         pass
     finally:
         await conn.close()

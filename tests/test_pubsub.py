@@ -149,9 +149,22 @@ async def test_a_subscriber_that_stops_renewing_stops_receiving_and_a_renewing_o
         doomed.kill()
         killed_at = await db.fetchval("SELECT now()")
         killed_n = n
-        # Its last renewal is final now (the row is purged one lifetime after expiry).
-        expiry = await db.fetchval(
+        # Its last renewal is final once the server has finished what the process sent
+        # before it died (a renewal may still commit just after the kill): read it when
+        # it has stood still for half a second (the row is purged one lifetime after expiry).
+        expiry_of = (
             "SELECT expiration_date FROM nmbus.subscriptions WHERE subscriber_endpoint = 'doomed'"
+        )
+
+        async def settled_expiry() -> object:
+            first = await db.fetchval(expiry_of)
+            await asyncio.sleep(0.5)
+            return first if first == await db.fetchval(expiry_of) else None
+
+        expiry = await wait_until(
+            settled_expiry,
+            until=lambda value: value is not None,
+            what="the killed subscriber's last renewal to settle",
         )
         # Keep publishing over more than two lifetimes: 'alive' renews, 'doomed' cannot.
         await publish_for(2 * ttl + 1.0)

@@ -16,21 +16,16 @@ than a page should carry are cut, with a link to the whole text as plain text.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import math
 import secrets
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from datetime import datetime
 from importlib.resources import files
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 from markupsafe import Markup
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -38,29 +33,22 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nmbus.admin import WINDOW_ROWS, Admin, FailedCount, FailedPage, QueueDepth, QueueStatus
-from nmbus.dashboard import charts
-from nmbus.dashboard.hosts import host_name, is_loopback
+from nmbus.dashboard import charts, display, forms, guard
+from nmbus.dashboard.guard import DashboardOptions
+from nmbus.dashboard.hosts import is_loopback
 from nmbus.dashboard.metrics import exposition
 from nmbus.errors import (
-    ConfigurationError,
-    DatabaseUnavailable,
     InvalidQueueName,
     NmbusError,
-    QueueNotFound,
 )
-from nmbus.logs import scrub
 
 __all__ = ["DashboardOptions", "create_app", "is_loopback", "overview"]
 
-CSRF_COOKIE = "nmbus_csrf"
 PAGE_SIZE = 50
 # Queues per page of the queues page.
 QUEUES_PER_PAGE = 50
-# Text filters longer than this are refused rather than sent to the database.
-MAX_FILTER = 500
 # A message's error, body and headers are shown up to this many characters
 # each; the rest is a link away (the whole text, served as plain text).
 TEXT_SHOWN = 64 * 1024
@@ -71,58 +59,6 @@ TEXT_PARTS = ("error", "body", "headers")
 _HERE = files("nmbus.dashboard")
 
 
-@dataclass(frozen=True)
-class DashboardOptions:
-    """How the dashboard behaves; the token is never empty (the CLI makes one if none is given)."""
-
-    token: str
-    read_only: bool = False
-    refresh_seconds: float = 5.0
-    database: str = ""  # what the header shows: the DSN without its password
-    # Host header names served (any when None), without port. On loopback the CLI
-    # names this machine's own (hosts.loopback_names), so a page on another site
-    # cannot read this one through a rebound DNS name.
-    allowed_hosts: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if not self.token:
-            raise ConfigurationError("the dashboard needs a token for its changes")
-        if not 1.0 <= self.refresh_seconds <= 3600.0:
-            raise ConfigurationError("refresh must be 1-3600 seconds")
-
-
-class _HostGuard:
-    """Answer 400 to a request whose Host header names none of ``allowed`` (port aside).
-
-    Starlette's TrustedHostMiddleware cuts the header at its first colon, which
-    cannot tell ``[::1]:8787`` from anything else: this one reads IPv6 too.
-    """
-
-    def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
-        self.app = app
-        self.allowed = frozenset(host_name(h) for h in allowed)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            header = Headers(scope=scope).get("host", "")
-            if host_name(header) not in self.allowed:
-                response = PlainTextResponse("Invalid host header", status_code=400)
-                await _security_headers(response)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _security_headers(response: Response) -> Response:
-    response.headers["Content-Security-Policy"] = (
-        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
-    )
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    response.headers["Referrer-Policy"] = "same-origin"
-    response.headers["Cache-Control"] = "no-store"
-    return response
-
-
 def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
     """The dashboard over ``admin`` (closed when the application shuts down)."""
     templates = Jinja2Templates(directory=str(_HERE.joinpath("templates")))
@@ -131,11 +67,11 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         refresh_ms=int(options.refresh_seconds * 1000),
         database=options.database,
         schema=admin.schema,
-        seconds=_seconds,
-        number=_number,
-        ms=_ms,
-        utc=_utc,
-        size=_size,
+        seconds=display.seconds,
+        number=display.number,
+        ms=display.ms,
+        utc=display.utc,
+        size=display.size,
         text_shown=f"{TEXT_SHOWN:,}",
         text_limit=TEXT_SHOWN,
         per_page=QUEUES_PER_PAGE,
@@ -145,25 +81,27 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
     async def page(
         request: Request, name: str, context: dict[str, Any], status: int = 200
     ) -> Response:
-        csrf = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(24)
+        csrf = request.cookies.get(guard.CSRF_COOKIE) or secrets.token_urlsafe(24)
         extra: dict[str, Any] = {"csrf": csrf}
         if not name.startswith("_"):  # a whole page: its header shows the schema's version
             extra["schema_version"] = await _schema_version(admin)
         response = templates.TemplateResponse(
             request, name, {**context, **extra}, status_code=status
         )
-        if request.cookies.get(CSRF_COOKIE) != csrf:
+        if request.cookies.get(guard.CSRF_COOKIE) != csrf:
             response.set_cookie(
-                CSRF_COOKIE, csrf, httponly=True, samesite="strict", path="/", max_age=86400
+                guard.CSRF_COOKIE, csrf, httponly=True, samesite="strict", path="/", max_age=86400
             )
-        return _security_headers(response)
+        return guard.security_headers(response)
 
     async def queues_context(request: Request) -> dict[str, Any]:
         params = request.query_params
         wanted = (params.get("q") or "").strip()
-        if len(wanted) > MAX_FILTER:
-            raise HTTPException(400, f"the queue filter is longer than {MAX_FILTER} characters")
-        number = _page_number(params.get("page"))
+        if len(wanted) > forms.MAX_FILTER:
+            raise HTTPException(
+                400, f"the queue filter is longer than {forms.MAX_FILTER} characters"
+            )
+        number = forms.page_number(params.get("page"))
         depths = await admin.queue_depths()
         matching = [d for d in depths if wanted.casefold() in d.queue.casefold()]
         matching.sort(key=_attention)
@@ -212,7 +150,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         return await page(request, "_queue_body.html", await queue_context(name))
 
     async def failed_page(request: Request) -> Response:
-        filters = _filters(request.query_params)
+        filters = forms.filters(request.query_params)
         found: FailedPage = await admin.failed_page(
             filters["queue"],
             message_type=filters["type"],
@@ -241,13 +179,15 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
 
     async def message_page(request: Request) -> Response:
         queue = request.path_params["queue"]
-        ident = _message_id(request.path_params["id"])
+        ident = forms.message_id(request.path_params["id"])
         row = await admin.message(queue, ident, max_chars=TEXT_SHOWN)
         if row is None:
             raise HTTPException(404, f"no message {ident} in queue {queue}")
-        body = row.msg_text if row.msg_text_chars > TEXT_SHOWN else _pretty(row.msg_text)
+        body = row.msg_text if row.msg_text_chars > TEXT_SHOWN else display.pretty(row.msg_text)
         headers = (
-            row.msg_headers if row.msg_headers_chars > TEXT_SHOWN else _pretty(row.msg_headers)
+            row.msg_headers
+            if row.msg_headers_chars > TEXT_SHOWN
+            else display.pretty(row.msg_headers)
         )
         return await page(
             request,
@@ -266,21 +206,21 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
 
     async def message_text(request: Request) -> Response:
         queue = request.path_params["queue"]
-        ident = _message_id(request.path_params["id"])
+        ident = forms.message_id(request.path_params["id"])
         part = request.path_params["part"]
         if part not in TEXT_PARTS:
             raise HTTPException(404, "no such part of a message: error, body or headers")
         text = await admin.message_text(queue, ident, part)
         # Plain text, never sniffed as markup (nosniff): whatever it holds is shown as text.
-        return _security_headers(PlainTextResponse(text or ""))
+        return guard.security_headers(PlainTextResponse(text or ""))
 
     async def confirm_page(request: Request) -> Response:
         if options.read_only:
             raise HTTPException(403, "this dashboard is read-only")
-        action = _action(request.query_params.get("action", ""))
-        filters = _filters(request.query_params)
+        action = forms.action(request.query_params.get("action", ""))
+        filters = forms.filters(request.query_params)
         ident = request.query_params.get("id")
-        ids = [_message_id(ident)] if ident else None
+        ids = [forms.message_id(ident)] if ident else None
         targets = [filters["queue"]] if filters["queue"] else await admin.list_queues()
         counts: list[FailedCount] = []
         for queue in targets:
@@ -297,7 +237,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
                 "filters": filters,
                 "id": ids[0] if ids else None,
                 "counts": counts,
-                "counted": _dump_counted(counts),
+                "counted": forms.dump_counted(counts),
                 "total": sum(c.count for c in counts),
                 "title": f"Confirm {action}",
                 "back": urlencode({k: v for k, v in filters.items() if v}),
@@ -305,16 +245,16 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         )
 
     async def act(request: Request) -> Response:
-        action = _action(request.path_params["action"])
+        action = forms.action(request.path_params["action"])
         form = await request.form()
         fields = {k: v for k, v in form.items() if isinstance(v, str)}
-        _check_change(request, fields, options)
-        filters = _filters(fields)
+        guard.check_change(request, fields, options)
+        filters = forms.filters(fields)
         ident = fields.get("id")
         if ident and not filters["queue"]:
             raise HTTPException(400, "refused: a message id needs its queue")
-        ids = [_message_id(ident)] if ident else None
-        counted = _load_counted(fields.get("counted"))
+        ids = [forms.message_id(ident)] if ident else None
+        counted = forms.load_counted(fields.get("counted"))
         if filters["queue"] and any(c.queue != filters["queue"] for c in counted):
             raise HTTPException(400, "refused: the confirmation counted another queue")
         change = admin.requeue_failed if action == "requeue" else admin.purge_failed
@@ -353,7 +293,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         body = await exposition(admin)
-        return _security_headers(
+        return guard.security_headers(
             Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
         )
 
@@ -361,9 +301,9 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         return PlainTextResponse("ok")
 
     async def on_error(request: Request, exc: Exception) -> Response:
-        status, message = _status_of(exc)
+        status, message = guard.status_of(exc)
         if request.url.path == "/metrics":
-            return _security_headers(PlainTextResponse(message, status_code=status))
+            return guard.security_headers(PlainTextResponse(message, status_code=status))
         return await page(request, "error.html", {"message": message, "title": "Error"}, status)
 
     @asynccontextmanager
@@ -389,7 +329,9 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         Mount("/static", StaticFiles(directory=str(_HERE.joinpath("static"))), name="static"),
     ]
     middleware = (
-        [Middleware(_HostGuard, allowed=options.allowed_hosts)] if options.allowed_hosts else []
+        [Middleware(guard.HostGuard, allowed=options.allowed_hosts)]
+        if options.allowed_hosts
+        else []
     )
     return Starlette(
         routes=routes,
@@ -438,135 +380,3 @@ async def _schema_version(admin: Admin) -> int | None:
         return await admin.schema_version()
     except NmbusError:
         return None  # the page still shows, its header without the version
-
-
-def _page_number(text: str | None) -> int:
-    if not text:
-        return 1
-    if not text.isdigit() or len(text) > 6 or int(text) < 1:
-        raise HTTPException(400, f"not a page number: {text[:40]!r}")
-    return int(text)
-
-
-def _dump_counted(counts: Sequence[FailedCount]) -> str:
-    """What a confirmation counted, for its form: per queue the count, highest id and time."""
-    return json.dumps(
-        [[c.queue, c.count, c.max_id, c.counted_at.isoformat()] for c in counts],
-        ensure_ascii=True,
-    )
-
-
-def _load_counted(text: str | None) -> list[FailedCount]:
-    if not text:
-        raise HTTPException(400, "refused: the form does not say what was confirmed (reload it)")
-    try:
-        found = []
-        for queue, count, max_id, at in json.loads(text):
-            when = datetime.fromisoformat(at)
-            if (
-                not isinstance(queue, str)
-                or not isinstance(count, int)
-                or not (max_id is None or (isinstance(max_id, int) and 0 <= max_id < 2**63))
-                or when.tzinfo is None
-            ):
-                raise ValueError(queue)
-            found.append(FailedCount(queue, count, max_id, when))
-        return found
-    except (ValueError, TypeError) as exc:
-        raise HTTPException(400, "refused: the confirmation in the form is not valid") from exc
-
-
-def _check_change(request: Request, form: Mapping[str, str], options: DashboardOptions) -> None:
-    """Refuse a change unless writable, same-site (CSRF) and carrying the token."""
-    if options.read_only:
-        raise HTTPException(403, "refused: this dashboard is read-only")
-    origin = request.headers.get("origin")
-    if origin is not None and urlsplit(origin).netloc != request.headers.get("host", ""):
-        raise HTTPException(403, "refused: the form came from another site")
-    cookie = request.cookies.get(CSRF_COOKIE, "")
-    sent = form.get("csrf", "")
-    if not cookie or not hmac.compare_digest(cookie.encode(), sent.encode()):
-        raise HTTPException(403, "refused: missing or wrong CSRF value (reload the page)")
-    token = form.get("token", "")
-    if not token or not hmac.compare_digest(token.encode(), options.token.encode()):
-        raise HTTPException(403, "refused: missing or wrong token")
-    if form.get("confirm") != "yes":
-        raise HTTPException(400, "refused: not confirmed")
-
-
-def _filters(params: Mapping[str, str]) -> dict[str, str | None]:
-    found: dict[str, str | None] = {}
-    for key in ("queue", "type", "error"):
-        value = (params.get(key) or "").strip()
-        if len(value) > MAX_FILTER:
-            raise HTTPException(400, f"the {key} filter is longer than {MAX_FILTER} characters")
-        if "\x00" in value:  # PostgreSQL text cannot hold it: nothing could match
-            raise HTTPException(400, f"the {key} filter holds a NUL character")
-        found[key] = value or None
-    return found
-
-
-def _action(text: str) -> str:
-    if text not in ("requeue", "purge"):
-        raise HTTPException(404, "no such action")
-    return text
-
-
-def _message_id(text: str) -> int:
-    if not text.isdigit() or len(text) > 18:
-        raise HTTPException(400, f"not a message id: {text[:40]!r}")
-    return int(text)
-
-
-def _pretty(text: str | None) -> str:
-    if text is None:
-        return ""
-    try:
-        return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-    except ValueError:
-        return text
-
-
-def _status_of(exc: Exception) -> tuple[int, str]:
-    if isinstance(exc, HTTPException):
-        return exc.status_code, str(exc.detail)
-    if isinstance(exc, QueueNotFound):
-        return 404, scrub(str(exc))
-    if isinstance(exc, ConfigurationError | InvalidQueueName):
-        return 400, scrub(str(exc))
-    if isinstance(exc, DatabaseUnavailable):
-        return 503, scrub(str(exc))
-    if isinstance(exc, NmbusError):
-        return 500, scrub(str(exc))
-    return 500, f"internal error: {type(exc).__name__}"
-
-
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "–"
-    if value < 120:
-        return f"{value:.1f} s"
-    if value < 7200:
-        return f"{value / 60:.1f} min"
-    if value < 172800:
-        return f"{value / 3600:.1f} h"
-    return f"{value / 86400:.1f} d"
-
-
-def _number(value: float | None, estimated: bool = False) -> str:
-    if value is None:
-        return "–"
-    text = f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
-    return f"≈{text}" if estimated else text
-
-
-def _ms(value: float | None) -> str:
-    return "–" if value is None else f"{value:,.1f}"
-
-
-def _utc(value: datetime | None, empty: str = "–") -> str:
-    return empty if value is None else f"{value:%Y-%m-%d %H:%M:%S} UTC"
-
-
-def _size(chars: int) -> str:
-    return f"{chars:,} characters"

@@ -1,0 +1,46 @@
+"""How the dashboard's templates show figures, times and texts."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+
+def pretty(text: str | None) -> str:
+    if text is None:
+        return ""
+    try:
+        return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    except ValueError:
+        return text
+
+
+def seconds(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if value < 120:
+        return f"{value:.1f} s"
+    if value < 7200:
+        return f"{value / 60:.1f} min"
+    if value < 172800:
+        return f"{value / 3600:.1f} h"
+    return f"{value / 86400:.1f} d"
+
+
+def number(value: float | None, estimated: bool = False) -> str:
+    if value is None:
+        return "–"
+    text = f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
+    return f"≈{text}" if estimated else text
+
+
+def ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:,.1f}"
+
+
+def utc(value: datetime | None, empty: str = "–") -> str:
+    return empty if value is None else f"{value:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def size(chars: int) -> str:
+    return f"{chars:,} characters"

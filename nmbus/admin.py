@@ -3,7 +3,7 @@
 The ``nmbus`` commands are argument parsing and rendering over :class:`Admin`,
 and a web page that shows queues or requeues a message uses the same methods
 (as procrastinate's shell and CLI use its JobManager). The SQL stays in
-``nmbus/sql/queries.sql`` (the ``ops_*`` and ``retention_*`` blocks); results
+``nmbus/postgres/sql/`` (``operations.sql`` and ``retention.sql``); results
 are typed, never driver records; driver errors become nmbus errors.
 
 Methods that read run in a read-only transaction, so PostgreSQL itself
@@ -32,10 +32,10 @@ from nmbus.errors import ConfigurationError, QueueNotFound
 from nmbus.logs import scrub
 from nmbus.postgres import PostgresStore, notify_channel
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
+from nmbus.postgres.sql import own_name, render
 from nmbus.postgres.store import CREATED_BY_SEND
 from nmbus.retention import ProgressCallback, RetentionPolicy, RetentionResult, clean_queue
 from nmbus.settings import Settings
-from nmbus.sql import own_name, render
 from nmbus.store import SCHEMA_VERSION, validate_queue_name, validate_schema_name
 
 # Failed messages are requeued or purged this many per statement (and commit).

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from nmbus.errors import RetentionError
-from nmbus.sql import render
+from nmbus.postgres.sql import render
 
 if TYPE_CHECKING:
     import asyncpg

@@ -21,7 +21,7 @@ import asyncpg
 import structlog
 
 from nmbus import Bus, Message
-from nmbus.sql import quote_ident
+from nmbus.postgres.sql import quote_ident
 
 
 class Tick(Message, type_name="bench.Tick"):

@@ -13,7 +13,7 @@ from typing import Any
 
 import asyncpg
 
-from nmbus.sql import render
+from nmbus.postgres.sql import render
 
 COLUMNS = (
     "from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count, "

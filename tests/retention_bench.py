@@ -31,8 +31,8 @@ from typing import Any
 import asyncpg
 
 from nmbus.postgres import install_schema
+from nmbus.postgres.sql import render
 from nmbus.retention import RetentionPolicy, RetentionResult, clean_queue
-from nmbus.sql import render
 from tests.pg import with_database
 
 QUEUE = "bench"

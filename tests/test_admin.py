@@ -27,9 +27,9 @@ from nmbus.errors import (
     QueueNotFound,
     StoreError,
 )
+from nmbus.postgres.sql import render
 from nmbus.retention import RetentionPolicy
 from nmbus.settings import Settings
-from nmbus.sql import render
 from tests.ops_data import CHARGE_ERROR, Facts, count, notifications
 from tests.waits import wait_until
 

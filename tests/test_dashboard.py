@@ -25,7 +25,7 @@ import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nmbus.sql import render
+from nmbus.postgres.sql import render
 from tests.ops_data import Facts
 from tests.procs import ROOT
 from tests.waits import wait_until

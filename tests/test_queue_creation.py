@@ -22,7 +22,7 @@ from typer.testing import CliRunner, Result
 from nmbus import Bus, Context, QueueNotFound
 from nmbus.admin import DEPTH_CHUNK, Admin
 from nmbus.cli import app
-from nmbus.sql import render
+from nmbus.postgres.sql import render
 from nmbus.testing import drain
 from tests.messages import Ping, Pong
 

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from nmbus import Bus
+from nmbus.postgres.sql import render
 from nmbus.retention import (
     ARCHIVE_COLUMNS,
     RetentionPolicy,
@@ -25,7 +26,6 @@ from nmbus.retention import (
     recover,
     write_pending,
 )
-from nmbus.sql import render
 from tests import retention_bench as bench
 from tests.ops_data import populate
 from tests.procs import Proc

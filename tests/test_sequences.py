@@ -16,7 +16,7 @@ from nmbus import Bus, Context, InvalidMessage, PermanentError, RetryLater
 from nmbus.admin import Admin
 from nmbus.messages import Envelope
 from nmbus.postgres import PostgresStore
-from nmbus.sql import render
+from nmbus.postgres.sql import render
 from nmbus.testing import MemoryStore, drain
 from tests import procs
 from tests.messages import Crash, Ping, Posted

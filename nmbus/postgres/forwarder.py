@@ -39,8 +39,8 @@ from nmbus.errors import DatabaseUnavailable
 from nmbus.logs import log_failure, scrub
 from nmbus.postgres.errors import is_connection_error, wrap_errors
 from nmbus.postgres.pubsub import install_publish_function
+from nmbus.postgres.sql import render
 from nmbus.postgres.store import ensure_queue_on, install_schema, outbox_channel
-from nmbus.sql import render
 from nmbus.store import validate_queue_name, validate_schema_name
 
 log = structlog.get_logger("nmbus.forwarder")

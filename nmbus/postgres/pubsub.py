@@ -1,6 +1,6 @@
 """Publishing on PostgreSQL: one server-side call per fan-out.
 
-``nmbus_publish_v3`` (nmbus/sql/queries.sql) looks up the live subscribers and
+``nmbus_publish_v3`` (nmbus/postgres/sql/pubsub.sql) looks up the live subscribers and
 inserts the copies into every subscriber's queue table in the same statement,
 so a publish is one round trip whatever the number of subscribers, and it sees
 every subscription committed before it began (there is no cache to go stale).
@@ -22,7 +22,7 @@ import structlog
 from nmbus.errors import StoreError
 from nmbus.messages import Envelope
 from nmbus.postgres.errors import wrap_errors
-from nmbus.sql import render
+from nmbus.postgres.sql import render
 from nmbus.store import validate_queue_name
 
 log = structlog.get_logger("nmbus.postgres")

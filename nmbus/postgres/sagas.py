@@ -15,7 +15,7 @@ import asyncpg
 import structlog
 
 from nmbus.postgres.errors import wrap_errors
-from nmbus.sql import own_name, render
+from nmbus.postgres.sql import own_name, render
 from nmbus.store import SagaRow, validate_queue_name
 
 log = structlog.get_logger("nmbus.postgres")

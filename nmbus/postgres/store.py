@@ -28,15 +28,15 @@ from nmbus.postgres.pubsub import (
     publish_on,
 )
 from nmbus.postgres.sagas import PostgresSagaTable, create_saga_table
+from nmbus.postgres.sql import QUERIES, render
 from nmbus.settings import Settings
-from nmbus.sql import QUERIES, render
 from nmbus.store import SCHEMA_VERSION, Outcomes, validate_queue_name, validate_schema_name
 
 log = structlog.get_logger("nmbus.postgres")
 
 # Schema changes after version 1, by the version they bring the schema to: names
-# of queries.sql blocks, run once per schema, or once per queue table when the
-# block names {queue}.
+# of the blocks in sql/migrations/, run once per schema, or once per queue table
+# when the block names {queue}.
 MIGRATIONS: dict[int, list[str]] = {
     2: ["migrate_2_fillfactor"],
     3: ["migrate_3_names", "migrate_3_queue"],

@@ -13,9 +13,9 @@ from typing import Any
 
 import asyncpg
 
-from nmbus import sql as core_sql
 from nmbus.bus import Bus
 from nmbus.context import Context
+from nmbus.postgres import sql as core_sql
 from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
 

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 import asyncpg
 import structlog
 
-from nmbus import sql as core_sql
 from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.errors import ConfigurationError, NmbusError, PermanentError, RetryLater
 from nmbus.messages import Message
+from nmbus.postgres import sql as core_sql
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
 from nmbus.store import validate_schema_name

@@ -1,9 +1,10 @@
 -- The SQL of nmbus's tools (nmbus bench, soak and demo, the statistics seed), by name.
 --
--- The same format as nmbus/sql/queries.sql, read by the same loader
--- (nmbus.sql.load) and filled in by the same nmbus.sql.fill: {schema} is the
--- quoted schema, {queue} the quoted schema-qualified queue table. Every tool
--- works in a schema of its own; the library core never reads this file.
+-- The same format as nmbus/postgres/sql/*.sql, read by the same loader
+-- (nmbus.postgres.sql.load) and filled in by the same nmbus.postgres.sql.fill:
+-- {schema} is the quoted schema, {queue} the quoted schema-qualified queue
+-- table. Every tool works in a schema of its own; the library core never reads
+-- this file.
 
 -- drop_schema --
 -- Drop a schema a tool owns (bench, soak or demo) with everything in it.

@@ -1,8 +1,8 @@
-"""The tools' SQL, loaded once from ``queries.sql`` beside it by the library's loader."""
+"""The tools' SQL, loaded once from ``queries.sql`` beside it by the adapter's loader."""
 
 from __future__ import annotations
 
-from nmbus.sql import fill, load
+from nmbus.postgres.sql import fill, load
 
 QUERIES: dict[str, str] = load("nmbus.tools")
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import asyncpg
 
-from nmbus import sql as core_sql
-from nmbus.sql import quote_ident
+from nmbus.postgres import sql as core_sql
+from nmbus.postgres.sql import quote_ident
 
 SQL = """
 SELECT queue, coalesce(label, '(none)') AS label,

@@ -1,0 +1,218 @@
+"""The SQL of the PostgreSQL adapter, in files by purpose, loaded once by name.
+
+Every ``.sql`` file of this package (its ``migrations/`` folder included) is read
+by :func:`load`:
+
+- ``schema.sql``: the schema's shared tables, the queue table, the queue registry;
+- ``migrations/NNN_*.sql``: what brings an older schema to version NNN;
+- ``runtime.sql``: insert, claim, finish, leases, isolation, sequences;
+- ``pubsub.sql``, ``sagas.sql``, ``outbox.sql``: publish/subscribe, sagas, routes;
+- ``operations.sql`` and ``retention.sql``: what operators and retention read and change.
+
+A block starts with a line ``-- name --``, then comment lines saying what it does
+and what ``$1..$n`` are. Block names are unique across the files (a second
+definition fails the load), so a caller says ``render("claim", ...)`` without
+knowing the file.
+
+A block can put another in with ``{name}``: a statement written once serves every
+statement that needs it (the claim serves ``claim``, ``finish_claim`` and
+``finish_claim_processed``). Such a fragment may have slots ``{:slot}``, given
+at each use as ``{name(slot => value, ...)}``: a value is pasted as written (a
+parameter ``$7``), unless it names a block (whose text goes in) or is ``''``
+(nothing; a slot alone on its line then takes its line with it). A fragment's
+lines after its first are indented as the line that puts it in. All of this
+happens once, at load: :func:`render` sees finished statements.
+
+Queue tables are the one dynamic part of any statement: :func:`render` fills in
+schema, table and index names, always through :func:`quote_ident`. The tools'
+SQL (:mod:`nmbus.tools.sql`) is another package of named blocks, read by the
+same :func:`load` and filled in by the same :func:`fill`.
+
+nmbus's own objects of a table (its indexes, primary key and identity
+sequence) are named ``<table>$<role>`` (:func:`own_name`). Queue names cannot
+contain ``$``, so these names can never be taken by a queue table, whatever
+queues are created and in what order (``orders_uid`` is a fine queue name;
+the unique index of ``orders`` is ``orders$uid``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib.resources import files
+from importlib.resources.abc import Traversable
+
+_BLOCK = re.compile(r"^-- ([a-z_][a-z0-9_]*) --$", re.MULTILINE)
+# {name} or {name(slot => value, ...)}, never {{...}} (a brace kept for str.format).
+_USE = re.compile(r"(?<!\{)\{([a-z_][a-z0-9_]*)(?:\(([^()]*)\))?\}(?!\})")
+_SLOT = re.compile(r"\{:([a-z_][a-z0-9_]*)\}")
+_LONE_SLOT = re.compile(r"^[ \t]*\{:([a-z_][a-z0-9_]*)\}[ \t]*\n", re.MULTILINE)
+
+# The names fill() puts in; a block cannot take one of them.
+IDENTIFIERS = frozenset(
+    {
+        "schema",
+        "queue",
+        "ready_index",
+        "unique_index",
+        "sequence_index",
+        "done_index",
+        "pkey",
+        "id_seq",
+        "saga",
+        "saga_pkey",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One ``-- name --`` block as written: its text without comment lines, and its file."""
+
+    name: str
+    text: str
+    path: str
+
+
+def _sql_files(folder: Traversable, prefix: str = "") -> Iterator[tuple[str, str]]:
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.is_dir():
+            yield from _sql_files(entry, f"{prefix}{entry.name}/")
+        elif entry.name.endswith(".sql"):
+            yield prefix + entry.name, entry.read_text(encoding="utf-8")
+
+
+def read(package: str) -> dict[str, Block]:
+    """The blocks of every ``.sql`` file in ``package``, as written; a name defined twice fails."""
+    blocks: dict[str, Block] = {}
+    for path, text in _sql_files(files(package)):
+        parts = _BLOCK.split(text)
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in blocks:
+                raise ValueError(
+                    f"SQL block {name!r} is defined twice: in {blocks[name].path} and {path}"
+                )
+            if name in IDENTIFIERS:
+                raise ValueError(f"SQL block {name!r} ({path}) takes the name of an identifier")
+            lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
+            blocks[name] = Block(name, "\n".join(lines).strip(), path)
+    return blocks
+
+
+def _indent(text: str, prefix: str) -> str:
+    return text.replace("\n", "\n" + prefix) if prefix else text
+
+
+def _line_prefix(text: str, at: int) -> str:
+    line = text[text.rfind("\n", 0, at) + 1 : at]
+    return line[: len(line) - len(line.lstrip(" \t"))]
+
+
+def _expand(
+    name: str, blocks: dict[str, Block], given: dict[str, str], stack: tuple[str, ...]
+) -> str:
+    """Block ``name`` with the blocks it uses put in, its slots filled from ``given``."""
+    where = " -> ".join((*stack, name))
+    if name in stack:
+        raise ValueError(f"SQL blocks use each other in a circle: {where}")
+    text = blocks[name].text
+    slots = set(_SLOT.findall(text))
+    if slots != set(given):
+        raise ValueError(f"SQL block {where} has slots {sorted(slots)}, given {sorted(given)}")
+
+    def value(token: str) -> str:
+        if token == "''":
+            return ""
+        if token in blocks:
+            return _expand(token, blocks, {}, (*stack, name))
+        return token
+
+    def use(match: re.Match[str]) -> str:
+        used, args = match[1], match[2]
+        if used not in blocks:
+            if args is None and used in IDENTIFIERS:
+                return match[0]
+            raise ValueError(f"SQL block {where}: {match[0]} names no block")
+        bound: dict[str, str] = {}
+        for arg in filter(str.strip, (args or "").split(",")):
+            slot, arrow, token = (part.strip() for part in arg.partition("=>"))
+            if not arrow or not slot or not token or slot in bound:
+                raise ValueError(f"SQL block {where}: bad argument {arg.strip()!r} in {match[0]}")
+            passed = _SLOT.fullmatch(token)
+            if passed and passed[1] not in given:
+                raise ValueError(f"SQL block {where}: {match[0]} passes an unknown slot")
+            bound[slot] = given[passed[1]] if passed else token
+        inner = _expand(used, blocks, bound, (*stack, name))
+        return _indent(inner, _line_prefix(match.string, match.start()))
+
+    text = _USE.sub(use, text)
+    text = _LONE_SLOT.sub(
+        lambda m: m[0] if value(given[m[1]]) else "",
+        text,
+    )
+    return _SLOT.sub(lambda m: _indent(value(given[m[1]]), _line_prefix(m.string, m.start())), text)
+
+
+def compose(blocks: dict[str, Block]) -> dict[str, str]:
+    """Every block without slots, with the blocks it uses put in."""
+    return {
+        name: _expand(name, blocks, {}, ())
+        for name, block in blocks.items()
+        if not _SLOT.search(block.text)
+    }
+
+
+def load(package: str) -> dict[str, str]:
+    """The blocks of every ``.sql`` file in ``package``, composed (see the module's docstring)."""
+    return compose(read(package))
+
+
+QUERIES: dict[str, str] = load(__name__)
+
+
+def quote_ident(name: str) -> str:
+    """Quote an SQL identifier the way PostgreSQL's ``quote_ident``/``%I`` does."""
+    if "\x00" in name:
+        raise ValueError("identifiers cannot contain NUL")
+    return '"' + name.replace('"', '""') + '"'
+
+
+# PostgreSQL silently truncates longer identifiers, which would make names collide again.
+MAX_IDENTIFIER_BYTES = 63
+
+
+def own_name(table: str, role: str) -> str:
+    """The name of nmbus's object ``role`` of ``table``.
+
+    Roles: ready, uid, seq, done, pkey, id_seq, saga.
+    """
+    name = f"{table}${role}"
+    if len(name.encode()) > MAX_IDENTIFIER_BYTES:
+        raise ValueError(f"{name!r} is longer than PostgreSQL's {MAX_IDENTIFIER_BYTES} bytes")
+    return name
+
+
+def fill(sql: str, schema: str, queue: str | None = None) -> str:
+    """``sql`` with the identifiers of ``schema`` and ``queue`` filled in, each one quoted."""
+    values = {"schema": quote_ident(schema)}
+    if queue is not None:
+        values["queue"] = f"{quote_ident(schema)}.{quote_ident(queue)}"
+        values["ready_index"] = quote_ident(own_name(queue, "ready"))
+        values["unique_index"] = quote_ident(own_name(queue, "uid"))
+        values["sequence_index"] = quote_ident(own_name(queue, "seq"))
+        values["done_index"] = quote_ident(own_name(queue, "done"))
+        values["pkey"] = quote_ident(own_name(queue, "pkey"))
+        values["id_seq"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'id_seq'))}"
+        if "{saga" in sql:
+            saga = own_name(queue, "saga")
+            values["saga"] = f"{quote_ident(schema)}.{quote_ident(saga)}"
+            values["saga_pkey"] = quote_ident(own_name(saga, "pkey"))
+    return sql.format_map(values)
+
+
+@functools.lru_cache(maxsize=1024)
+def render(name: str, schema: str, queue: str | None = None) -> str:
+    """The query ``name`` with identifiers for ``schema`` and ``queue`` filled in."""
+    return fill(QUERIES[name], schema, queue)

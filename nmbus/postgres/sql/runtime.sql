@@ -1,0 +1,365 @@
+-- What workers and senders run: insert, claim, finish, leases, isolation and
+-- the release of parked sequence members.
+
+-- insert_messages --
+-- Insert messages given as parallel arrays, skipping unique_ids already stored,
+-- and wake the queue's workers once. $1 from_endpoint, $2 to_endpoint,
+-- $3 deliver_at[], $4 correlation_id[], $5 label[], $6 msg_text[],
+-- $7 msg_headers[] (JSON text), $8 unique_id[], $9 notify channel,
+-- $10 priority[], $11 sequence_key[], $12 expires_at[].
+-- Rows are inserted in array order, so members of a sequence get ids in send order.
+-- A member behind an earlier member not in X is parked: retry_time 'infinity',
+-- out of the ready index, until the finish that moves its predecessor to X (or
+-- release_sequences) makes it due. Its deliver_at is then not kept.
+-- Returns how many rows were inserted.
+WITH ins AS (
+    INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, retry_time,
+                         correlation_id, label, msg_text, msg_headers, unique_id,
+                         priority, sequence_key, expires_at)
+    SELECT $1, $2,
+           CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
+           CASE WHEN v.sequence_key IS NOT NULL AND (
+                    row_number() OVER (PARTITION BY v.sequence_key ORDER BY v.ord) > 1
+                    OR EXISTS (SELECT 1 FROM {queue} AS e
+                               WHERE e.sequence_key = v.sequence_key AND e.subqueue <> 'X'))
+                THEN 'infinity'::timestamptz
+                ELSE greatest(coalesce(v.deliver_at, now()), now()) END,
+           v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb, v.unique_id,
+           v.priority, v.sequence_key, v.expires_at
+    FROM unnest($3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
+                $10::smallint[], $11::text[], $12::timestamptz[]) WITH ORDINALITY
+         AS v(deliver_at, correlation_id, label, msg_text, msg_headers, unique_id,
+              priority, sequence_key, expires_at, ord)
+    ORDER BY v.ord
+    ON CONFLICT (unique_id) DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
+
+-- insert_tick --
+-- Enqueue the tick of schedule $8 due at $9 into endpoint $1's own queue, unless a
+-- tick of that schedule due at $9 or later was enqueued before, and record $9 as
+-- its latest due time: one statement, so the record and the row commit together.
+-- Two processes trying the same due time serialise on the record's row; the
+-- second finds last_due = $9 and inserts nothing. A record more than a minute
+-- ahead of the database's clock (a process whose clock ran ahead) is not trusted:
+-- any due time replaces it, so that process cannot stop the schedule for the
+-- others until their clocks catch up. The unique index still keeps a
+-- row whose tick was enqueued before the record existed. $2 correlation_id,
+-- $3 label, $4 msg_text, $5 msg_headers (JSON text), $6 unique_id, $7 notify
+-- channel. Returns how many rows were inserted (0 or 1).
+WITH due AS (
+    INSERT INTO {schema}."periodic$due" AS d (endpoint, schedule, last_due)
+    VALUES ($1, $8, $9)
+    ON CONFLICT (endpoint, schedule) DO UPDATE
+        SET last_due = excluded.last_due, recorded_at = now()
+        WHERE d.last_due < excluded.last_due OR d.last_due > now() + interval '1 minute'
+    RETURNING 1
+), ins AS (
+    INSERT INTO {queue} (from_endpoint, to_endpoint, correlation_id, label, msg_text,
+                         msg_headers, unique_id)
+    SELECT $1, $1, $2, $3, $4, $5::jsonb, $6
+    WHERE EXISTS (SELECT 1 FROM due)
+    ON CONFLICT (unique_id) DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) AS inserted, pg_notify($7, $1) FROM ins;
+
+-- claim --
+-- Claim up to $1 ready rows (I, or R that is due) that no live lease holds,
+-- for client $2 with a lease of $3 seconds; counts the attempt (saturating, so
+-- a hand-written retry_count cannot overflow the claim). `recovered`: 0 fresh,
+-- 1 let go by `isolate` to be tried alone, 2 the holder's lease ran out with
+-- the row in a batch, 3 it ran out with the row isolated (the holder died on it).
+-- Highest priority first, then ready-time order. A member of a sequence is
+-- ready only when every earlier member (lower id, same sequence_key) is in X,
+-- i.e. it is the lowest member not in X: so at most one member of a sequence is
+-- ever held, and R and F members hold the rest back. That is checked only for
+-- rows with a sequence_key, by one probe of the sequence index; the members
+-- behind a head are parked out of the ready index anyway (see insert_messages).
+-- `expired`: the row's expires_at has passed; the worker records it without
+-- running a handler.
+WITH ready AS (
+    SELECT id, CASE WHEN lease_expires IS NULL THEN 0
+                    WHEN handling_client_id IS NULL THEN 1
+                    WHEN isolated THEN 3
+                    ELSE 2 END AS recovered
+    FROM {queue} AS r
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
+      AND (lease_expires IS NULL OR lease_expires < now())
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+          ORDER BY e.sequence_key, e.id LIMIT 1))
+    ORDER BY priority DESC, retry_time, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {queue} AS q
+SET retry_count = least(q.retry_count, 2147483646) + 1,
+    isolated = false,
+    handling_client_id = $2,
+    lease_expires = now() + make_interval(secs => $3)
+FROM ready
+WHERE q.id = ready.id
+RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
+          q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
+          ready.recovered, q.priority, coalesce(q.expires_at <= now(), false);
+
+-- finish --
+-- Record the outcome of a claimed batch in one statement. Per row:
+-- $1 id[], $2 new subqueue[] (X, R, F, or NULL to release it unchanged),
+-- $3 retry delay seconds[] (for R), $4 error_info[] (NULL keeps the old one),
+-- $5 attempt correction[] (-1 when the attempt must not count). $6 client id.
+-- Only rows still leased by $6 change; returns how many did. A sequence member
+-- moved to X unparks the next member of its sequence (see insert_messages).
+WITH done AS (
+    UPDATE {queue} AS q
+    SET subqueue = coalesce(v.subqueue, q.subqueue),
+        last_processed = CASE WHEN v.subqueue IS NULL THEN q.last_processed
+                              ELSE clock_timestamp() END,
+        retry_time = CASE WHEN v.subqueue = 'R'
+                          THEN clock_timestamp() + make_interval(secs => v.delay)
+                          ELSE q.retry_time END,
+        error_info = coalesce(v.error_info, q.error_info),
+        retry_count = greatest(0, q.retry_count + v.correction),
+        handling_client_id = NULL,
+        lease_expires = NULL
+    FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
+         AS v(id, subqueue, delay, error_info, correction)
+    WHERE q.id = v.id AND q.handling_client_id = $6
+    RETURNING q.id, q.subqueue, q.sequence_key
+),
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
+    RETURNING 1
+)
+SELECT count(*) FROM done;
+
+-- finish_claim --
+-- finish (same $1..$6) and, in the same statement and commit, claim the next
+-- batch: up to $7 ready rows for client $6 with a lease of $8 seconds, as claim
+-- does, never one of the rows being finished. Saves a round trip and a commit
+-- per batch. The statement's snapshot still sees the finished rows as they
+-- were, so a sequence member whose predecessor this statement moves to X is
+-- let through by reading `done` (only rows really changed, i.e. still leased).
+-- One row per claimed message, with the count of finished rows in `finished`;
+-- a single row of NULLs beside it when nothing was claimed.
+WITH done AS (
+    UPDATE {queue} AS q
+    SET subqueue = coalesce(v.subqueue, q.subqueue),
+        last_processed = CASE WHEN v.subqueue IS NULL THEN q.last_processed
+                              ELSE clock_timestamp() END,
+        retry_time = CASE WHEN v.subqueue = 'R'
+                          THEN clock_timestamp() + make_interval(secs => v.delay)
+                          ELSE q.retry_time END,
+        error_info = coalesce(v.error_info, q.error_info),
+        retry_count = greatest(0, q.retry_count + v.correction),
+        handling_client_id = NULL,
+        lease_expires = NULL
+    FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
+         AS v(id, subqueue, delay, error_info, correction)
+    WHERE q.id = v.id AND q.handling_client_id = $6
+    RETURNING q.id, q.subqueue, q.sequence_key
+),
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
+    RETURNING 1
+),
+ready AS (
+    SELECT id, CASE WHEN lease_expires IS NULL THEN 0
+                    WHEN handling_client_id IS NULL THEN 1
+                    WHEN isolated THEN 3
+                    ELSE 2 END AS recovered
+    FROM {queue} AS r
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
+      AND (lease_expires IS NULL OR lease_expires < now())
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
+          ORDER BY e.sequence_key, e.id LIMIT 1))
+      AND id <> ALL($1::bigint[])
+    ORDER BY priority DESC, retry_time, id
+    LIMIT $7
+    FOR UPDATE SKIP LOCKED
+),
+claimed AS (
+    UPDATE {queue} AS q
+    SET retry_count = least(q.retry_count, 2147483646) + 1,
+    isolated = false,
+        handling_client_id = $6,
+        lease_expires = now() + make_interval(secs => $8)
+    FROM ready
+    WHERE q.id = ready.id
+    RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
+              q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
+              ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired
+)
+SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
+       c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
+       c.priority, c.expired, d.finished
+FROM (SELECT count(*) AS finished FROM done) AS d
+LEFT JOIN claimed AS c ON true;
+
+-- finish_claim_processed --
+-- finish_claim for the common batch where every message was processed: mark
+-- rows $1 held by client $2 X, then claim up to $3 more with a lease of $4
+-- seconds. No per-row outcome arrays to send or join.
+WITH done AS (
+    UPDATE {queue}
+    SET subqueue = 'X', last_processed = clock_timestamp(),
+        handling_client_id = NULL, lease_expires = NULL
+    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
+    RETURNING id, subqueue, sequence_key
+),
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
+    RETURNING 1
+),
+ready AS (
+    SELECT id, CASE WHEN lease_expires IS NULL THEN 0
+                    WHEN handling_client_id IS NULL THEN 1
+                    WHEN isolated THEN 3
+                    ELSE 2 END AS recovered
+    FROM {queue} AS r
+    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
+      AND (lease_expires IS NULL OR lease_expires < now())
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
+          ORDER BY e.sequence_key, e.id LIMIT 1))
+      AND id <> ALL($1::bigint[])
+    ORDER BY priority DESC, retry_time, id
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+),
+claimed AS (
+    UPDATE {queue} AS q
+    SET retry_count = least(q.retry_count, 2147483646) + 1,
+    isolated = false,
+        handling_client_id = $2,
+        lease_expires = now() + make_interval(secs => $4)
+    FROM ready
+    WHERE q.id = ready.id
+    RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
+              q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
+              ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired
+)
+SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
+       c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
+       c.priority, c.expired, d.finished
+FROM (SELECT count(*) AS finished FROM done) AS d
+LEFT JOIN claimed AS c ON true;
+
+-- renew_leases --
+-- Extend the lease of rows $1 held by client $2 to $3 seconds from now. Rows
+-- locked right now are skipped, never waited for: they are being finished (or
+-- isolated) by this very process, whose statements lock them in another order,
+-- so waiting could deadlock with it and fail its batch.
+WITH held AS (
+    SELECT id FROM {queue}
+    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {queue} AS q SET lease_expires = now() + make_interval(secs => $3)
+FROM held
+WHERE q.id = held.id;
+
+-- abandon_leases --
+-- Let rows $1 held by client $2 be claimed again at once. $3: how much to take
+-- off retry_count (0: the attempt stays counted; 1: it never started).
+UPDATE {queue}
+SET lease_expires = NULL, handling_client_id = NULL, retry_count = greatest(0, retry_count - $3)
+WHERE id = ANY($1::bigint[]) AND handling_client_id = $2;
+
+-- isolate --
+-- After a crash, run one suspect alone. Of rows $1 held by client $3, row $2
+-- stays held and is marked isolated; the others are let go at once. $4 per
+-- row: whether a row let go must still be tried alone (its mark is a lease
+-- that ran out long ago). $5 per row: attempts given back to a row let go:
+-- this claim's (it has not started), plus the crash's when it died in a batch
+-- (nothing says it was the one that killed the worker). Returns how many rows
+-- changed.
+WITH done AS (
+    UPDATE {queue} AS q
+    SET isolated = (q.id = $2),
+        retry_count = CASE WHEN q.id = $2 THEN q.retry_count
+                           ELSE greatest(0, q.retry_count - v.refund) END,
+        handling_client_id = CASE WHEN q.id = $2 THEN q.handling_client_id END,
+        lease_expires = CASE WHEN q.id = $2 THEN q.lease_expires
+                             WHEN v.mark THEN 'epoch'::timestamptz END
+    FROM unnest($1::bigint[], $4::bool[], $5::int[]) AS v(id, mark, refund)
+    WHERE q.id = v.id AND q.handling_client_id = $3
+    RETURNING 1
+)
+SELECT count(*) FROM done;
+
+-- release_sequences --
+-- Make due every parked sequence head (retry_time 'infinity' though no earlier
+-- member is left outside X): a race between a send and the finish of its
+-- predecessor, or a purged/deleted member, can leave one so. Walks the sequence
+-- index one key at a time (a loose index scan). Returns how many it released.
+WITH RECURSIVE heads AS (
+    (SELECT sequence_key, id FROM {queue}
+     WHERE sequence_key IS NOT NULL AND subqueue <> 'X'
+     ORDER BY sequence_key, id LIMIT 1)
+    UNION ALL
+    SELECT n.sequence_key, n.id
+    FROM heads AS h,
+         LATERAL (SELECT sequence_key, id FROM {queue}
+                  WHERE sequence_key > h.sequence_key AND subqueue <> 'X'
+                  ORDER BY sequence_key, id LIMIT 1) AS n
+), released AS (
+    UPDATE {queue} AS q SET retry_time = now()
+    FROM heads
+    WHERE q.id = heads.id AND q.retry_time = 'infinity' AND q.subqueue IN ('I', 'R')
+    RETURNING 1
+)
+SELECT count(*) FROM released;
+
+-- next_due --
+-- Seconds until the earliest scheduled row is due, or NULL when none is; a
+-- retry_time of 'infinity' (written by hand) means never.
+SELECT extract(epoch FROM retry_time - now())::float8 FROM {queue}
+WHERE subqueue IN ('I', 'R') AND retry_time > now() AND retry_time < 'infinity'
+ORDER BY retry_time, id
+LIMIT 1;
+
+-- subqueue_counts --
+-- Rows per subqueue of one queue.
+SELECT subqueue, count(*) FROM {queue} GROUP BY subqueue;
+
+-- has_ready --
+-- Whether any row is ready now or held by a worker (used to drain a queue in tests);
+-- a sequence member waiting behind an earlier member is not ready.
+SELECT EXISTS (
+    SELECT 1 FROM {queue} AS r
+    WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
+      AND (r.sequence_key IS NULL OR r.id = (
+          SELECT e.id FROM {queue} AS e
+          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+          ORDER BY e.sequence_key, e.id LIMIT 1))
+);

@@ -1,0 +1,158 @@
+-- The schema: its shared tables, the queue table, the registry of queues.
+--
+-- Format (see nmbus/postgres/sql/__init__.py): a block starts with a line
+-- `-- name --`, then comment lines saying what it does and what $1..$n are.
+-- Identifiers are the only dynamic part: {schema} is the quoted schema, {queue}
+-- the quoted schema-qualified queue table, {ready_index} / {unique_index} /
+-- {sequence_index} / {done_index} / {pkey} its quoted index and constraint
+-- names and {id_seq} its quoted schema-qualified identity sequence. They are
+-- filled in by nmbus.postgres.sql.render(), which quotes every one; no other
+-- text is ever pasted in. nmbus's own objects are named "<table>$<role>": no
+-- queue name contains '$', so no queue table can ever take one of these names
+-- (see nmbus.postgres.sql.own_name).
+--
+-- A new schema is made by create_schema and create_queue at the latest
+-- version; an older one is brought there by the blocks in migrations/.
+
+-- advisory_lock --
+-- Serialise schema changes of one schema across processes. $1: lock key text.
+SELECT pg_advisory_xact_lock(hashtext($1));
+
+-- create_schema --
+-- Create the schema and its shared tables (idempotent).
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {schema}.schema_version (
+    version integer CONSTRAINT "schema_version$pkey" PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS {schema}.queues (
+    name text CONSTRAINT "queues$pkey" PRIMARY KEY,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS {schema}.subscriptions (
+    publisher_endpoint text NOT NULL,
+    subscriber_endpoint text NOT NULL,
+    message_type text NOT NULL,
+    created_date timestamptz NOT NULL DEFAULT now(),
+    expiration_date timestamptz,
+    subscriber_remote boolean NOT NULL DEFAULT false,
+    CONSTRAINT "subscriptions$pkey"
+        PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
+);
+CREATE TABLE IF NOT EXISTS {schema}.outbox (
+    id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {schema}."outbox$id_seq")
+        CONSTRAINT "outbox$pkey" PRIMARY KEY,
+    to_endpoint text NOT NULL,
+    from_endpoint text NOT NULL,
+    insert_time timestamptz NOT NULL DEFAULT now(),
+    deliver_at timestamptz,
+    correlation_id text,
+    label text,
+    msg_text text,
+    msg_headers jsonb,
+    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
+    priority smallint NOT NULL DEFAULT 0,
+    sequence_key text,
+    expires_at timestamptz,
+    CONSTRAINT "outbox$uid" UNIQUE (to_endpoint, unique_id)
+);
+CREATE INDEX IF NOT EXISTS "outbox$queue" ON {schema}.outbox (to_endpoint, id);
+CREATE TABLE IF NOT EXISTS {schema}."periodic$due" (
+    endpoint text NOT NULL,
+    schedule text NOT NULL,
+    last_due timestamptz NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT "periodic$due$pkey" PRIMARY KEY (endpoint, schedule)
+);
+
+-- schema_version --
+-- The highest schema version applied, NULL for a new schema.
+SELECT max(version) FROM {schema}.schema_version;
+
+-- set_schema_version --
+-- Record that schema version $1 is applied.
+INSERT INTO {schema}.schema_version (version) VALUES ($1) ON CONFLICT DO NOTHING;
+
+-- schema_exists --
+-- Whether the version table of the schema exists. $1: schema name (unquoted).
+SELECT to_regclass(format('%I.schema_version', $1::text)) IS NOT NULL;
+
+-- create_queue --
+-- Create one queue table with its indexes (idempotent).
+-- fillfactor 50 leaves room on each page for the claim's UPDATE to stay HOT (it
+-- changes no indexed column; see docs/storage.md); the autovacuum settings keep
+-- dead tuples from piling up under a busy queue.
+CREATE TABLE IF NOT EXISTS {queue} (
+    id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {id_seq})
+        CONSTRAINT {pkey} PRIMARY KEY,
+    from_endpoint text NOT NULL,
+    to_endpoint text NOT NULL,
+    subqueue char(1) NOT NULL DEFAULT 'I' CHECK (subqueue IN ('I', 'R', 'X', 'F')),
+    insert_time timestamptz NOT NULL DEFAULT now(),
+    last_processed timestamptz,
+    retry_count integer NOT NULL DEFAULT 0,
+    retry_time timestamptz NOT NULL DEFAULT now(),
+    error_info text,
+    correlation_id text,
+    label text,
+    msg_text text,
+    msg_headers jsonb,
+    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
+    handling_client_id text,
+    lease_expires timestamptz,
+    isolated boolean NOT NULL DEFAULT false,
+    priority smallint NOT NULL DEFAULT 0,
+    sequence_key text,
+    expires_at timestamptz
+) WITH (
+    fillfactor = 50,
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.05,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 1
+);
+CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, id)
+    WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
+CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
+CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
+    WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
+CREATE INDEX IF NOT EXISTS {done_index} ON {queue} (subqueue, last_processed, id)
+    WHERE subqueue IN ('X', 'F');
+
+-- register_queue --
+-- Remember that queue $1 exists, so tools can list every queue.
+INSERT INTO {schema}.queues (name) VALUES ($1) ON CONFLICT DO NOTHING;
+
+-- queue_exists --
+-- Whether the queue table exists. $1: schema name, $2: queue name (both unquoted).
+SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL;
+
+-- queue_comment --
+-- Whether the queue table exists, and its comment (the mark of a table a send created).
+-- $1: schema name, $2: queue name (both unquoted). No row: no such table.
+SELECT obj_description(c, 'pg_class') FROM to_regclass(format('%I.%I', $1::text, $2::text)) AS c
+WHERE c IS NOT NULL;
+
+-- mark_created_by_send --
+-- Mark a queue table that a send created before any endpoint started on it
+-- (docs/operations.md; psql's \dt+ shows it).
+COMMENT ON TABLE {queue} IS 'nmbus: created by a send; no endpoint has started on it';
+
+-- unmark_queue --
+-- Clear that mark: an endpoint started on the queue, or an operator created it.
+COMMENT ON TABLE {queue} IS NULL;
+
+-- list_queues --
+-- Names of all registered queues that still have a table. $1: schema name (unquoted).
+SELECT name FROM {schema}.queues
+WHERE to_regclass(format('%I.%I', $1::text, name)) IS NOT NULL
+ORDER BY name;
+
+-- drop_queue --
+-- Drop a queue table.
+DROP TABLE IF EXISTS {queue};
+
+-- forget_queue --
+-- Remove queue $1 from the registry.
+DELETE FROM {schema}.queues WHERE name = $1;

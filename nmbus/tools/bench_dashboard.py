@@ -72,7 +72,7 @@ async def seed(dsn: str, rows: int, fresh: bool) -> int:
         started = time.perf_counter()
         await conn.execute(render("dashbench_seed_x", SCHEMA, QUEUE), rows, timeout=None)
         await conn.execute(render("dashbench_seed_open", SCHEMA, QUEUE), 2000, 200, 600)
-        await conn.execute(render("dashbench_vacuum", SCHEMA, QUEUE), timeout=None)
+        await conn.execute(render("bench_vacuum", SCHEMA, QUEUE), timeout=None)
         print(f"filled {rows:,} X rows in {time.perf_counter() - started:.0f} s")
         return rows + 2800
     finally:

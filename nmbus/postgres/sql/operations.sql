@@ -37,6 +37,18 @@ ORDER BY to_endpoint;
 
 -- ops_queue_counts --
 -- The cheap figures of a queue, never a scan of its X rows. $1: schema, $2: queue name (both unquoted). I and R rows are read through the ready index (and the sequence index for members parked at retry_time 'infinity'), so their cost follows the backlog; F rows through the done index. live_rows is the statistics system's count of live rows (pg_stat_user_tables.n_live_tup, kept up to date by every insert and delete, not by a scan) and pages the table's current size, from which X is estimated.
+{ops_open_counts},
+       (SELECT coalesce(max(n_live_tup), 0) FROM pg_stat_user_tables
+        WHERE schemaname = $1 AND relname = $2) AS live_rows,
+       (pg_relation_size(format('%I.%I', $1::text, $2::text)::regclass)
+        / current_setting('block_size')::bigint) AS pages
+FROM open;
+
+-- ops_open_counts --
+-- Fragment of ops_queue_counts and ops_queue_depth, which add columns to it:
+-- the CTE `open`, every I and R row (through the ready index, and the sequence
+-- index for members parked at retry_time 'infinity'), and what they count of
+-- it, with the F rows (through the done index).
 WITH open AS (
     SELECT subqueue, handling_client_id, retry_time, lease_expires
     FROM {queue} WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity'
@@ -53,12 +65,7 @@ SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
            FILTER (WHERE retry_time <= now()
                    AND (lease_expires IS NULL OR lease_expires < now())))::float8
            AS oldest_ready_seconds,
-       (SELECT count(*) FROM {queue} WHERE subqueue = 'F') AS failed,
-       (SELECT coalesce(max(n_live_tup), 0) FROM pg_stat_user_tables
-        WHERE schemaname = $1 AND relname = $2) AS live_rows,
-       (pg_relation_size(format('%I.%I', $1::text, $2::text)::regclass)
-        / current_setting('block_size')::bigint) AS pages
-FROM open;
+       (SELECT count(*) FROM {queue} WHERE subqueue = 'F') AS failed
 
 -- ops_queue_sizes --
 -- Every registered queue that has a table, by name: the statistics system's live-row count (as in ops_queue_counts), its size in pages and its table's comment (the mark of a queue a send created, see mark_created_by_send). $1: schema (unquoted).
@@ -83,23 +90,7 @@ SELECT from_endpoint AS sender FROM {queue} ORDER BY id LIMIT 1;
 
 -- ops_queue_depth --
 -- One queue's depths, as ops_queue_counts reads them but without the statistics (see ops_queue_sizes), and how many sequences are blocked (at most $1). Admin.queue_depths reads many queues in one statement: a UNION ALL of this block, one per queue, each under its position in the list.
-WITH open AS (
-    SELECT subqueue, handling_client_id, retry_time, lease_expires
-    FROM {queue} WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity'
-    UNION ALL
-    SELECT subqueue, handling_client_id, retry_time, lease_expires
-    FROM {queue}
-    WHERE sequence_key IS NOT NULL AND subqueue <> 'X' AND retry_time = 'infinity'
-      AND subqueue IN ('I', 'R')
-)
-SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
-       count(*) FILTER (WHERE subqueue = 'R') AS scheduled,
-       count(*) FILTER (WHERE handling_client_id IS NOT NULL) AS in_flight,
-       extract(epoch FROM now() - min(retry_time)
-           FILTER (WHERE retry_time <= now()
-                   AND (lease_expires IS NULL OR lease_expires < now())))::float8
-           AS oldest_ready_seconds,
-       (SELECT count(*) FROM {queue} WHERE subqueue = 'F') AS failed,
+{ops_open_counts},
        (SELECT count(*) FROM (
             SELECT 1 FROM (
                 SELECT DISTINCT ON (sequence_key) id, subqueue, retry_time

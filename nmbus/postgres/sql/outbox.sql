@@ -13,10 +13,7 @@ WITH ins AS (
                                  sequence_key, expires_at)
     SELECT $2, $1, v.deliver_at, v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb,
            v.unique_id, v.priority, v.sequence_key, v.expires_at
-    FROM unnest($3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
-                $10::smallint[], $11::text[], $12::timestamptz[]) WITH ORDINALITY
-         AS v(deliver_at, correlation_id, label, msg_text, msg_headers, unique_id,
-              priority, sequence_key, expires_at, ord)
+    {insert_arrays}
     ORDER BY v.ord
     ON CONFLICT (to_endpoint, unique_id) DO NOTHING
     RETURNING 1
@@ -41,10 +38,6 @@ FOR UPDATE;
 -- outbox_done --
 -- Forget outbox rows $1, once the remote transaction that stored them committed.
 DELETE FROM {schema}.outbox WHERE id = ANY($1::bigint[]);
-
--- outbox_pending --
--- Destination queues with rows waiting in the outbox.
-SELECT DISTINCT to_endpoint FROM {schema}.outbox;
 
 -- database_identity --
 -- What tells this database apart from every other (a route's DSN that reaches the

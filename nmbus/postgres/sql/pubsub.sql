@@ -101,13 +101,7 @@ BEGIN
                     SELECT $2, $1, v.deliver_at, v.correlation_id, v.label, v.msg_text,
                            v.msg_headers::jsonb, v.publish_id || '/' || $2,
                            coalesce(v.priority, 0), v.sequence_key, v.expires_at
-                    FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
-                                $8::text[], $9::timestamptz[], $11::smallint[], $12::text[],
-                                $13::timestamptz[]) WITH ORDINALITY
-                         AS v(chain, label, msg_text, msg_headers, correlation_id, publish_id,
-                              deliver_at, priority, sequence_key, expires_at, ord)
-                    WHERE string_to_array(v.chain, ',') && $10::text[]
-                    ORDER BY v.ord
+                    {published_rows}
                     ON CONFLICT (to_endpoint, unique_id) DO NOTHING
                     RETURNING 1
                 )
@@ -130,23 +124,11 @@ BEGIN
                                    priority, sequence_key, expires_at)
                 SELECT $1, $2,
                        CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
-                       CASE WHEN v.sequence_key IS NOT NULL AND (
-                                row_number() OVER (PARTITION BY v.sequence_key ORDER BY v.ord) > 1
-                                OR EXISTS (SELECT 1 FROM %1$I.%2$I AS e
-                                           WHERE e.sequence_key = v.sequence_key
-                                             AND e.subqueue <> 'X'))
-                            THEN 'infinity'::timestamptz
-                            ELSE greatest(coalesce(v.deliver_at, now()), now()) END,
+                       {parked_retry_time(table => %1$I.%2$I)},
                        v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb,
                        v.publish_id || '/' || $2, coalesce(v.priority, 0), v.sequence_key,
                        v.expires_at
-                FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
-                            $8::text[], $9::timestamptz[], $11::smallint[], $12::text[],
-                            $13::timestamptz[]) WITH ORDINALITY
-                     AS v(chain, label, msg_text, msg_headers, correlation_id, publish_id,
-                          deliver_at, priority, sequence_key, expires_at, ord)
-                WHERE string_to_array(v.chain, ',') && $10::text[]
-                ORDER BY v.ord
+                {published_rows}
                 ON CONFLICT (unique_id) DO NOTHING
                 RETURNING 1
             )
@@ -164,6 +146,19 @@ BEGIN
     END LOOP;
 END
 $fn$;
+
+-- published_rows --
+-- Fragment of nmbus_publish_v3 (create_publish_function), in the statement it
+-- runs for one subscriber, whether its copies go to its queue table or to the
+-- outbox: the messages whose type chain holds a type it subscribed to ($10),
+-- in the order they were published.
+FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+            $8::text[], $9::timestamptz[], $11::smallint[], $12::text[],
+            $13::timestamptz[]) WITH ORDINALITY
+     AS v(chain, label, msg_text, msg_headers, correlation_id, publish_id,
+          deliver_at, priority, sequence_key, expires_at, ord)
+WHERE string_to_array(v.chain, ',') && $10::text[]
+ORDER BY v.ord
 
 -- publish --
 -- Fan messages out to every live subscriber of publisher $2 (see

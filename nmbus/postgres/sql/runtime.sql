@@ -1,5 +1,12 @@
 -- What workers and senders run: insert, claim, finish, leases, isolation and
 -- the release of parked sequence members.
+--
+-- Each part is written once, as a fragment the statements put in by name: the
+-- claim (claim_ready, sequence_head, claim_lease) serves claim and, through
+-- claim_after_finish, finish_claim and finish_claim_processed; the finish of
+-- finish and finish_claim is finish_done; what moving a sequence member to X
+-- does to the next member is unparked; where a new sequence member is parked
+-- is parked_retry_time (also in the fan-out of pubsub.sql).
 
 -- insert_messages --
 -- Insert messages given as parallel arrays, skipping unique_ids already stored,
@@ -18,23 +25,37 @@ WITH ins AS (
                          priority, sequence_key, expires_at)
     SELECT $1, $2,
            CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
-           CASE WHEN v.sequence_key IS NOT NULL AND (
-                    row_number() OVER (PARTITION BY v.sequence_key ORDER BY v.ord) > 1
-                    OR EXISTS (SELECT 1 FROM {queue} AS e
-                               WHERE e.sequence_key = v.sequence_key AND e.subqueue <> 'X'))
-                THEN 'infinity'::timestamptz
-                ELSE greatest(coalesce(v.deliver_at, now()), now()) END,
+           {parked_retry_time(table => {queue})},
            v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb, v.unique_id,
            v.priority, v.sequence_key, v.expires_at
-    FROM unnest($3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
-                $10::smallint[], $11::text[], $12::timestamptz[]) WITH ORDINALITY
-         AS v(deliver_at, correlation_id, label, msg_text, msg_headers, unique_id,
-              priority, sequence_key, expires_at, ord)
+    {insert_arrays}
     ORDER BY v.ord
     ON CONFLICT (unique_id) DO NOTHING
     RETURNING 1
 )
 SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
+
+-- insert_arrays --
+-- Fragment of insert_messages and outbox_insert: the messages of their
+-- arrays $3..$8 and $10..$12 (see insert_messages), one row each, with its
+-- place in the arrays (ord).
+FROM unnest($3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
+            $10::smallint[], $11::text[], $12::timestamptz[]) WITH ORDINALITY
+     AS v(deliver_at, correlation_id, label, msg_text, msg_headers, unique_id,
+          priority, sequence_key, expires_at, ord)
+
+-- parked_retry_time --
+-- Fragment of insert_messages and of nmbus_publish_v3 (create_publish_function):
+-- the retry_time of a new row v of table {:table}. A member of a sequence
+-- behind an earlier member of the same insert, or behind one in the table
+-- not yet in X, is parked ('infinity', out of the ready index); any other row
+-- is due at its deliver_at, or now.
+CASE WHEN v.sequence_key IS NOT NULL AND (
+         row_number() OVER (PARTITION BY v.sequence_key ORDER BY v.ord) > 1
+         OR EXISTS (SELECT 1 FROM {:table} AS e
+                    WHERE e.sequence_key = v.sequence_key AND e.subqueue <> 'X'))
+     THEN 'infinity'::timestamptz
+     ELSE greatest(coalesce(v.deliver_at, now()), now()) END
 
 -- insert_tick --
 -- Enqueue the tick of schedule $8 due at $9 into endpoint $1's own queue, unless a
@@ -79,107 +100,14 @@ SELECT count(*) AS inserted, pg_notify($7, $1) FROM ins;
 -- behind a head are parked out of the ready index anyway (see insert_messages).
 -- `expired`: the row's expires_at has passed; the worker records it without
 -- running a handler.
-WITH ready AS (
-    SELECT id, CASE WHEN lease_expires IS NULL THEN 0
-                    WHEN handling_client_id IS NULL THEN 1
-                    WHEN isolated THEN 3
-                    ELSE 2 END AS recovered
-    FROM {queue} AS r
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
-      AND (lease_expires IS NULL OR lease_expires < now())
-      AND (r.sequence_key IS NULL OR r.id = (
-          SELECT e.id FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
-          ORDER BY e.sequence_key, e.id LIMIT 1))
-    ORDER BY priority DESC, retry_time, id
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE {queue} AS q
-SET retry_count = least(q.retry_count, 2147483646) + 1,
-    isolated = false,
-    handling_client_id = $2,
-    lease_expires = now() + make_interval(secs => $3)
-FROM ready
-WHERE q.id = ready.id
-RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
-          q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
-          ready.recovered, q.priority, coalesce(q.expires_at <= now(), false);
+WITH {claim_ready(limit => $1, sequence_filter => '', row_filter => '')}
+{claim_lease(client => $2, lease => $3)};
 
--- finish --
--- Record the outcome of a claimed batch in one statement. Per row:
--- $1 id[], $2 new subqueue[] (X, R, F, or NULL to release it unchanged),
--- $3 retry delay seconds[] (for R), $4 error_info[] (NULL keeps the old one),
--- $5 attempt correction[] (-1 when the attempt must not count). $6 client id.
--- Only rows still leased by $6 change; returns how many did. A sequence member
--- moved to X unparks the next member of its sequence (see insert_messages).
-WITH done AS (
-    UPDATE {queue} AS q
-    SET subqueue = coalesce(v.subqueue, q.subqueue),
-        last_processed = CASE WHEN v.subqueue IS NULL THEN q.last_processed
-                              ELSE clock_timestamp() END,
-        retry_time = CASE WHEN v.subqueue = 'R'
-                          THEN clock_timestamp() + make_interval(secs => v.delay)
-                          ELSE q.retry_time END,
-        error_info = coalesce(v.error_info, q.error_info),
-        retry_count = greatest(0, q.retry_count + v.correction),
-        handling_client_id = NULL,
-        lease_expires = NULL
-    FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
-         AS v(id, subqueue, delay, error_info, correction)
-    WHERE q.id = v.id AND q.handling_client_id = $6
-    RETURNING q.id, q.subqueue, q.sequence_key
-),
-unparked AS (
-    -- The next member of each sequence a row of `done` moved to X becomes due now.
-    UPDATE {queue} AS s SET retry_time = now()
-    FROM done AS d,
-         LATERAL (SELECT n.id FROM {queue} AS n
-                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
-                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
-    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
-      AND s.id = nxt.id AND s.retry_time = 'infinity'
-    RETURNING 1
-)
-SELECT count(*) FROM done;
-
--- finish_claim --
--- finish (same $1..$6) and, in the same statement and commit, claim the next
--- batch: up to $7 ready rows for client $6 with a lease of $8 seconds, as claim
--- does, never one of the rows being finished. Saves a round trip and a commit
--- per batch. The statement's snapshot still sees the finished rows as they
--- were, so a sequence member whose predecessor this statement moves to X is
--- let through by reading `done` (only rows really changed, i.e. still leased).
--- One row per claimed message, with the count of finished rows in `finished`;
--- a single row of NULLs beside it when nothing was claimed.
-WITH done AS (
-    UPDATE {queue} AS q
-    SET subqueue = coalesce(v.subqueue, q.subqueue),
-        last_processed = CASE WHEN v.subqueue IS NULL THEN q.last_processed
-                              ELSE clock_timestamp() END,
-        retry_time = CASE WHEN v.subqueue = 'R'
-                          THEN clock_timestamp() + make_interval(secs => v.delay)
-                          ELSE q.retry_time END,
-        error_info = coalesce(v.error_info, q.error_info),
-        retry_count = greatest(0, q.retry_count + v.correction),
-        handling_client_id = NULL,
-        lease_expires = NULL
-    FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
-         AS v(id, subqueue, delay, error_info, correction)
-    WHERE q.id = v.id AND q.handling_client_id = $6
-    RETURNING q.id, q.subqueue, q.sequence_key
-),
-unparked AS (
-    -- The next member of each sequence a row of `done` moved to X becomes due now.
-    UPDATE {queue} AS s SET retry_time = now()
-    FROM done AS d,
-         LATERAL (SELECT n.id FROM {queue} AS n
-                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
-                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
-    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
-      AND s.id = nxt.id AND s.retry_time = 'infinity'
-    RETURNING 1
-),
+-- claim_ready --
+-- Fragment of every claim (claim, claim_after_finish): the CTE `ready`, the
+-- rows a claim takes and why (see claim), at most {:limit}, locked, skipping
+-- rows another claim has locked. {:sequence_filter} and {:row_filter} are
+-- what a finish-and-claim adds (claim_after_finish); claim adds nothing.
 ready AS (
     SELECT id, CASE WHEN lease_expires IS NULL THEN 0
                     WHEN handling_client_id IS NULL THEN 1
@@ -188,33 +116,97 @@ ready AS (
     FROM {queue} AS r
     WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
       AND (lease_expires IS NULL OR lease_expires < now())
-      AND (r.sequence_key IS NULL OR r.id = (
-          SELECT e.id FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
-            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
-          ORDER BY e.sequence_key, e.id LIMIT 1))
-      AND id <> ALL($1::bigint[])
+      AND {sequence_head(filter => {:sequence_filter})}
+      {:row_filter}
     ORDER BY priority DESC, retry_time, id
-    LIMIT $7
+    LIMIT {:limit}
     FOR UPDATE SKIP LOCKED
-),
-claimed AS (
-    UPDATE {queue} AS q
-    SET retry_count = least(q.retry_count, 2147483646) + 1,
-    isolated = false,
-        handling_client_id = $6,
-        lease_expires = now() + make_interval(secs => $8)
-    FROM ready
-    WHERE q.id = ready.id
-    RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
-              q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
-              ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired
 )
-SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
-       c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
-       c.priority, c.expired, d.finished
-FROM (SELECT count(*) AS finished FROM done) AS d
-LEFT JOIN claimed AS c ON true;
+
+-- sequence_head --
+-- Fragment of claim_ready and has_ready: row r of {queue} is in no sequence,
+-- or is the head of its sequence, the lowest member not in X (one probe of the
+-- sequence index). {:filter}: what else a member must be to hold its sequence
+-- back (claim_past_finished), or nothing.
+(r.sequence_key IS NULL OR r.id = (
+    SELECT e.id FROM {queue} AS e
+    WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+      {:filter}
+    ORDER BY e.sequence_key, e.id LIMIT 1))
+
+-- claim_lease --
+-- Fragment of every claim: lease the rows of `ready` to client {:client} for
+-- {:lease} seconds and count the attempt (see claim); returns what the worker
+-- reads of a claimed row. The last column is the expired flag, which
+-- claim_after_finish names (AS expired).
+UPDATE {queue} AS q
+SET retry_count = least(q.retry_count, 2147483646) + 1,
+    isolated = false,
+    handling_client_id = {:client},
+    lease_expires = now() + make_interval(secs => {:lease})
+FROM ready
+WHERE q.id = ready.id
+RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
+          q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
+          ready.recovered, q.priority, coalesce(q.expires_at <= now(), false)
+
+-- finish --
+-- Record the outcome of a claimed batch in one statement. Per row:
+-- $1 id[], $2 new subqueue[] (X, R, F, or NULL to release it unchanged),
+-- $3 retry delay seconds[] (for R), $4 error_info[] (NULL keeps the old one),
+-- $5 attempt correction[] (-1 when the attempt must not count). $6 client id.
+-- Only rows still leased by $6 change; returns how many did. A sequence member
+-- moved to X unparks the next member of its sequence (see insert_messages).
+WITH {finish_done},
+{unparked}
+SELECT count(*) FROM done;
+
+-- finish_done --
+-- Fragment of finish and finish_claim: the CTE `done`, the outcome of each row
+-- still leased by $6 (see finish for $1..$6); returns the rows it changed.
+done AS (
+    UPDATE {queue} AS q
+    SET subqueue = coalesce(v.subqueue, q.subqueue),
+        last_processed = CASE WHEN v.subqueue IS NULL THEN q.last_processed
+                              ELSE clock_timestamp() END,
+        retry_time = CASE WHEN v.subqueue = 'R'
+                          THEN clock_timestamp() + make_interval(secs => v.delay)
+                          ELSE q.retry_time END,
+        error_info = coalesce(v.error_info, q.error_info),
+        retry_count = greatest(0, q.retry_count + v.correction),
+        handling_client_id = NULL,
+        lease_expires = NULL
+    FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
+         AS v(id, subqueue, delay, error_info, correction)
+    WHERE q.id = v.id AND q.handling_client_id = $6
+    RETURNING q.id, q.subqueue, q.sequence_key
+)
+
+-- unparked --
+-- Fragment of every finish (finish, finish_claim, finish_claim_processed),
+-- after their CTE `done`: the CTE `unparked`, which lets the member parked
+-- behind each row moved to X be claimed (see insert_messages).
+unparked AS (
+    -- The next member of each sequence a row of `done` moved to X becomes due now.
+    UPDATE {queue} AS s SET retry_time = now()
+    FROM done AS d,
+         LATERAL (SELECT n.id FROM {queue} AS n
+                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
+    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
+      AND s.id = nxt.id AND s.retry_time = 'infinity'
+    RETURNING 1
+)
+
+-- finish_claim --
+-- finish (same $1..$6) and, in the same statement and commit, claim the next
+-- batch: up to $7 ready rows for client $6 with a lease of $8 seconds, as claim
+-- does, never one of the rows being finished. Saves a round trip and a commit
+-- per batch. One row per claimed message, with the count of finished rows in
+-- `finished`; a single row of NULLs beside it when nothing was claimed.
+WITH {finish_done},
+{unparked},
+{claim_after_finish(limit => $7, client => $6, lease => $8)};
 
 -- finish_claim_processed --
 -- finish_claim for the common batch where every message was processed: mark
@@ -227,52 +219,38 @@ WITH done AS (
     WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
     RETURNING id, subqueue, sequence_key
 ),
-unparked AS (
-    -- The next member of each sequence a row of `done` moved to X becomes due now.
-    UPDATE {queue} AS s SET retry_time = now()
-    FROM done AS d,
-         LATERAL (SELECT n.id FROM {queue} AS n
-                  WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
-                  ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
-    WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
-      AND s.id = nxt.id AND s.retry_time = 'infinity'
-    RETURNING 1
-),
-ready AS (
-    SELECT id, CASE WHEN lease_expires IS NULL THEN 0
-                    WHEN handling_client_id IS NULL THEN 1
-                    WHEN isolated THEN 3
-                    ELSE 2 END AS recovered
-    FROM {queue} AS r
-    WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
-      AND (lease_expires IS NULL OR lease_expires < now())
-      AND (r.sequence_key IS NULL OR r.id = (
-          SELECT e.id FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
-            AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
-          ORDER BY e.sequence_key, e.id LIMIT 1))
-      AND id <> ALL($1::bigint[])
-    ORDER BY priority DESC, retry_time, id
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
-),
+{unparked},
+{claim_after_finish(limit => $3, client => $2, lease => $4)};
+
+-- claim_after_finish --
+-- Fragment of finish_claim and finish_claim_processed, after their CTEs `done`
+-- and `unparked`: claim up to {:limit} rows for client {:client} with a lease of
+-- {:lease} seconds, as claim does, never one of the rows being finished ($1 of
+-- both). The statement's snapshot still sees the finished rows as they were,
+-- so a sequence member whose predecessor this statement moves to X is let
+-- through by reading `done` (only rows really changed, i.e. still leased).
+-- One row per claimed message, with the count of finished rows in `finished`;
+-- a single row of NULLs beside it when nothing was claimed.
+{claim_ready(limit => {:limit},
+             sequence_filter => claim_past_finished,
+             row_filter => claim_not_finishing)},
 claimed AS (
-    UPDATE {queue} AS q
-    SET retry_count = least(q.retry_count, 2147483646) + 1,
-    isolated = false,
-        handling_client_id = $2,
-        lease_expires = now() + make_interval(secs => $4)
-    FROM ready
-    WHERE q.id = ready.id
-    RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
-              q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
-              ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired
+    {claim_lease(client => {:client}, lease => {:lease})} AS expired
 )
 SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
        c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
        c.priority, c.expired, d.finished
 FROM (SELECT count(*) AS finished FROM done) AS d
-LEFT JOIN claimed AS c ON true;
+LEFT JOIN claimed AS c ON true
+
+-- claim_past_finished --
+-- Fragment of claim_after_finish: a member whose predecessor the same statement
+-- moves to X is the head of its sequence already.
+AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
+
+-- claim_not_finishing --
+-- Fragment of claim_after_finish: none of the rows being finished ($1).
+AND id <> ALL($1::bigint[])
 
 -- renew_leases --
 -- Extend the lease of rows $1 held by client $2 to $3 seconds from now. Rows
@@ -358,8 +336,5 @@ SELECT subqueue, count(*) FROM {queue} GROUP BY subqueue;
 SELECT EXISTS (
     SELECT 1 FROM {queue} AS r
     WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
-      AND (r.sequence_key IS NULL OR r.id = (
-          SELECT e.id FROM {queue} AS e
-          WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
-          ORDER BY e.sequence_key, e.id LIMIT 1))
+      AND {sequence_head(filter => '')}
 );

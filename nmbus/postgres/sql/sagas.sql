@@ -4,7 +4,8 @@
 
 -- saga_table_exists --
 -- Whether the saga table of the endpoint exists. $1: schema, $2: table name (both unquoted).
-SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL;
+-- The question queue_exists asks of a queue table.
+{queue_exists}
 
 -- create_saga_table --
 -- Create the endpoint's saga table (idempotent). state is NULL only inside the

@@ -12,7 +12,11 @@
 -- (see nmbus.postgres.sql.own_name).
 --
 -- A new schema is made by create_schema and create_queue at the latest
--- version; an older one is brought there by the blocks in migrations/.
+-- version; an older one is brought there by the blocks in migrations/. A
+-- migration that makes a table or an index the schema has names the schema's
+-- fragment (outbox_table, queue_done_index, ...) rather than a copy, so it
+-- makes what a new schema has; those fragments say IF NOT EXISTS, and a later
+-- migration that changes what they make must say so too.
 
 -- advisory_lock --
 -- Serialise schema changes of one schema across processes. $1: lock key text.
@@ -39,6 +43,12 @@ CREATE TABLE IF NOT EXISTS {schema}.subscriptions (
     CONSTRAINT "subscriptions$pkey"
         PRIMARY KEY (publisher_endpoint, message_type, subscriber_endpoint)
 );
+{outbox_table}
+{periodic_due_table}
+
+-- outbox_table --
+-- Fragment of create_schema and migrate_6_routes: the outbox (docs/routes.md),
+-- messages bound for queues in other databases until the forwarder moves them.
 CREATE TABLE IF NOT EXISTS {schema}.outbox (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {schema}."outbox$id_seq")
         CONSTRAINT "outbox$pkey" PRIMARY KEY,
@@ -57,6 +67,10 @@ CREATE TABLE IF NOT EXISTS {schema}.outbox (
     CONSTRAINT "outbox$uid" UNIQUE (to_endpoint, unique_id)
 );
 CREATE INDEX IF NOT EXISTS "outbox$queue" ON {schema}.outbox (to_endpoint, id);
+
+-- periodic_due_table --
+-- Fragment of create_schema and migrate_9_periodic_due: the latest due time
+-- enqueued per endpoint and periodic schedule (docs/delivery.md).
 CREATE TABLE IF NOT EXISTS {schema}."periodic$due" (
     endpoint text NOT NULL,
     schedule text NOT NULL,
@@ -114,9 +128,23 @@ CREATE TABLE IF NOT EXISTS {queue} (
 );
 CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, id)
     WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
+{queue_unique_index}
+{queue_sequence_index}
+{queue_done_index}
+
+-- queue_unique_index --
+-- Fragment of create_queue and migrate_3_queue: one row per unique_id.
 CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
+
+-- queue_sequence_index --
+-- Fragment of create_queue and migrate_5_delivery: the members of a sequence
+-- not yet in X, in order, for the claim's probe of a sequence's head.
 CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
+
+-- queue_done_index --
+-- Fragment of create_queue and migrate_7_done: the X and F rows by when they
+-- were processed, for the operations layer and retention.
 CREATE INDEX IF NOT EXISTS {done_index} ON {queue} (subqueue, last_processed, id)
     WHERE subqueue IN ('X', 'F');
 

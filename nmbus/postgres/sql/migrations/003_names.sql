@@ -53,4 +53,4 @@ $migrate$;
 ALTER TABLE {queue} ALTER COLUMN unique_id SET DEFAULT gen_random_uuid()::text;
 CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (retry_time, id)
     WHERE subqueue IN ('I', 'R');
-CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
+{queue_unique_index}

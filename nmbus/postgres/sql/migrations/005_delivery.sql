@@ -14,5 +14,4 @@ ALTER TABLE {queue}
 DROP INDEX IF EXISTS {schema}.{ready_index};
 CREATE INDEX {ready_index} ON {queue} (priority DESC, retry_time, id)
     WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
-CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
-    WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
+{queue_sequence_index}

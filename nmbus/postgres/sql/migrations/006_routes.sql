@@ -12,21 +12,4 @@ END
 $check$;
 ALTER TABLE {schema}.subscriptions
     ADD COLUMN IF NOT EXISTS subscriber_remote boolean NOT NULL DEFAULT false;
-CREATE TABLE IF NOT EXISTS {schema}.outbox (
-    id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {schema}."outbox$id_seq")
-        CONSTRAINT "outbox$pkey" PRIMARY KEY,
-    to_endpoint text NOT NULL,
-    from_endpoint text NOT NULL,
-    insert_time timestamptz NOT NULL DEFAULT now(),
-    deliver_at timestamptz,
-    correlation_id text,
-    label text,
-    msg_text text,
-    msg_headers jsonb,
-    unique_id text NOT NULL DEFAULT gen_random_uuid()::text,
-    priority smallint NOT NULL DEFAULT 0,
-    sequence_key text,
-    expires_at timestamptz,
-    CONSTRAINT "outbox$uid" UNIQUE (to_endpoint, unique_id)
-);
-CREATE INDEX IF NOT EXISTS "outbox$queue" ON {schema}.outbox (to_endpoint, id);
+{outbox_table}

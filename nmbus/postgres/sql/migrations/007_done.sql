@@ -6,5 +6,4 @@
 -- update), so this adds one index entry to it. Built while the queue table is
 -- locked against writes, like any CREATE INDEX: on a queue of millions of X rows
 -- it takes as long as that (see docs/dashboard.md, "Upgrading").
-CREATE INDEX IF NOT EXISTS {done_index} ON {queue} (subqueue, last_processed, id)
-    WHERE subqueue IN ('X', 'F');
+{queue_done_index}

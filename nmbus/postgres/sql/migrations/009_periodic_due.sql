@@ -3,10 +3,4 @@
 -- enqueued per endpoint and schedule, which retention never removes, so a tick
 -- runs once per due time even after retention removed its row. Named with a '$',
 -- which no queue name contains, so no queue can already hold the name.
-CREATE TABLE IF NOT EXISTS {schema}."periodic$due" (
-    endpoint text NOT NULL,
-    schedule text NOT NULL,
-    last_due timestamptz NOT NULL,
-    recorded_at timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT "periodic$due$pkey" PRIMARY KEY (endpoint, schedule)
-);
+{periodic_due_table}

@@ -140,19 +140,16 @@ def _expand(
             slot, arrow, token = (part.strip() for part in arg.partition("=>"))
             if not arrow or not slot or not token or slot in bound:
                 raise ValueError(f"SQL block {where}: bad argument {arg.strip()!r} in {match[0]}")
+            # {:slot} passes on what this block was given (the checks above saw it).
             passed = _SLOT.fullmatch(token)
-            if passed and passed[1] not in given:
-                raise ValueError(f"SQL block {where}: {match[0]} passes an unknown slot")
             bound[slot] = given[passed[1]] if passed else token
         inner = _expand(used, blocks, bound, (*stack, name))
         return _indent(inner, _line_prefix(match.string, match.start()))
 
+    values = {slot: value(token) for slot, token in given.items()}
     text = _USE.sub(use, text)
-    text = _LONE_SLOT.sub(
-        lambda m: m[0] if value(given[m[1]]) else "",
-        text,
-    )
-    return _SLOT.sub(lambda m: _indent(value(given[m[1]]), _line_prefix(m.string, m.start())), text)
+    text = _LONE_SLOT.sub(lambda m: m[0] if values[m[1]] else "", text)
+    return _SLOT.sub(lambda m: _indent(values[m[1]], _line_prefix(m.string, m.start())), text)
 
 
 def compose(blocks: dict[str, Block]) -> dict[str, str]:

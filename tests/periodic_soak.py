@@ -34,7 +34,8 @@ from typing import Any
 import asyncpg
 import pyarrow.dataset as ds
 
-from nmbus.retention import RetentionPolicy, clean_queue
+from nmbus.operations import RetentionPolicy
+from nmbus.postgres.retention import clean_queue
 from tests.pg import with_database
 from tests.procs import ROOT
 

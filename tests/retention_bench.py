@@ -30,9 +30,10 @@ from typing import Any
 
 import asyncpg
 
+from nmbus.operations import RetentionPolicy, RetentionResult
 from nmbus.postgres import install_schema
+from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.sql import render
-from nmbus.retention import RetentionPolicy, RetentionResult, clean_queue
 from tests.pg import with_database
 
 QUEUE = "bench"

@@ -22,7 +22,8 @@ from typing import Any
 import asyncpg
 import pyarrow.parquet as pq
 
-from nmbus.retention import RetentionPolicy, clean_queue
+from nmbus.operations import RetentionPolicy
+from nmbus.postgres.retention import clean_queue
 
 
 def stuck_writer(mode: str) -> Any:

@@ -16,6 +16,7 @@ from nmbus.admin import (
     FailedMessage,
     QueueStatus,
     RetentionDue,
+    RetentionPolicy,
     Subscription,
     schema_ddl,
 )
@@ -28,7 +29,6 @@ from nmbus.errors import (
     StoreError,
 )
 from nmbus.postgres.sql import render
-from nmbus.retention import RetentionPolicy
 from nmbus.settings import Settings
 from tests.ops_data import CHARGE_ERROR, Facts, count, notifications
 from tests.waits import wait_until

@@ -13,9 +13,10 @@ import pytest
 
 from nmbus import Bus, ConfigurationError, Context, HandlerError, Tick
 from nmbus.envelopes import EnvelopeBuilder
+from nmbus.operations import RetentionPolicy
 from nmbus.periodic import Schedule, Scheduler
 from nmbus.postgres import PostgresStore
-from nmbus.retention import RetentionPolicy, clean_queue
+from nmbus.postgres.retention import clean_queue
 from nmbus.testing import MemoryStore, drain
 from tests import procs
 from tests.waits import wait_until

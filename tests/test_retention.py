@@ -16,16 +16,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from nmbus import Bus
-from nmbus.postgres.sql import render
-from nmbus.retention import (
+from nmbus.operations import RetentionPolicy
+from nmbus.postgres.retention import (
     ARCHIVE_COLUMNS,
-    RetentionPolicy,
     archive_schema,
     clean_queue,
     publish,
     recover,
     write_pending,
 )
+from nmbus.postgres.sql import render
 from tests import retention_bench as bench
 from tests.ops_data import populate
 from tests.procs import Proc

@@ -11,8 +11,8 @@ import pytest
 from nmbus import Bus
 from nmbus.errors import SchemaVersionError
 from nmbus.postgres import PostgresStore, install_schema
+from nmbus.postgres.schema import MIGRATIONS
 from nmbus.postgres.sql import QUERIES, render
-from nmbus.postgres.store import MIGRATIONS
 from nmbus.store import MAX_QUEUE_NAME, SCHEMA_VERSION
 from tests.messages import Ping
 

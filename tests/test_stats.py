@@ -524,7 +524,7 @@ def _write_archive(root: Path, queue: str, rows: list[dict], name: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from nmbus.retention import archive_schema
+    from nmbus.postgres.retention import archive_schema
 
     ts = pa.timestamp("us", tz="UTC")
     # An old file's columns: the first 16 of today's.

@@ -1,4 +1,4 @@
-"""``nmbus cleanup``: retention from the command line (see nmbus.retention)."""
+"""``nmbus cleanup``: retention from the command line (see nmbus.postgres.retention)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from nmbus.admin import RetentionPolicy
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -25,7 +26,6 @@ from nmbus.cli._common import (
     table,
 )
 from nmbus.cli._table import Column, age_text
-from nmbus.retention import RetentionPolicy
 from nmbus.settings import Settings
 
 MaxAgeOption = Annotated[

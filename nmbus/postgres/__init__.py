@@ -1,9 +1,6 @@
 """PostgreSQL adapter: the asyncpg store, schema installation, error mapping."""
 
-from nmbus.postgres.store import (
-    PostgresStore,
-    install_schema,
-    notify_channel,
-)
+from nmbus.postgres.schema import install_schema, notify_channel
+from nmbus.postgres.store import PostgresStore
 
 __all__ = ["PostgresStore", "install_schema", "notify_channel"]

@@ -39,6 +39,7 @@ from nmbus.errors import DatabaseUnavailable
 from nmbus.logs import log_failure, scrub
 from nmbus.postgres.errors import is_connection_error, wrap_errors
 from nmbus.postgres.pubsub import install_publish_function
+from nmbus.postgres.rows import insert_args, outbox_arrays
 from nmbus.postgres.sql import render
 from nmbus.postgres.store import ensure_queue_on, install_schema, outbox_channel
 from nmbus.store import validate_queue_name, validate_schema_name
@@ -369,19 +370,5 @@ def _runs(rows: Sequence[Any]) -> list[tuple[int, int]]:
 
 
 def _remote_args(rows: Sequence[Any], queue: str, channel: str) -> tuple[Any, ...]:
-    # outbox_take's columns: id, from_endpoint, deliver_at, correlation_id, label,
-    # msg_text, msg_headers, unique_id, priority, sequence_key, expires_at.
-    return (
-        rows[0][1],
-        queue,
-        [r[2] for r in rows],
-        [r[3] for r in rows],
-        [r[4] for r in rows],
-        [r[5] for r in rows],
-        [r[6] for r in rows],
-        [r[7] for r in rows],
-        channel,
-        [r[8] for r in rows],
-        [r[9] for r in rows],
-        [r[10] for r in rows],
-    )
+    # outbox_take's rows, by column name, as insert_messages takes them.
+    return insert_args(rows[0]["from_endpoint"], queue, outbox_arrays(rows), channel)

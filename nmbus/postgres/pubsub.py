@@ -22,6 +22,7 @@ import structlog
 from nmbus.errors import StoreError
 from nmbus.messages import Envelope
 from nmbus.postgres.errors import wrap_errors
+from nmbus.postgres.rows import envelope_arrays
 from nmbus.postgres.sql import render
 from nmbus.store import validate_queue_name
 
@@ -51,20 +52,22 @@ def publish_args(
     channel: str,
     routed: Collection[str] = (),
 ) -> tuple[Any, ...]:
+    """The parameters $1..$15 of ``publish`` (the call of nmbus_publish_v3)."""
+    arrays = envelope_arrays(envelopes)
     return (
         schema,
         publisher,
         list(chains),
-        [e.label for e in envelopes],
-        [e.msg_text for e in envelopes],
-        [e.msg_headers for e in envelopes],
-        [e.correlation_id for e in envelopes],
-        [e.unique_id for e in envelopes],
-        [e.deliver_at for e in envelopes],
+        arrays["label"],
+        arrays["msg_text"],
+        arrays["msg_headers"],
+        arrays["correlation_id"],
+        arrays["unique_id"],
+        arrays["deliver_at"],
         channel,
-        [e.priority for e in envelopes],
-        [e.sequence for e in envelopes],
-        [e.expires_at for e in envelopes],
+        arrays["priority"],
+        arrays["sequence_key"],
+        arrays["expires_at"],
         sorted(routed),
         f"nmbus_outbox_{schema}",
     )

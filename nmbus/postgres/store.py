@@ -2,6 +2,8 @@
 
 Connections a process uses: ``send_pool_size`` pooled ones for send/publish
 and schema work, one per worker loop, one for LISTEN and one for lease renewal.
+The schema and its channels are :mod:`nmbus.postgres.schema`; a worker loop's
+connection and its batches, :mod:`nmbus.postgres.session`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import Any
 
 import asyncpg
 import structlog
-from asyncpg.transaction import Transaction
 
-from nmbus.errors import QueueNotFound, SchemaVersionError
+from nmbus.errors import QueueNotFound
 from nmbus.logs import log_failure, scrub
-from nmbus.messages import Envelope, StoredMessage
+from nmbus.messages import Envelope
+from nmbus.operations import RetentionPolicy
 from nmbus.postgres.errors import is_connection_error, wrap_connect_errors, wrap_errors
 from nmbus.postgres.pubsub import (
     create_queue_on,
@@ -27,365 +29,27 @@ from nmbus.postgres.pubsub import (
     publish_args,
     publish_on,
 )
+from nmbus.postgres.retention import clean_queue
+from nmbus.postgres.rows import envelope_arrays, insert_args
 from nmbus.postgres.sagas import PostgresSagaTable, create_saga_table
-from nmbus.postgres.sql import QUERIES, render
+from nmbus.postgres.schema import (
+    CREATED_BY_SEND,
+    database_identity,
+    ensure_queue_on,
+    install_schema,
+    no_such_queue,
+    notify_channel,
+    outbox_channel,
+)
+from nmbus.postgres.session import PostgresSession, insert_outbox
+from nmbus.postgres.sql import render
 from nmbus.settings import Settings
-from nmbus.store import SCHEMA_VERSION, Outcomes, validate_queue_name, validate_schema_name
+from nmbus.store import validate_queue_name, validate_schema_name
+
+# The forwarder imports these from here, where they were first written.
+__all__ = ["PostgresStore", "ensure_queue_on", "install_schema", "outbox_channel"]
 
 log = structlog.get_logger("nmbus.postgres")
-
-# Schema changes after version 1, by the version they bring the schema to: names
-# of the blocks in sql/migrations/, run once per schema, or once per queue table
-# when the block names {queue}.
-MIGRATIONS: dict[int, list[str]] = {
-    2: ["migrate_2_fillfactor"],
-    3: ["migrate_3_names", "migrate_3_queue"],
-    4: ["migrate_4_isolated"],
-    5: ["migrate_5_delivery"],
-    6: ["migrate_6_routes"],
-    7: ["migrate_7_done"],
-    8: ["migrate_8_saga_instance"],
-    9: ["migrate_9_periodic_due"],
-}
-
-
-def notify_channel(schema: str) -> str:
-    """The LISTEN/NOTIFY channel on which inserts into ``schema``'s queues are announced."""
-    return f"nmbus_{schema}"
-
-
-def outbox_channel(schema: str) -> str:
-    """The channel on which rows written into ``schema``'s outbox are announced."""
-    return f"nmbus_outbox_{schema}"
-
-
-def _insert_args(
-    from_endpoint: str, queue: str, envelopes: Sequence[Envelope], channel: str
-) -> tuple[Any, ...]:
-    return (
-        from_endpoint,
-        queue,
-        [e.deliver_at for e in envelopes],
-        [e.correlation_id for e in envelopes],
-        [e.label for e in envelopes],
-        [e.msg_text for e in envelopes],
-        [e.msg_headers for e in envelopes],
-        [e.unique_id for e in envelopes],
-        channel,
-        [e.priority for e in envelopes],
-        [e.sequence for e in envelopes],
-        [e.expires_at for e in envelopes],
-    )
-
-
-def _stored(row: asyncpg.Record) -> StoredMessage:
-    return StoredMessage(*row)
-
-
-def _claim_order(message: StoredMessage) -> tuple[int, Any, int]:
-    return (-message.priority, message.retry_time, message.id)
-
-
-async def install_schema(conn: Any, schema: str) -> None:
-    """Create or migrate ``schema`` to SCHEMA_VERSION, holding an advisory lock."""
-    validate_schema_name(schema)
-    async with conn.transaction():
-        await conn.execute(render("advisory_lock", schema), f"nmbus.schema.{schema}")
-        exists = await conn.fetchval(render("schema_exists", schema), schema)
-        version = await conn.fetchval(render("schema_version", schema)) if exists else None
-        if version is not None and version > SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"schema {schema!r} is at version {version}, newer than this nmbus "
-                f"understands ({SCHEMA_VERSION}); upgrade nmbus"
-            )
-        if version is None:
-            await conn.execute(render("create_schema", schema))
-            await conn.execute(render("set_schema_version", schema), SCHEMA_VERSION)
-            return
-        for target in range(version + 1, SCHEMA_VERSION + 1):
-            queues = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
-            for name in MIGRATIONS.get(target, []):
-                if "{queue}" in QUERIES[name]:
-                    for queue in queues:
-                        await conn.execute(render(name, schema, queue))
-                else:
-                    await conn.execute(render(name, schema))
-            await conn.execute(render("set_schema_version", schema), target)
-            log.info("schema_migrated", schema=schema, version=target)
-
-
-async def insert_outbox(
-    conn: Any, schema: str, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]
-) -> int:
-    """Write messages for ``queue`` (in another database) into the outbox, on ``conn``.
-
-    One statement: atomic on its own, or part of the caller's transaction.
-    """
-    args = _insert_args(from_endpoint, queue, envelopes, outbox_channel(schema))
-    with wrap_errors(f"send to {queue} (through the outbox)"):
-        row = await conn.fetchrow(render("outbox_insert", schema), *args)
-    return int(row[0]) if row else 0
-
-
-#: The comment of a queue table that a send created (docs/operations.md).
-CREATED_BY_SEND = "nmbus: created by a send; no endpoint has started on it"
-
-
-async def ensure_queue_on(
-    conn: Any,
-    schema: str,
-    queue: str,
-    known: set[str],
-    sender: str | None = None,
-    create: bool = True,
-) -> None:
-    """Make sure ``queue`` has a table, creating it in the transaction of ``conn``.
-
-    ``known`` holds queues whose table is committed; one created here is not
-    added, since the transaction that created it may still roll back. For a
-    send (``sender`` is the sending endpoint) a table no endpoint created is
-    refused with QueueNotFound unless ``create``; created, it is marked and
-    logged (``queue_created_by_send``) once.
-    """
-    if queue in known:
-        return
-    validate_queue_name(queue)
-    with wrap_errors(f"create queue {queue}"):
-        exists = await conn.fetchval(render("queue_exists", schema), schema, queue)
-    if exists:
-        known.add(queue)
-        return
-    if sender is not None and not create:
-        raise QueueNotFound(no_such_queue(queue))
-    await create_queue_on(conn, schema, queue)
-    if sender is not None:
-        with wrap_errors(f"create queue {queue}"):
-            await conn.execute(render("mark_created_by_send", schema, queue))
-        log.warning("queue_created_by_send", queue=queue, sender=sender, schema=schema)
-
-
-def no_such_queue(queue: str) -> str:
-    return (
-        f"no queue {queue!r}: no endpoint has started on it in this database (a typo?). "
-        f"Start its endpoint first, create it with 'nmbus queues create {queue}', or let "
-        "sends create queues (create_queues=True, NMBUS_CREATE_QUEUES=true)"
-    )
-
-
-async def database_identity(conn: Any) -> tuple[Any, ...]:
-    """What tells the database of ``conn`` apart from any other, on any server."""
-    row = await conn.fetchrow(render("database_identity", "nmbus"))
-    return tuple(row)
-
-
-class PostgresBatch:
-    """One batch on a worker's connection; its transaction begins when first needed.
-
-    A batch whose handlers never touch the connection nor send anything needs
-    no transaction: its ``finish`` is one autocommitted statement, which saves
-    the BEGIN and COMMIT round trips. The first write (a handler's savepoint,
-    an insert) begins the transaction, and ``finish`` then runs inside it.
-    """
-
-    def __init__(
-        self,
-        conn: asyncpg.Connection,
-        schema: str,
-        known: set[str],
-        routed: frozenset[str] = frozenset(),
-    ) -> None:
-        self._conn = conn
-        self._schema = schema
-        self._known = known
-        self._routed = routed
-        self._channel = notify_channel(schema)
-        # asyncpg's own Transaction, so a handler may still nest conn.transaction().
-        self.transaction: Transaction | None = None
-        self._unreleased = False
-
-    @property
-    def begun(self) -> bool:
-        return self.transaction is not None
-
-    @property
-    def connection(self) -> asyncpg.Connection:
-        return self._conn
-
-    async def begin(self) -> None:
-        """Begin the batch's transaction if it has not begun (no savepoint)."""
-        if self.transaction is None:
-            transaction = self._conn.transaction()
-            await transaction.start()
-            self.transaction = transaction
-
-    async def savepoint(self) -> None:
-        if self._unreleased:
-            # The previous handler's savepoint goes in the same round trip.
-            self._unreleased = False
-            await self._conn.execute("RELEASE SAVEPOINT nmbus_handler; SAVEPOINT nmbus_handler")
-            return
-        await self.begin()
-        await self._conn.execute("SAVEPOINT nmbus_handler")
-
-    async def release_savepoint(self) -> None:
-        await self._conn.execute("RELEASE SAVEPOINT nmbus_handler")
-
-    def defer_release(self) -> None:
-        """Leave a succeeded handler's savepoint to the next savepoint or the COMMIT.
-
-        Only for a savepoint whose statements all succeeded: one that may be
-        aborted must be released at once, so its handler is the one that fails.
-        """
-        self._unreleased = True
-
-    async def rollback_savepoint(self) -> None:
-        self._unreleased = False
-        await self._conn.execute(
-            "ROLLBACK TO SAVEPOINT nmbus_handler; RELEASE SAVEPOINT nmbus_handler"
-        )
-
-    async def commit(self) -> None:
-        """Commit the transaction so far; the next write begins another one."""
-        transaction, self.transaction = self.transaction, None
-        self._unreleased = False  # COMMIT releases every savepoint
-        if transaction is not None:
-            await transaction.commit()
-
-    async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
-        await self.begin()
-        if queue in self._routed:
-            return await insert_outbox(self._conn, self._schema, queue, from_endpoint, envelopes)
-        # A handler's send is stored at its batch's commit, where a refusal would
-        # fail the batch-mates too: a missing queue is created (marked, logged).
-        await ensure_queue_on(self._conn, self._schema, queue, self._known, from_endpoint)
-        sql = render("insert_messages", self._schema, queue)
-        row = await self._conn.fetchrow(
-            sql, *_insert_args(from_endpoint, queue, envelopes, self._channel)
-        )
-        return int(row[0]) if row else 0
-
-    async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]:
-        rows = await self._conn.fetch(render("subscribers", self._schema), publisher, list(types))
-        return [r[0] for r in rows]
-
-    async def publish(
-        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
-    ) -> dict[str, int]:
-        await self.begin()  # the copies commit with the batch, never before it
-        args = publish_args(self._schema, publisher, envelopes, chains, self._channel, self._routed)
-        return await publish_on(self._conn, self._schema, args)
-
-    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
-        return int(
-            await self._conn.fetchval(
-                render("finish", self._schema, queue),
-                outcomes.ids,
-                outcomes.subqueue,
-                outcomes.delay,
-                outcomes.error_info,
-                outcomes.correction,
-                client_id,
-            )
-        )
-
-    async def finish_and_claim(
-        self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
-    ) -> tuple[int, list[StoredMessage]]:
-        """``finish``, then claim up to ``limit`` more rows, in one statement."""
-        if outcomes.all_processed:
-            # The common case needs no per-row outcome arrays on the wire or in a join.
-            rows = await self._conn.fetch(
-                render("finish_claim_processed", self._schema, queue),
-                outcomes.ids,
-                client_id,
-                limit,
-                lease,
-            )
-        else:
-            rows = await self._conn.fetch(
-                render("finish_claim", self._schema, queue),
-                outcomes.ids,
-                outcomes.subqueue,
-                outcomes.delay,
-                outcomes.error_info,
-                outcomes.correction,
-                client_id,
-                limit,
-                lease,
-            )
-        finished = int(rows[0][13]) if rows else 0
-        claimed = [StoredMessage(*r[:13]) for r in rows if r[0] is not None]
-        claimed.sort(key=_claim_order)
-        return finished, claimed
-
-
-class PostgresSession:
-    """A worker loop's dedicated connection."""
-
-    def __init__(
-        self,
-        conn: asyncpg.Connection,
-        schema: str,
-        known: set[str],
-        routed: frozenset[str] = frozenset(),
-    ) -> None:
-        self._conn = conn
-        self._schema = schema
-        self._known = known
-        self._routed = routed
-
-    async def claim(
-        self, queue: str, limit: int, client_id: str, lease: float
-    ) -> list[StoredMessage]:
-        with wrap_errors(f"claim from {queue}"):
-            rows = await self._conn.fetch(
-                render("claim", self._schema, queue), limit, client_id, lease
-            )
-        messages = [_stored(r) for r in rows]
-        messages.sort(key=_claim_order)
-        return messages
-
-    async def next_due(self, queue: str) -> float | None:
-        with wrap_errors(f"next due in {queue}"):
-            value: float | None = await self._conn.fetchval(render("next_due", self._schema, queue))
-            return value
-
-    async def release_sequences(self, queue: str) -> int:
-        with wrap_errors(f"release sequences of {queue}"):
-            return int(await self._conn.fetchval(render("release_sequences", self._schema, queue)))
-
-    async def isolate(
-        self,
-        queue: str,
-        ids: Sequence[int],
-        suspect: int,
-        marks: Sequence[bool],
-        client_id: str,
-        refunds: Sequence[int],
-    ) -> int:
-        with wrap_errors(f"isolate a message of {queue}"):
-            changed = await self._conn.fetchval(
-                render("isolate", self._schema, queue),
-                list(ids),
-                suspect,
-                client_id,
-                list(marks),
-                list(refunds),
-            )
-        return int(changed)
-
-    @asynccontextmanager
-    async def batch(self) -> AsyncIterator[PostgresBatch]:
-        with wrap_errors("batch transaction"):
-            batch = PostgresBatch(self._conn, self._schema, self._known, self._routed)
-            try:
-                yield batch
-            except BaseException:
-                if batch.transaction is not None and not self._conn.is_closed():
-                    await asyncio.shield(batch.transaction.rollback())
-                raise
-            if batch.transaction is not None:
-                await batch.transaction.commit()
 
 
 class PostgresStore:
@@ -551,7 +215,8 @@ class PostgresStore:
         if queue in self.routed:
             return await self._insert_routed(queue, from_endpoint, envelopes, connection)
         sql = render("insert_messages", self.schema, queue)
-        args = _insert_args(from_endpoint, queue, envelopes, notify_channel(self.schema))
+        arrays = envelope_arrays(envelopes)
+        args = insert_args(from_endpoint, queue, arrays, notify_channel(self.schema))
         if connection is None:
             await self._ensure(queue, from_endpoint)
             with wrap_errors(f"send to {queue}"):
@@ -664,8 +329,6 @@ class PostgresStore:
             return bool(await self.pool.fetchval(render("has_ready", self.schema, queue)))
 
     async def apply_retention(self, queue: str, settings: Settings) -> None:
-        from nmbus.retention import RetentionPolicy, clean_queue
-
         policy = RetentionPolicy.from_settings(settings)
         async with self.pool.acquire() as conn:
             await clean_queue(conn, self.schema, queue, policy)

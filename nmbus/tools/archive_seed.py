@@ -1,9 +1,9 @@
-"""Write a synthetic retention archive: Parquet files as ``nmbus.retention`` writes them.
+"""Write a synthetic retention archive: Parquet files as ``nmbus.postgres.retention`` writes them.
 
     python -m nmbus.tools.archive_seed --out /tmp/nmbus-archive --rows 10000000
 
 Layout and columns are retention's own (``<out>/queue=<q>/day=<YYYY-MM-DD>/*.parquet``,
-``nmbus.retention.archive_schema()``), so the statistics job reads the result
+``nmbus.postgres.retention.archive_schema()``), so the statistics job reads the result
 exactly as it reads a real archive, with no database at all
 (``nmbus report --archive-dir <out>``). Rows are spread over ``--queues`` and
 ``--days``; one in 16 failed (``F``, with an error), one in 5 processed rows
@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from nmbus.retention import archive_schema, partition_dir
+from nmbus.postgres.retention import archive_schema, partition_dir
 
 LABELS = ("shop.OrderPlaced", "billing.ChargeCard", "mail.SendReceipt", "stock.Reserve")
 ERRORS = (

@@ -46,8 +46,8 @@ import structlog
 from nmbus.admin import Admin
 from nmbus.dashboard.app import overview
 from nmbus.dashboard.metrics import exposition
+from nmbus.postgres.schema import install_schema
 from nmbus.postgres.sql import render as render_runtime
-from nmbus.postgres.store import install_schema
 from nmbus.tools.bench_scenarios import measure_drain
 from nmbus.tools.bench_scratch import QUEUE as BENCH_QUEUE
 from nmbus.tools.bench_scratch import BenchOptions, Scratch

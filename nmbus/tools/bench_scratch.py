@@ -16,7 +16,7 @@ import asyncpg
 
 from nmbus.messages import Message, type_name
 from nmbus.postgres.pubsub import create_queue_on
-from nmbus.postgres.store import install_schema
+from nmbus.postgres.schema import install_schema
 from nmbus.settings import Settings
 from nmbus.tools.sql import render
 

@@ -232,7 +232,8 @@ SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, re
        retry_time, left(error_info, coalesce($2, length(error_info))) AS error_info,
        correlation_id, label, left(msg_text, coalesce($2, length(msg_text))) AS msg_text,
        left(msg_headers::text, coalesce($2, length(msg_headers::text))) AS msg_headers,
-       unique_id, handling_client_id, lease_expires,
+       unique_id, handling_client_id, lease_expires, isolated, priority, sequence_key,
+       expires_at,
        coalesce(length(error_info), 0) AS error_info_chars,
        coalesce(length(msg_text), 0) AS msg_text_chars,
        coalesce(length(msg_headers::text), 0) AS msg_headers_chars

@@ -148,7 +148,7 @@ FROM ready
 WHERE q.id = ready.id
 RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
           q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
-          ready.recovered, q.priority, coalesce(q.expires_at <= now(), false)
+          ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired
 
 -- finish --
 -- Record the outcome of a claimed batch in one statement. Per row:

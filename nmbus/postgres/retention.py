@@ -40,8 +40,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from datetime import UTC, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,90 +48,21 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from nmbus.errors import RetentionError
+from nmbus.operations import ProgressCallback, RetentionPolicy, RetentionResult
 from nmbus.postgres.sql import render
+from nmbus.rows import COLUMNS
 
 if TYPE_CHECKING:
     import asyncpg
 
-    from nmbus.settings import Settings
-
 log = structlog.get_logger("nmbus.retention")
 
 # The queue table's columns, in table order: the archive holds exactly these.
-ARCHIVE_COLUMNS: tuple[str, ...] = (
-    "id",
-    "from_endpoint",
-    "to_endpoint",
-    "subqueue",
-    "insert_time",
-    "last_processed",
-    "retry_count",
-    "retry_time",
-    "error_info",
-    "correlation_id",
-    "label",
-    "msg_text",
-    "msg_headers",
-    "unique_id",
-    "handling_client_id",
-    "lease_expires",
-    "isolated",
-    "priority",
-    "sequence_key",
-    "expires_at",
-)
+ARCHIVE_COLUMNS: tuple[str, ...] = COLUMNS
 _TIMESTAMPS = frozenset(
     {"insert_time", "last_processed", "retry_time", "lease_expires", "expires_at"}
 )
 _PENDING = ".pending-"
-
-
-@dataclass(frozen=True, slots=True)
-class RetentionPolicy:
-    """What to remove and how: ages, batch size, and where to archive (None: don't)."""
-
-    max_age: timedelta = timedelta(days=7)
-    failed_max_age: timedelta | None = None
-    batch_size: int = 5000
-    archive_dir: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_age < timedelta(0):
-            raise ValueError("max_age must not be negative")
-        if self.failed_max_age is not None and self.failed_max_age < timedelta(0):
-            raise ValueError("failed_max_age must not be negative")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> RetentionPolicy:
-        archive = settings.retention_archive_dir
-        return cls(
-            max_age=settings.retention_max_age,
-            failed_max_age=settings.retention_failed_max_age,
-            batch_size=settings.retention_batch_size,
-            archive_dir=Path(archive) if archive else None,
-        )
-
-
-@dataclass(slots=True)
-class RetentionResult:
-    """What one run did to one queue."""
-
-    queue: str
-    deleted: dict[str, int] = field(default_factory=lambda: {"X": 0, "F": 0})
-    files: list[Path] = field(default_factory=list)
-    batches: int = 0
-    longest_batch_seconds: float = 0.0
-    recovered_files: int = 0
-    skipped: bool = False
-
-    @property
-    def total(self) -> int:
-        return sum(self.deleted.values())
-
-
-ProgressCallback = Callable[[str, int], None]
 
 
 async def clean_queue(

@@ -1,0 +1,479 @@
+"""The in-memory store: queue tables and subscriptions in dicts, for unit tests.
+
+``MemoryStore`` follows the same contracts as the PostgreSQL store (the suites
+in ``tests/test_store_contract.py`` and ``tests/test_operations_contract.py``
+run against both), so handlers, retries and shutdown can be unit-tested
+without a database, and :class:`nmbus.admin.Admin` can run over it
+(``Admin.over(store)``). It has no SQL connection: handlers that use
+``ctx.connection`` need the real store. Import it from :mod:`nmbus.testing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from nmbus.errors import ConfigurationError, QueueNotFound
+from nmbus.memory.operations import MemoryOperations, sequence_heads
+from nmbus.messages import Envelope, StoredMessage
+from nmbus.operations import RetentionPolicy
+from nmbus.rows import QueueRow
+from nmbus.settings import Settings
+from nmbus.store import Outcomes, SagaTable, validate_queue_name
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+_LONG_AGO = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _recovery(row: QueueRow) -> int:
+    """As the claim query's ``recovered``: 0 fresh, 1 let go to be tried alone, 2/3 crashed."""
+    if row.lease_expires is None:
+        return 0
+    if row.handling_client_id is None:
+        return 1
+    return 3 if row.isolated else 2
+
+
+class MemoryBatch:
+    """Changes of one batch, applied together when the batch commits."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self._inserts: list[tuple[str, str, list[Envelope]]] = []
+        self.tables_to_create: set[str] = set()
+        self._finishes: list[tuple[str, Outcomes, str]] = []
+
+    @property
+    def connection(self) -> Any:
+        raise ConfigurationError(
+            "the in-memory store has no database connection; test handlers that use "
+            "ctx.connection against PostgreSQL"
+        )
+
+    async def savepoint(self) -> None:
+        pass
+
+    async def begin(self) -> None:
+        pass
+
+    async def release_savepoint(self) -> None:
+        pass
+
+    async def rollback_savepoint(self) -> None:
+        pass
+
+    @property
+    def begun(self) -> bool:
+        return True  # changes wait for the commit, like a transaction's
+
+    def defer_release(self) -> None:
+        pass
+
+    async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
+        if queue not in self._store.tables:
+            self.tables_to_create.add(validate_queue_name(queue))
+        self._inserts.append((queue, from_endpoint, list(envelopes)))
+        return len(envelopes)
+
+    async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]:
+        return await self._store.subscribers(publisher, types)
+
+    async def publish(
+        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
+    ) -> dict[str, int]:
+        copies = self._store._fan_out(publisher, envelopes, chains)
+        for queue, batch in copies.items():
+            self.tables_to_create.add(queue)
+            self._inserts.append((queue, publisher, batch))
+        return {queue: len(batch) for queue, batch in copies.items()}
+
+    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
+        table = self._store._require(queue)
+        held = sum(1 for i in outcomes.ids if table[i].handling_client_id == client_id)
+        self._finishes.append((queue, outcomes, client_id))
+        return held
+
+    async def finish_and_claim(
+        self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
+    ) -> tuple[int, list[StoredMessage]]:
+        # Nothing is claimed ahead: the next claim comes after the commit.
+        return await self.finish(queue, outcomes, client_id), []
+
+    async def commit(self) -> None:
+        self._commit()
+
+    def _commit(self) -> None:
+        for queue in self.tables_to_create:
+            self._store.tables.setdefault(queue, {})
+        for queue, from_endpoint, envelopes in self._inserts:
+            self._store._insert_now(queue, from_endpoint, envelopes)
+        for queue, outcomes, client_id in self._finishes:
+            self._store._finish_now(queue, outcomes, client_id)
+        self.tables_to_create, self._inserts, self._finishes = set(), [], []
+
+
+class MemorySession:
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+
+    async def claim(
+        self, queue: str, limit: int, client_id: str, lease: float
+    ) -> list[StoredMessage]:
+        now = _now()
+        table = self._store._require(queue)
+        heads = sequence_heads(table)
+        ready = sorted(
+            (
+                r
+                for r in table.values()
+                if r.subqueue in "IR"
+                and r.retry_time <= now
+                and (r.lease_expires is None or r.lease_expires < now)
+                and (r.sequence_key is None or r.id in heads)
+            ),
+            key=lambda r: (-r.priority, r.retry_time, r.id),
+        )[:limit]
+        claimed = []
+        for held in ready:
+            row = table[held.id] = replace(
+                held,
+                retry_count=min(held.retry_count, 2**31 - 2) + 1,
+                isolated=False,
+                handling_client_id=client_id,
+                lease_expires=now + timedelta(seconds=lease),
+            )
+            claimed.append(
+                StoredMessage(
+                    id=row.id,
+                    from_endpoint=row.from_endpoint,
+                    insert_time=row.insert_time,
+                    retry_count=row.retry_count,
+                    retry_time=row.retry_time,
+                    correlation_id=row.correlation_id,
+                    label=row.label,
+                    msg_text=row.msg_text,
+                    msg_headers=row.msg_headers,
+                    unique_id=row.unique_id,
+                    recovered=_recovery(held),
+                    priority=row.priority,
+                    expired=row.expires_at is not None and row.expires_at <= now,
+                )
+            )
+        return claimed
+
+    async def next_due(self, queue: str) -> float | None:
+        now = _now()
+        future = [
+            r.retry_time
+            for r in self._store._require(queue).values()
+            if r.subqueue in "IR" and r.retry_time > now
+        ]
+        return (min(future) - now).total_seconds() if future else None
+
+    async def release_sequences(self, queue: str) -> int:
+        return 0  # the in-memory claim finds sequence heads itself: nothing is parked
+
+    async def isolate(
+        self,
+        queue: str,
+        ids: Sequence[int],
+        suspect: int,
+        marks: Sequence[bool],
+        client_id: str,
+        refunds: Sequence[int],
+    ) -> int:
+        table = self._store._require(queue)
+        changed = 0
+        for row_id, mark, refund in zip(ids, marks, refunds, strict=True):
+            row = table.get(row_id)
+            if row is None or row.handling_client_id != client_id:
+                continue
+            changed += 1
+            if row_id == suspect:
+                table[row_id] = replace(row, isolated=True)
+            else:
+                table[row_id] = replace(
+                    row,
+                    isolated=False,
+                    retry_count=max(0, row.retry_count - refund),
+                    handling_client_id=None,
+                    lease_expires=_LONG_AGO if mark else None,
+                )
+        return changed
+
+    @asynccontextmanager
+    async def batch(self) -> AsyncIterator[MemoryBatch]:
+        batch = MemoryBatch(self._store)
+        yield batch
+        batch._commit()
+
+
+class MemoryStore(MemoryOperations):
+    """Queue tables and subscriptions in a dict, for unit tests.
+
+    It implements the storage port and the operations port
+    (:class:`nmbus.memory.operations.MemoryOperations`).
+    """
+
+    def __init__(self, schema: str = "nmbus") -> None:
+        self.schema = schema
+        self.tables: dict[str, dict[int, QueueRow]] = {}
+        # (publisher, type, subscriber) -> when it expires (None: never), and since when.
+        self.subscribed: dict[tuple[str, str, str], datetime | None] = {}
+        self.subscribed_at: dict[tuple[str, str, str], datetime] = {}
+        self._ids = itertools.count(1)
+        self._listeners: list[Callable[[str], None]] = []
+        # The latest due time enqueued per (queue, schedule): never removed.
+        self.ticks: dict[tuple[str, str], datetime] = {}
+
+    def _require(self, queue: str) -> dict[int, QueueRow]:
+        table = self.tables.get(queue)
+        if table is None:
+            raise QueueNotFound(f"queue {queue!r} does not exist")
+        return table
+
+    def rows(self, queue: str) -> list[QueueRow]:
+        """A copy of every row of ``queue``, by id."""
+        return [replace(r) for _, r in sorted(self._require(queue).items())]
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def ensure_queue(self, queue: str) -> None:
+        self.tables.setdefault(validate_queue_name(queue), {})
+
+    async def ensure_sagas(self, endpoint: str) -> None:
+        raise ConfigurationError(
+            "the in-memory store keeps no saga state: test sagas against PostgreSQL"
+        )
+
+    def saga_table(self, endpoint: str) -> SagaTable:
+        raise ConfigurationError(
+            "the in-memory store keeps no saga state: test sagas against PostgreSQL"
+        )
+
+    async def drop_queue(self, queue: str) -> None:
+        self.tables.pop(validate_queue_name(queue), None)
+
+    async def list_queues(self) -> list[str]:
+        return sorted(self.tables)
+
+    async def insert(
+        self,
+        queue: str,
+        from_endpoint: str,
+        envelopes: Sequence[Envelope],
+        connection: Any = None,
+    ) -> int:
+        if connection is not None:
+            raise ConfigurationError("the in-memory store cannot send inside a connection")
+        await self.ensure_queue(queue)
+        return self._insert_now(queue, from_endpoint, envelopes)
+
+    async def insert_tick(
+        self, queue: str, schedule: str, due: datetime, envelope: Envelope
+    ) -> bool:
+        await self.ensure_queue(queue)
+        last = self.ticks.get((queue, schedule))
+        # As PostgreSQL's: a record over a minute ahead of the clock is not trusted.
+        if last is not None and last >= due and last <= _now() + timedelta(minutes=1):
+            return False
+        self.ticks[(queue, schedule)] = due
+        return bool(self._insert_now(queue, queue, [envelope]))
+
+    def _insert_now(
+        self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope], create: bool = False
+    ) -> int:
+        if create:
+            self.tables.setdefault(queue, {})
+        table = self._require(queue)
+        seen = {r.unique_id for r in table.values()}
+        now = _now()
+        inserted = 0
+        for e in envelopes:
+            if e.unique_id in seen:
+                continue
+            seen.add(e.unique_id)
+            scheduled = e.deliver_at is not None and e.deliver_at > now
+            row_id = next(self._ids)
+            table[row_id] = QueueRow(
+                id=row_id,
+                from_endpoint=from_endpoint,
+                to_endpoint=queue,
+                subqueue="R" if scheduled else "I",
+                insert_time=now,
+                last_processed=None,
+                retry_count=0,
+                retry_time=e.deliver_at if scheduled and e.deliver_at else now,
+                error_info=None,
+                correlation_id=e.correlation_id,
+                label=e.label,
+                msg_text=e.msg_text,
+                msg_headers=e.msg_headers,
+                unique_id=e.unique_id,
+                priority=e.priority,
+                sequence_key=e.sequence,
+                expires_at=e.expires_at,
+            )
+            inserted += 1
+        for listener in self._listeners:
+            listener(queue)
+        return inserted
+
+    def _finish_now(self, queue: str, outcomes: Outcomes, client_id: str) -> None:
+        table = self._require(queue)
+        now = _now()
+        for i, row_id in enumerate(outcomes.ids):
+            row = table[row_id]
+            if row.handling_client_id != client_id:
+                continue
+            subqueue = outcomes.subqueue[i]
+            if subqueue is not None:
+                retry_time = row.retry_time
+                if subqueue == "R":
+                    retry_time = now + timedelta(seconds=outcomes.delay[i] or 0.0)
+                row = replace(row, subqueue=subqueue, last_processed=now, retry_time=retry_time)
+            error = outcomes.error_info[i]
+            table[row_id] = replace(
+                row,
+                error_info=row.error_info if error is None else error,
+                retry_count=max(0, row.retry_count + outcomes.correction[i]),
+                handling_client_id=None,
+                lease_expires=None,
+            )
+
+    async def subscribe(
+        self,
+        publisher: str,
+        subscriber: str,
+        types: Sequence[str],
+        ttl: float | None,
+        remote: bool = False,
+    ) -> None:
+        now = _now()
+        expires = now + timedelta(seconds=ttl) if ttl is not None else None
+        for name in types:
+            self.subscribed[(publisher, name, subscriber)] = expires
+            self.subscribed_at.setdefault((publisher, name, subscriber), now)
+
+    async def unsubscribe(self, publisher: str, subscriber: str, types: Sequence[str]) -> None:
+        for name in types:
+            self.subscribed.pop((publisher, name, subscriber), None)
+            self.subscribed_at.pop((publisher, name, subscriber), None)
+
+    async def subscribers(
+        self, publisher: str, types: Sequence[str], connection: Any = None
+    ) -> list[str]:
+        now = _now()
+        return sorted(
+            {
+                sub
+                for (pub, name, sub), expires in self.subscribed.items()
+                if pub == publisher and name in types and (expires is None or expires > now)
+            }
+        )
+
+    def _fan_out(
+        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
+    ) -> dict[str, list[Envelope]]:
+        now = _now()
+        wanted: dict[str, set[str]] = {}
+        for (pub, name, sub), expires in self.subscribed.items():
+            if pub == publisher and (expires is None or expires > now):
+                wanted.setdefault(sub, set()).add(name)
+        copies: dict[str, list[Envelope]] = {}
+        for sub in sorted(wanted):
+            copies[sub] = [
+                replace(e, unique_id=f"{e.unique_id}/{sub}")
+                for e, chain in zip(envelopes, chains, strict=True)
+                if wanted[sub].intersection(chain.split(","))
+            ]
+            if not copies[sub]:
+                del copies[sub]
+        return copies
+
+    async def publish(
+        self,
+        publisher: str,
+        envelopes: Sequence[Envelope],
+        chains: Sequence[str],
+        connection: Any = None,
+    ) -> dict[str, int]:
+        if connection is not None:
+            raise ConfigurationError("the in-memory store cannot publish inside a connection")
+        return {
+            queue: self._insert_now(queue, publisher, batch, create=True)
+            for queue, batch in self._fan_out(publisher, envelopes, chains).items()
+        }
+
+    async def purge_expired_subscriptions(self, grace: float) -> int:
+        cutoff = _now() - timedelta(seconds=grace)
+        expired = [k for k, v in self.subscribed.items() if v is not None and v < cutoff]
+        for key in expired:
+            del self.subscribed[key]
+            self.subscribed_at.pop(key, None)
+        return len(expired)
+
+    async def has_ready(self, queue: str) -> bool:
+        now = _now()
+        heads = sequence_heads(self._require(queue))
+        return any(
+            r.subqueue in "IR"
+            and (r.retry_time <= now or r.handling_client_id is not None)
+            and (r.sequence_key is None or r.id in heads)
+            for r in self._require(queue).values()
+        )
+
+    async def apply_retention(self, queue: str, settings: Settings) -> None:
+        self.clean_queue(queue, RetentionPolicy.from_settings(settings))
+
+    async def counts(self, queue: str) -> dict[str, int]:
+        counts = dict.fromkeys("IRXF", 0)
+        for row in self._require(queue).values():
+            counts[row.subqueue] += 1
+        return counts
+
+    async def renew_leases(
+        self, queue: str, ids: Sequence[int], client_id: str, lease: float
+    ) -> None:
+        table = self._require(queue)
+        for i in ids:
+            if i in table and table[i].handling_client_id == client_id:
+                table[i] = replace(table[i], lease_expires=_now() + timedelta(seconds=lease))
+
+    async def abandon_leases(
+        self, queue: str, ids: Sequence[int], client_id: str, refund: bool = False
+    ) -> None:
+        table = self._require(queue)
+        for i in ids:
+            row = table.get(i)
+            if row is not None and row.handling_client_id == client_id:
+                table[i] = replace(
+                    row,
+                    handling_client_id=None,
+                    lease_expires=None,
+                    retry_count=max(0, row.retry_count - int(refund)),
+                )
+
+    @asynccontextmanager
+    async def worker_session(self) -> AsyncIterator[MemorySession]:
+        yield MemorySession(self)
+
+    async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:
+        self._listeners.append(on_wakeup)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._listeners.remove(on_wakeup)

@@ -1,0 +1,87 @@
+"""The queue table's row on the wire: statement arguments and results, by column name.
+
+The columns are :data:`nmbus.rows.COLUMNS`. A send gives a new row the
+columns of :data:`SENT`, one array per column (``insert_messages``,
+``outbox_insert`` and the publish function take them so), whether they come
+from envelopes or from the outbox's rows; a claim returns the columns of
+:class:`nmbus.messages.StoredMessage`, under its field names, checked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from operator import attrgetter
+from typing import Any
+
+from nmbus.messages import Envelope, StoredMessage
+
+#: The columns a sender gives each new row, each with the Envelope attribute that
+#: holds it. ``deliver_at`` is no column: it decides ``subqueue`` and ``retry_time``.
+SENT: Mapping[str, str] = {
+    "deliver_at": "deliver_at",
+    "correlation_id": "correlation_id",
+    "label": "label",
+    "msg_text": "msg_text",
+    "msg_headers": "msg_headers",
+    "unique_id": "unique_id",
+    "priority": "priority",
+    "sequence_key": "sequence",
+    "expires_at": "expires_at",
+}
+_FROM_ENVELOPE = tuple((column, attrgetter(attr)) for column, attr in SENT.items())
+
+#: What a claim returns, in this order: StoredMessage's fields.
+CLAIMED: tuple[str, ...] = tuple(f.name for f in fields(StoredMessage))
+_WIDTH = len(CLAIMED)
+
+
+def envelope_arrays(envelopes: Sequence[Envelope]) -> dict[str, list[Any]]:
+    """The sent columns of ``envelopes``, one array per column, in envelope order."""
+    return {column: [get(e) for e in envelopes] for column, get in _FROM_ENVELOPE}
+
+
+def outbox_arrays(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """The sent columns of outbox rows (``outbox_take``), one array per column."""
+    return {column: [r[column] for r in rows] for column in SENT}
+
+
+def insert_args(
+    from_endpoint: str, queue: str, arrays: Mapping[str, list[Any]], channel: str
+) -> tuple[Any, ...]:
+    """The parameters $1..$12 of ``insert_messages`` (and ``outbox_insert``)."""
+    return (
+        from_endpoint,
+        queue,
+        arrays["deliver_at"],
+        arrays["correlation_id"],
+        arrays["label"],
+        arrays["msg_text"],
+        arrays["msg_headers"],
+        arrays["unique_id"],
+        channel,
+        arrays["priority"],
+        arrays["sequence_key"],
+        arrays["expires_at"],
+    )
+
+
+def claimed(rows: Sequence[Any]) -> list[StoredMessage]:
+    """The messages of a claim's rows, highest priority first, then by ready time.
+
+    A row whose ``id`` is NULL stands for no message (``finish_claim`` returns
+    one when it claims nothing). The rows' columns are checked by name once per
+    statement run, so each message is then built from a slice of its row.
+    """
+    if not rows:
+        return []
+    names = tuple(rows[0].keys())[:_WIDTH]
+    if names != CLAIMED:
+        raise RuntimeError(f"a claim returned the columns {names}, expected {CLAIMED}")
+    messages = [StoredMessage(*r[:_WIDTH]) for r in rows if r[0] is not None]
+    messages.sort(key=_claim_order)
+    return messages
+
+
+def _claim_order(message: StoredMessage) -> tuple[int, Any, int]:
+    return (-message.priority, message.retry_time, message.id)

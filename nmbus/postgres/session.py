@@ -1,0 +1,244 @@
+"""A worker loop's connection on PostgreSQL: its claims and its batches' transactions.
+
+:class:`PostgresSession` is the loop's own connection (claim, next due,
+isolate); :class:`PostgresBatch` is one claimed batch's transaction on it,
+begun lazily (see its docstring), which records outcomes with the
+finish-and-claim statement and takes the sends and publishes of its handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+from asyncpg.transaction import Transaction
+
+from nmbus.messages import Envelope, StoredMessage
+from nmbus.postgres.errors import wrap_errors
+from nmbus.postgres.pubsub import publish_args, publish_on
+from nmbus.postgres.rows import claimed, envelope_arrays, insert_args
+from nmbus.postgres.schema import ensure_queue_on, notify_channel, outbox_channel
+from nmbus.postgres.sql import render
+from nmbus.store import Outcomes
+
+
+async def insert_outbox(
+    conn: Any, schema: str, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]
+) -> int:
+    """Write messages for ``queue`` (in another database) into the outbox, on ``conn``.
+
+    One statement: atomic on its own, or part of the caller's transaction.
+    """
+    args = insert_args(from_endpoint, queue, envelope_arrays(envelopes), outbox_channel(schema))
+    with wrap_errors(f"send to {queue} (through the outbox)"):
+        row = await conn.fetchrow(render("outbox_insert", schema), *args)
+    return int(row[0]) if row else 0
+
+
+class PostgresBatch:
+    """One batch on a worker's connection; its transaction begins when first needed.
+
+    A batch whose handlers never touch the connection nor send anything needs
+    no transaction: its ``finish`` is one autocommitted statement, which saves
+    the BEGIN and COMMIT round trips. The first write (a handler's savepoint,
+    an insert) begins the transaction, and ``finish`` then runs inside it.
+    """
+
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        schema: str,
+        known: set[str],
+        routed: frozenset[str] = frozenset(),
+    ) -> None:
+        self._conn = conn
+        self._schema = schema
+        self._known = known
+        self._routed = routed
+        self._channel = notify_channel(schema)
+        # asyncpg's own Transaction, so a handler may still nest conn.transaction().
+        self.transaction: Transaction | None = None
+        self._unreleased = False
+
+    @property
+    def begun(self) -> bool:
+        return self.transaction is not None
+
+    @property
+    def connection(self) -> asyncpg.Connection:
+        return self._conn
+
+    async def begin(self) -> None:
+        """Begin the batch's transaction if it has not begun (no savepoint)."""
+        if self.transaction is None:
+            transaction = self._conn.transaction()
+            await transaction.start()
+            self.transaction = transaction
+
+    async def savepoint(self) -> None:
+        if self._unreleased:
+            # The previous handler's savepoint goes in the same round trip.
+            self._unreleased = False
+            await self._conn.execute("RELEASE SAVEPOINT nmbus_handler; SAVEPOINT nmbus_handler")
+            return
+        await self.begin()
+        await self._conn.execute("SAVEPOINT nmbus_handler")
+
+    async def release_savepoint(self) -> None:
+        await self._conn.execute("RELEASE SAVEPOINT nmbus_handler")
+
+    def defer_release(self) -> None:
+        """Leave a succeeded handler's savepoint to the next savepoint or the COMMIT.
+
+        Only for a savepoint whose statements all succeeded: one that may be
+        aborted must be released at once, so its handler is the one that fails.
+        """
+        self._unreleased = True
+
+    async def rollback_savepoint(self) -> None:
+        self._unreleased = False
+        await self._conn.execute(
+            "ROLLBACK TO SAVEPOINT nmbus_handler; RELEASE SAVEPOINT nmbus_handler"
+        )
+
+    async def commit(self) -> None:
+        """Commit the transaction so far; the next write begins another one."""
+        transaction, self.transaction = self.transaction, None
+        self._unreleased = False  # COMMIT releases every savepoint
+        if transaction is not None:
+            await transaction.commit()
+
+    async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
+        await self.begin()
+        if queue in self._routed:
+            return await insert_outbox(self._conn, self._schema, queue, from_endpoint, envelopes)
+        # A handler's send is stored at its batch's commit, where a refusal would
+        # fail the batch-mates too: a missing queue is created (marked, logged).
+        await ensure_queue_on(self._conn, self._schema, queue, self._known, from_endpoint)
+        sql = render("insert_messages", self._schema, queue)
+        row = await self._conn.fetchrow(
+            sql, *insert_args(from_endpoint, queue, envelope_arrays(envelopes), self._channel)
+        )
+        return int(row[0]) if row else 0
+
+    async def subscribers(self, publisher: str, types: Sequence[str]) -> list[str]:
+        rows = await self._conn.fetch(render("subscribers", self._schema), publisher, list(types))
+        return [r[0] for r in rows]
+
+    async def publish(
+        self, publisher: str, envelopes: Sequence[Envelope], chains: Sequence[str]
+    ) -> dict[str, int]:
+        await self.begin()  # the copies commit with the batch, never before it
+        args = publish_args(self._schema, publisher, envelopes, chains, self._channel, self._routed)
+        return await publish_on(self._conn, self._schema, args)
+
+    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
+        return int(
+            await self._conn.fetchval(
+                render("finish", self._schema, queue),
+                outcomes.ids,
+                outcomes.subqueue,
+                outcomes.delay,
+                outcomes.error_info,
+                outcomes.correction,
+                client_id,
+            )
+        )
+
+    async def finish_and_claim(
+        self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
+    ) -> tuple[int, list[StoredMessage]]:
+        """``finish``, then claim up to ``limit`` more rows, in one statement."""
+        if outcomes.all_processed:
+            # The common case needs no per-row outcome arrays on the wire or in a join.
+            rows = await self._conn.fetch(
+                render("finish_claim_processed", self._schema, queue),
+                outcomes.ids,
+                client_id,
+                limit,
+                lease,
+            )
+        else:
+            rows = await self._conn.fetch(
+                render("finish_claim", self._schema, queue),
+                outcomes.ids,
+                outcomes.subqueue,
+                outcomes.delay,
+                outcomes.error_info,
+                outcomes.correction,
+                client_id,
+                limit,
+                lease,
+            )
+        finished = int(rows[0]["finished"]) if rows else 0
+        return finished, claimed(rows)
+
+
+class PostgresSession:
+    """A worker loop's dedicated connection."""
+
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        schema: str,
+        known: set[str],
+        routed: frozenset[str] = frozenset(),
+    ) -> None:
+        self._conn = conn
+        self._schema = schema
+        self._known = known
+        self._routed = routed
+
+    async def claim(
+        self, queue: str, limit: int, client_id: str, lease: float
+    ) -> list[StoredMessage]:
+        with wrap_errors(f"claim from {queue}"):
+            rows = await self._conn.fetch(
+                render("claim", self._schema, queue), limit, client_id, lease
+            )
+        return claimed(rows)
+
+    async def next_due(self, queue: str) -> float | None:
+        with wrap_errors(f"next due in {queue}"):
+            value: float | None = await self._conn.fetchval(render("next_due", self._schema, queue))
+            return value
+
+    async def release_sequences(self, queue: str) -> int:
+        with wrap_errors(f"release sequences of {queue}"):
+            return int(await self._conn.fetchval(render("release_sequences", self._schema, queue)))
+
+    async def isolate(
+        self,
+        queue: str,
+        ids: Sequence[int],
+        suspect: int,
+        marks: Sequence[bool],
+        client_id: str,
+        refunds: Sequence[int],
+    ) -> int:
+        with wrap_errors(f"isolate a message of {queue}"):
+            changed = await self._conn.fetchval(
+                render("isolate", self._schema, queue),
+                list(ids),
+                suspect,
+                client_id,
+                list(marks),
+                list(refunds),
+            )
+        return int(changed)
+
+    @asynccontextmanager
+    async def batch(self) -> AsyncIterator[PostgresBatch]:
+        with wrap_errors("batch transaction"):
+            batch = PostgresBatch(self._conn, self._schema, self._known, self._routed)
+            try:
+                yield batch
+            except BaseException:
+                if batch.transaction is not None and not self._conn.is_closed():
+                    await asyncio.shield(batch.transaction.rollback())
+                raise
+            if batch.transaction is not None:
+                await batch.transaction.commit()

@@ -11,25 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from operator import attrgetter
 from typing import Any
 
 from nmbus.messages import Envelope, StoredMessage
-
-#: The columns a sender gives each new row, each with the Envelope attribute that
-#: holds it. ``deliver_at`` is no column: it decides ``subqueue`` and ``retry_time``.
-SENT: Mapping[str, str] = {
-    "deliver_at": "deliver_at",
-    "correlation_id": "correlation_id",
-    "label": "label",
-    "msg_text": "msg_text",
-    "msg_headers": "msg_headers",
-    "unique_id": "unique_id",
-    "priority": "priority",
-    "sequence_key": "sequence",
-    "expires_at": "expires_at",
-}
-_FROM_ENVELOPE = tuple((column, attrgetter(attr)) for column, attr in SENT.items())
 
 #: What a claim returns, in this order: StoredMessage's fields.
 CLAIMED: tuple[str, ...] = tuple(f.name for f in fields(StoredMessage))
@@ -37,8 +21,27 @@ _WIDTH = len(CLAIMED)
 
 
 def envelope_arrays(envelopes: Sequence[Envelope]) -> dict[str, list[Any]]:
-    """The sent columns of ``envelopes``, one array per column, in envelope order."""
-    return {column: [get(e) for e in envelopes] for column, get in _FROM_ENVELOPE}
+    """The columns a sender gives each new row, one array per column, in envelope order.
+
+    ``deliver_at`` is no column: it decides ``subqueue`` and ``retry_time``.
+    Written out column by column: a comprehension per column is what a send
+    cost before (a getter called per value is twice as slow on 100 envelopes).
+    """
+    return {
+        "deliver_at": [e.deliver_at for e in envelopes],
+        "correlation_id": [e.correlation_id for e in envelopes],
+        "label": [e.label for e in envelopes],
+        "msg_text": [e.msg_text for e in envelopes],
+        "msg_headers": [e.msg_headers for e in envelopes],
+        "unique_id": [e.unique_id for e in envelopes],
+        "priority": [e.priority for e in envelopes],
+        "sequence_key": [e.sequence for e in envelopes],
+        "expires_at": [e.expires_at for e in envelopes],
+    }
+
+
+#: The names of the columns a sender gives (``deliver_at`` and columns of the queue table).
+SENT: tuple[str, ...] = tuple(envelope_arrays(()))
 
 
 def outbox_arrays(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
@@ -70,8 +73,9 @@ def claimed(rows: Sequence[Any]) -> list[StoredMessage]:
     """The messages of a claim's rows, highest priority first, then by ready time.
 
     A row whose ``id`` is NULL stands for no message (``finish_claim`` returns
-    one when it claims nothing). The rows' columns are checked by name once per
-    statement run, so each message is then built from a slice of its row.
+    one when it claims nothing). The names of the rows' columns are checked
+    once per call, so each message is then built from a slice of its row (no
+    lookup by name per row: this is the claim's hot path).
     """
     if not rows:
         return []

@@ -346,17 +346,14 @@ class MemoryOperations:
         queues: Sequence[str] | None,
         on_batch: ProgressCallback | None,
     ) -> list[RetentionResult]:
+        _refuse_archive(policy)
         return [self.clean_queue(name, policy, on_batch) for name in self._known(queues)]
 
     def clean_queue(
         self, queue: str, policy: RetentionPolicy, on_batch: ProgressCallback | None = None
     ) -> RetentionResult:
         """Remove the old rows of one queue as PostgreSQL's retention does, in batches."""
-        if policy.archive_dir is not None:
-            raise ConfigurationError(
-                "the in-memory store cannot archive: retention's Parquet archive "
-                "(archive_dir, NMBUS_RETENTION_ARCHIVE_DIR) needs PostgreSQL"
-            )
+        _refuse_archive(policy)
         table = self.tables[self._queue(queue)]
         now = _now()
         result = RetentionResult(queue)
@@ -468,6 +465,14 @@ def _depth(table: dict[int, QueueRow], now: datetime) -> dict[str, Any]:
 
 def _by_id(row: QueueRow) -> int:
     return row.id
+
+
+def _refuse_archive(policy: RetentionPolicy) -> None:
+    if policy.archive_dir is not None:
+        raise ConfigurationError(
+            "the in-memory store cannot archive: retention's Parquet archive "
+            "(archive_dir, NMBUS_RETENTION_ARCHIVE_DIR) needs PostgreSQL"
+        )
 
 
 def _failed(queue: str, row: QueueRow, error_chars: int | None) -> FailedMessage:

@@ -1,5 +1,6 @@
--- Operations: status, failed messages, subscriptions (nmbus/admin.py, the
--- nmbus commands, the dashboard). Readers never take more than ROW EXCLUSIVE
+-- Operations: status, failed messages, subscriptions (run by
+-- nmbus/postgres/operations.py and status.py for nmbus.admin, the nmbus
+-- commands and the dashboard). Readers never take more than ROW EXCLUSIVE
 -- on a queue; writers touch only F or X rows, which no worker claims.
 
 -- ops_queue_status --

@@ -1,4 +1,4 @@
--- Retention (nmbus/retention.py): processed and failed rows removed, or
+-- Retention (nmbus/postgres/retention.py): processed and failed rows removed, or
 -- archived first, once they are old enough. Like the operations, it touches
 -- only F and X rows (and I/R rows that expired long ago), never a row a worker
 -- holds.

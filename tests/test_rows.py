@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import fields
 
 import asyncpg
+from nmbus.sql import render
 
 from nmbus.messages import StoredMessage
 from nmbus.operations import MessageRow
 from nmbus.postgres.retention import ARCHIVE_COLUMNS, archive_schema
 from nmbus.postgres.rows import CLAIMED, SENT
 from nmbus.rows import COLUMNS, QueueRow
-from nmbus.sql import render
 
 # How each PostgreSQL type of a queue table's column is held in Python.
 PYTHON = {

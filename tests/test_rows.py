@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import fields
 
 import asyncpg
-from nmbus.sql import render
 
 from nmbus.messages import StoredMessage
 from nmbus.operations import MessageRow
 from nmbus.postgres.retention import ARCHIVE_COLUMNS, archive_schema
 from nmbus.postgres.rows import CLAIMED, SENT
+from nmbus.postgres.sql import render
 from nmbus.rows import COLUMNS, QueueRow
 
 # How each PostgreSQL type of a queue table's column is held in Python.

@@ -235,7 +235,7 @@ WITH done AS (
              sequence_filter => claim_past_finished,
              row_filter => claim_not_finishing)},
 claimed AS (
-    {claim_lease(client => {:client}, lease => {:lease})} AS expired
+    {claim_lease(client => {:client}, lease => {:lease})}
 )
 SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
        c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,

@@ -38,11 +38,13 @@ import structlog
 from nmbus.errors import DatabaseUnavailable
 from nmbus.logs import log_failure, scrub
 from nmbus.postgres.errors import is_connection_error, wrap_errors
+from nmbus.postgres.listen import listen_loop, notify_channel
 from nmbus.postgres.pubsub import install_publish_function
 from nmbus.postgres.rows import insert_args, outbox_arrays
 from nmbus.postgres.sql import render
-from nmbus.postgres.store import ensure_queue_on, install_schema, outbox_channel
+from nmbus.postgres.store import ensure_queue_on, install_schema
 from nmbus.store import validate_queue_name, validate_schema_name
+from nmbus.supervise import Backoff
 
 log = structlog.get_logger("nmbus.forwarder")
 
@@ -62,10 +64,10 @@ class _Remote:
     """One remote database: its connection and, after a failure, its backoff."""
 
     dsn: str
+    backoff: Backoff
     conn: asyncpg.Connection | None = None
     known: set[str] = field(default_factory=set)
     retry_at: float = 0.0
-    delay: float = 0.0
     error: str | None = None
 
 
@@ -105,7 +107,7 @@ class Forwarder:
         self.stats = ForwardStats()
         self._remotes: dict[str, _Remote] = {}
         for target in self.routes.values():
-            self._remotes.setdefault(target, _Remote(target))
+            self._remotes.setdefault(target, _Remote(target, Backoff(reconnect_max)))
         self._local: asyncpg.Connection | None = None
         self._wake = asyncio.Event()
         self._pending: set[str] = set(self.routes)
@@ -261,7 +263,7 @@ class Forwarder:
                 for start, end in _runs(rows):
                     part = rows[start:end]
                     row = await conn.fetchrow(
-                        sql, *_remote_args(part, queue, f"nmbus_{self.schema}")
+                        sql, *_remote_args(part, queue, notify_channel(self.schema))
                     )
                     inserted += int(row[0]) if row else 0
         except asyncio.CancelledError:
@@ -272,7 +274,7 @@ class Forwarder:
         if remote.error is not None:
             log.info("forwarding_resumed", database=scrub(remote.dsn))
         remote.error = None
-        remote.delay = 0.0
+        remote.backoff.reset()
         return inserted
 
     async def _connect(self, remote: _Remote) -> asyncpg.Connection:
@@ -294,8 +296,7 @@ class Forwarder:
             remote.conn.terminate()
             remote.conn = None
         remote.known.clear()
-        remote.delay = min(self.reconnect_max, max(0.1, remote.delay * 2))
-        remote.retry_at = now + remote.delay
+        remote.retry_at = now + remote.backoff.next()
         first = remote.error is None
         remote.error = scrub(f"{type(exc).__name__}: {exc}")
         if first:
@@ -327,35 +328,15 @@ class Forwarder:
 
     async def _listen(self) -> None:
         """LISTEN on the outbox channel; after a reconnection, look at every queue."""
-        channel = outbox_channel(self.schema)
-        delay = 0.1
-
-        def callback(_conn: object, _pid: int, _channel: str, payload: object) -> None:
-            self.wake(str(payload))
-
-        while True:
-            conn: asyncpg.Connection | None = None
-            try:
-                conn = await asyncpg.connect(self.dsn, timeout=10)
-                lost = asyncio.Event()
-                conn.add_termination_listener(lambda _c, lost=lost: lost.set())
-                await conn.add_listener(channel, callback)
-                delay = 0.1
-                self.wake("*")
-                while not lost.is_set():
-                    try:
-                        await asyncio.wait_for(lost.wait(), timeout=5.0)
-                    except TimeoutError:
-                        await conn.fetchval("SELECT 1", timeout=5.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("forwarder_listener_lost", error=scrub(str(exc)))
-            finally:
-                if conn is not None:
-                    conn.terminate()
-            await asyncio.sleep(delay)
-            delay = min(self.reconnect_max, delay * 2)
+        await listen_loop(
+            lambda: asyncpg.connect(self.dsn, timeout=10),
+            notify_channel(self.schema, outbox=True),
+            self.wake,
+            self.reconnect_max,
+            log,
+            lost="forwarder_listener_lost",
+            failed=None,
+        )
 
 
 def _runs(rows: Sequence[Any]) -> list[tuple[int, int]]:

@@ -37,8 +37,9 @@ from nmbus.operations import (
     Subscription,
 )
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
+from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.retention import clean_queue
-from nmbus.postgres.schema import CREATED_BY_SEND, notify_channel
+from nmbus.postgres.schema import CREATED_BY_SEND
 from nmbus.postgres.sql import render
 from nmbus.postgres.status import created_by_send, each_queue, status_of
 from nmbus.postgres.store import PostgresStore

@@ -22,6 +22,7 @@ import structlog
 from nmbus.errors import StoreError
 from nmbus.messages import Envelope
 from nmbus.postgres.errors import wrap_errors
+from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.rows import envelope_arrays
 from nmbus.postgres.sql import render
 from nmbus.store import validate_queue_name
@@ -69,7 +70,7 @@ def publish_args(
         arrays["sequence_key"],
         arrays["expires_at"],
         sorted(routed),
-        f"nmbus_outbox_{schema}",
+        notify_channel(schema, outbox=True),
     )
 
 

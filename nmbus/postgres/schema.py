@@ -36,16 +36,6 @@ MIGRATIONS: dict[int, list[str]] = {
 }
 
 
-def notify_channel(schema: str) -> str:
-    """The LISTEN/NOTIFY channel on which inserts into ``schema``'s queues are announced."""
-    return f"nmbus_{schema}"
-
-
-def outbox_channel(schema: str) -> str:
-    """The channel on which rows written into ``schema``'s outbox are announced."""
-    return f"nmbus_outbox_{schema}"
-
-
 async def install_schema(conn: Any, schema: str) -> None:
     """Create or migrate ``schema`` to SCHEMA_VERSION, holding an advisory lock."""
     validate_schema_name(schema)

@@ -18,9 +18,10 @@ from asyncpg.transaction import Transaction
 
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.postgres.errors import wrap_errors
+from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.pubsub import publish_args, publish_on
 from nmbus.postgres.rows import claimed, envelope_arrays, insert_args
-from nmbus.postgres.schema import ensure_queue_on, notify_channel, outbox_channel
+from nmbus.postgres.schema import ensure_queue_on
 from nmbus.postgres.sql import render
 from nmbus.store import Outcomes
 
@@ -32,7 +33,9 @@ async def insert_outbox(
 
     One statement: atomic on its own, or part of the caller's transaction.
     """
-    args = insert_args(from_endpoint, queue, envelope_arrays(envelopes), outbox_channel(schema))
+    args = insert_args(
+        from_endpoint, queue, envelope_arrays(envelopes), notify_channel(schema, outbox=True)
+    )
     with wrap_errors(f"send to {queue} (through the outbox)"):
         row = await conn.fetchrow(render("outbox_insert", schema), *args)
     return int(row[0]) if row else 0

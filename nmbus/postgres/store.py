@@ -19,10 +19,12 @@ import asyncpg
 import structlog
 
 from nmbus.errors import QueueNotFound
-from nmbus.logs import log_failure, scrub
+from nmbus.logs import scrub
 from nmbus.messages import Envelope
 from nmbus.operations import RetentionPolicy
-from nmbus.postgres.errors import is_connection_error, wrap_connect_errors, wrap_errors
+from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
+from nmbus.postgres.listen import close_quietly as _close_quietly
+from nmbus.postgres.listen import listen_loop, notify_channel
 from nmbus.postgres.pubsub import (
     create_queue_on,
     install_publish_function,
@@ -38,8 +40,6 @@ from nmbus.postgres.schema import (
     ensure_queue_on,
     install_schema,
     no_such_queue,
-    notify_channel,
-    outbox_channel,
 )
 from nmbus.postgres.session import PostgresSession, insert_outbox
 from nmbus.postgres.sql import render
@@ -47,7 +47,7 @@ from nmbus.settings import Settings
 from nmbus.store import validate_queue_name, validate_schema_name
 
 # The forwarder imports these from here, where they were first written.
-__all__ = ["PostgresStore", "ensure_queue_on", "install_schema", "outbox_channel"]
+__all__ = ["PostgresStore", "ensure_queue_on", "install_schema"]
 
 log = structlog.get_logger("nmbus.postgres")
 
@@ -379,46 +379,4 @@ class PostgresStore:
             await _close_quietly(conn)
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:
-        channel = notify_channel(self.schema)
-        delay = 0.1
-
-        def callback(_conn: object, _pid: int, _channel: str, payload: object) -> None:
-            on_wakeup(str(payload))
-
-        while True:
-            conn: asyncpg.Connection | None = None
-            try:
-                conn = await self.connect()
-                lost = asyncio.Event()
-                conn.add_termination_listener(lambda _c, lost=lost: lost.set())
-                await conn.add_listener(channel, callback)
-                log.debug("listener_connected", channel=channel)
-                delay = 0.1
-                # Anything inserted while we were away must be looked at now.
-                on_wakeup("*")
-                while not lost.is_set():
-                    try:
-                        await asyncio.wait_for(lost.wait(), timeout=5.0)
-                    except TimeoutError:
-                        # A cheap round trip notices a dead server sooner than TCP does.
-                        await conn.fetchval("SELECT 1", timeout=5.0)
-                log.warning("listener_connection_lost", channel=channel)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if not is_connection_error(exc) and not isinstance(exc.__cause__, BaseException):
-                    log_failure(log, "listener_failed", exc, channel=channel)
-                else:
-                    log.warning("listener_connection_lost", channel=channel, error=str(exc))
-            finally:
-                if conn is not None:
-                    await _close_quietly(conn)
-            await asyncio.sleep(delay)
-            delay = min(reconnect_max, delay * 2)
-
-
-async def _close_quietly(conn: asyncpg.Connection) -> None:
-    try:
-        await asyncio.shield(asyncio.wait_for(conn.close(), timeout=2))
-    except Exception:
-        conn.terminate()
+        await listen_loop(self.connect, notify_channel(self.schema), on_wakeup, reconnect_max, log)

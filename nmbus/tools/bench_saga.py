@@ -33,7 +33,7 @@ from pydantic import BaseModel
 
 from nmbus.bus import Bus
 from nmbus.context import Context
-from nmbus.postgres.schema import notify_channel
+from nmbus.postgres.listen import notify_channel
 from nmbus.tools.bench_scenarios import drain_timeout, wait_until
 from nmbus.tools.bench_scratch import QUEUE, TICK, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render

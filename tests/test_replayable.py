@@ -173,8 +173,8 @@ async def test_a_batch_holding_a_reply_keeps_its_savepoints(make_bus: Callable[.
         )
 
     plain = [row({}), row({"x": "1"})]
-    assert bus.worker._replayable(plain)
-    assert not bus.worker._replayable([*plain, row({IN_REPLY_TO_HEADER: "42"})])
+    assert bus.worker.batches.replayable(plain)
+    assert not bus.worker.batches.replayable([*plain, row({IN_REPLY_TO_HEADER: "42"})])
 
 
 async def test_a_stop_during_a_replay_keeps_the_failure_that_caused_it(

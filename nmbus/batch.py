@@ -1,0 +1,446 @@
+"""One claimed batch: handled in one transaction, its outcomes recorded.
+
+Steps 2 and 3 of :mod:`nmbus.worker`'s path: the :class:`BatchRunner` of a
+worker takes the batch a loop claimed, runs the registry's batch hooks and the
+handlers (one after another, or up to ``handler_concurrency`` at once), stores
+what they sent, writes the outcomes with the statement that claims the next
+batch, and commits, in parts when the handlers take long. It keeps what the
+worker's other parts read: the rows in flight (their leases are renewed),
+those a cancelled loop still holds, and the counts of committed outcomes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
+
+import structlog
+
+from nmbus.context import Effects
+from nmbus.dispatch import Dispatcher, Replay, because, debug_enabled, describe
+from nmbus.envelopes import IN_REPLY_TO_HEADER, chain_of, dead_letter_copy, decode_type
+from nmbus.errors import DatabaseUnavailable, LeaseLost, OutcomeNotRecorded, StoreError
+from nmbus.messages import Envelope, StoredMessage
+from nmbus.recovery import is_conflict
+from nmbus.settings import Settings
+from nmbus.store import Batch, Outcomes, Store, WorkerSession
+
+if TYPE_CHECKING:
+    from nmbus.metrics import WorkerMetrics
+
+log = structlog.get_logger("nmbus.worker")
+
+#: Times a batch that lost a deadlock outside its handlers is run again at once.
+MAX_CONFLICT_RETRIES = 5
+
+
+class BatchRunner:
+    """Handles the claimed batches of one queue for a worker, and counts what became of them."""
+
+    def __init__(
+        self,
+        *,
+        queue: str,
+        store: Store,
+        dispatcher: Dispatcher,
+        settings: Settings,
+        client_id: str,
+        dead_letter: str | None,
+        metrics: WorkerMetrics | None,
+        stopping: asyncio.Event,
+    ) -> None:
+        self.queue = queue
+        self.store = store
+        self.dispatcher = dispatcher
+        self.settings = settings
+        self.client_id = client_id
+        self.dead_letter = dead_letter
+        self.metrics = metrics
+        # Set when the worker stops: handlers not started yet are not started.
+        self._stopping = stopping
+        self.in_flight: set[int] = set()
+        # Rows a cancelled loop still holds: started (attempt counted) or not.
+        self.abandoned: set[int] = set()
+        self.unstarted: set[int] = set()
+        self.handled = 0
+        # Batches rolled back and run again with savepoints (handlers without
+        # outside effects that failed after writing).
+        self.replays = 0
+        # Outcomes committed so far, by subqueue (X, R, F; "released" when given back).
+        self.outcomes: Counter[str] = Counter()
+
+    async def process(
+        self, session: WorkerSession, batch: list[StoredMessage], claim_ahead: bool = False
+    ) -> list[StoredMessage]:
+        """Handle ``batch``; return the next batch when it was claimed along with the finish."""
+        ids = [m.id for m in batch]
+        self.in_flight.update(ids)
+        started: set[int] = set()
+        # Rows whose outcome a part of the batch already committed: never run again.
+        committed: set[int] = set()
+        try:
+            return await self._run_batch(session, batch, claim_ahead, started, committed)
+        except asyncio.CancelledError:
+            self.abandoned.update(started - committed)
+            self.unstarted.update(i for i in ids if i not in started)
+            raise
+        except DatabaseUnavailable:
+            raise
+        except LeaseLost as exc:
+            # Another worker has some of these rows now; running them again here would
+            # be a waste. The others, still ours and rolled back, go back at once (those
+            # never started without their attempt), not as crash suspects a lease later.
+            log.warning("lease_lost", queue=self.queue, batch=len(batch), error=str(exc))
+            held = [i for i in ids if i not in committed]
+            for group, refund in (
+                ([i for i in held if i in started], False),
+                ([i for i in held if i not in started], True),
+            ):
+                if group:
+                    try:
+                        await self.store.abandon_leases(
+                            self.queue, group, self.client_id, refund=refund
+                        )
+                    except StoreError as again:
+                        log.warning("worker_abandon_failed", queue=self.queue, error=str(again))
+            return []
+        except Exception as exc:
+            rest = [m for m in batch if m.id not in committed] if committed else batch
+            if len(rest) > 1:
+                # One message may be spoiling the batch: try each alone, still
+                # under the same claim, so one poison pill cannot fail the others.
+                log.warning(
+                    "batch_failed_splitting", queue=self.queue, size=len(rest), error=str(exc)
+                )
+                for message in rest:
+                    await self.process(session, [message])
+                return []
+            if rest:
+                log.error("batch_failed", queue=self.queue, message_id=rest[0].id, error=str(exc))
+                await self._record_failure(session, rest[0], exc)
+            return []
+        finally:
+            self.in_flight.difference_update(ids)
+
+    async def _record_failure(
+        self, session: WorkerSession, row: StoredMessage, exc: Exception
+    ) -> None:
+        """The message's outcome could not be committed: a failed attempt, with backoff.
+
+        Its handler may have succeeded, but what it wrote was rolled back (a
+        deferred constraint, a send the store refused...): the attempt failed.
+        """
+        outcomes = Outcomes()
+        # A StoreError's text already names the driver error: "doing: Type: message".
+        text = str(exc) if isinstance(exc, StoreError) else describe(exc)
+        failure = because(OutcomeNotRecorded(text), exc)
+        self.dispatcher.failed(row, failure, self.dispatcher.policy(row), outcomes)
+        try:
+            async with session.batch() as tx:
+                if self.dead_letter is not None:
+                    await self._copy_failed(tx, [row], outcomes)
+                await tx.finish(self.queue, outcomes, self.client_id)
+        except DatabaseUnavailable:
+            raise
+        except Exception as again:
+            log.error("outcome_not_recorded", queue=self.queue, message_id=row.id, error=str(again))
+            await self.store.abandon_leases(self.queue, [row.id], self.client_id)
+            return
+        self.handled += 1
+        self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
+        if self.metrics is not None:
+            self.metrics.committed([row], outcomes, whole_batch=False)
+
+    async def _run_batch(
+        self,
+        session: WorkerSession,
+        batch: list[StoredMessage],
+        claim_ahead: bool,
+        started: set[int],
+        committed: set[int],
+    ) -> list[StoredMessage]:
+        # A batch whose handlers all declared no outside effects runs without
+        # savepoints. When one of them fails after writing, the transaction is
+        # rolled back and the batch runs again with savepoints, that failure
+        # standing: nothing of the first run was visible, and no handler that
+        # could have effects elsewhere ran in it.
+        unguarded = self.settings.handler_concurrency == 1 and self.replayable(batch)
+        failed: dict[int, BaseException] = {}
+        conflicts = 0
+        while True:
+            try:
+                return await self._run_batch_once(
+                    session, batch, claim_ahead, started, committed, unguarded, failed
+                )
+            except Replay as replay:
+                self.replays += 1
+                unguarded = False
+                if replay.error is not None:
+                    failed[replay.row.id] = replay.error
+                # Only the part not committed yet was rolled back.
+                batch = [m for m in batch if m.id not in committed]
+            except StoreError as exc:
+                # A deadlock or serialization failure outside the handlers: the batch
+                # was rolled back; run it again under the same claim (no attempt spent).
+                if conflicts >= MAX_CONFLICT_RETRIES or not is_conflict(exc):
+                    raise
+                conflicts += 1
+                await asyncio.sleep(random.uniform(0.01, 0.05) * conflicts)
+                # Only the part not committed yet was rolled back.
+                batch = [m for m in batch if m.id not in committed]
+
+    def replayable(self, batch: list[StoredMessage]) -> bool:
+        registry = self.dispatcher.registry
+        if not registry.all_replayable and not all(
+            registry.replayable(decode_type(m.label, m.msg_headers)) for m in batch
+        ):
+            return False
+        # A reply is handed to the request waiting for it as it is handled, which
+        # a rolled-back run cannot take back: a batch with one keeps its savepoints.
+        return not any(m.msg_headers and IN_REPLY_TO_HEADER in m.msg_headers for m in batch)
+
+    async def _run_batch_once(
+        self,
+        session: WorkerSession,
+        batch: list[StoredMessage],
+        claim_ahead: bool,
+        started: set[int],
+        committed: set[int],
+        unguarded: bool,
+        failed: dict[int, BaseException],
+    ) -> list[StoredMessage]:
+        outcomes = Outcomes()
+        done: list[Effects] = []
+        debug = debug_enabled()
+        self.dispatcher.start_batch()
+        partial = False
+        interval = self.settings.batch_commit_interval
+        async with session.batch() as tx:
+            for hook in self.dispatcher.registry.batch_hooks:
+                await hook(tx, batch)
+            if self.settings.handler_concurrency > 1 and len(batch) > 1:
+                await self._handle_concurrently(
+                    tx, batch, outcomes, done, debug, started, committed
+                )
+            else:
+                # One clock read per message; a commit only once a part took long.
+                due = time.monotonic() + interval
+                last = batch[-1]
+                for message in batch:
+                    if failed and message.id in failed:
+                        # Failed after writing in a run that was rolled back: not run
+                        # again, and its attempt counts even when the worker is stopping.
+                        started.add(message.id)
+                        policy = self.dispatcher.policy(message)
+                        with structlog.contextvars.bound_contextvars(
+                            message_id=message.id, message_type=message.label
+                        ):
+                            self.dispatcher.failed(message, failed[message.id], policy, outcomes)
+                        continue
+                    if self._stopping.is_set():
+                        # Never started: back to I at once; the attempt does not count.
+                        outcomes.add(message.id, None, correction=-1)
+                        continue
+                    started.add(message.id)
+                    await self.dispatcher.handle(
+                        tx, message, outcomes, done, debug, None, unguarded
+                    )
+                    if time.monotonic() >= due and message is not last:
+                        await self._commit_part(tx, batch, outcomes, done, committed)
+                        due = time.monotonic() + interval
+            if done:
+                await self._flush(tx, done)
+            if self.dead_letter is not None and not outcomes.all_processed:
+                await self._copy_failed(tx, batch, outcomes)
+            ahead: list[StoredMessage] = []
+            # The next batch is claimed by the finish's own statement.
+            if claim_ahead and not self._stopping.is_set():
+                changed, ahead = await tx.finish_and_claim(
+                    self.queue,
+                    outcomes,
+                    self.client_id,
+                    self.settings.batch_size,
+                    self.settings.lease_seconds,
+                )
+            else:
+                changed = await tx.finish(self.queue, outcomes, self.client_id)
+            if changed != len(outcomes) and not tx.begun:
+                # Nothing was written and the finish is already committed: the rows we
+                # still held are done, the others are another worker's now (which of
+                # them is not known here, so the metrics count none of this batch).
+                partial = True
+                log.warning(
+                    "lease_lost",
+                    queue=self.queue,
+                    messages=len(outcomes) - changed,
+                    batch=len(outcomes),
+                )
+            elif changed != len(outcomes):
+                raise LeaseLost(
+                    f"{len(outcomes) - changed} of {len(outcomes)} messages were taken over by "
+                    "another worker after their lease expired; rolling back this batch"
+                )
+        self.handled += len(outcomes)
+        self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
+        if self.metrics is not None and not partial:
+            # One batch, whatever the parts it was committed in.
+            self.metrics.committed(batch, outcomes, size=len(committed) + len(outcomes))
+        # Committed: ours, and in flight from now on (the lease renewer must see them).
+        self.in_flight.update(m.id for m in ahead)
+        return ahead
+
+    async def _commit_part(
+        self,
+        tx: Batch,
+        batch: list[StoredMessage],
+        outcomes: Outcomes,
+        done: list[Effects],
+        committed: set[int],
+    ) -> None:
+        """Commit the outcomes and effects of the batch's handlers that are done so far.
+
+        Between two handlers (no savepoint open): their sends are stored, their
+        rows finished, and the transaction committed; the rest of the batch goes
+        on in a new one, its rows still leased to this worker.
+        """
+        part = outcomes.take()
+        effects = done[:]
+        done.clear()
+        if effects:
+            await self._flush(tx, effects)
+        if self.dead_letter is not None and not part.all_processed:
+            await self._copy_failed(tx, batch, part)
+        changed = await tx.finish(self.queue, part, self.client_id)
+        lost = len(part) - changed
+        if lost and tx.begun:
+            raise LeaseLost(
+                f"{lost} of {len(part)} messages were taken over by another worker after "
+                "their lease expired; rolling back this part of the batch"
+            )
+        await tx.commit()
+        committed.update(part.ids)
+        self.in_flight.difference_update(part.ids)
+        # Counted as soon as committed: the rest of the batch may still fail.
+        self.handled += len(part)
+        self.outcomes.update(sq or "released" for sq in part.subqueue)
+        if lost:
+            log.warning("lease_lost", queue=self.queue, messages=lost, batch=len(part))
+        elif self.metrics is not None:
+            self.metrics.committed(batch, part, whole_batch=False)
+        hooks = self.dispatcher.registry.batch_hooks
+        if hooks:
+            # The commit let go of what the hooks took (the saga locks): the rest of
+            # the batch takes its own again, all at once, holding nothing meanwhile.
+            rest = [m for m in batch if m.id not in committed]
+            for hook in hooks:
+                await hook(tx, rest)
+
+    async def _handle_concurrently(
+        self,
+        tx: Batch,
+        batch: list[StoredMessage],
+        outcomes: Outcomes,
+        done: list[Effects],
+        debug: bool,
+        started: set[int],
+        committed: set[int],
+    ) -> None:
+        """Up to ``handler_concurrency`` handlers of the batch at once, for I/O-bound work.
+
+        The batch's one connection cannot run two statements at once, and a
+        handler's savepoint must not interleave with another's: a handler holds
+        the batch's connection lock from its first use of ``ctx.connection`` until
+        its savepoint is released or rolled back. Handlers that never touch the
+        connection never wait for it. Every ``batch_commit_interval`` seconds, what
+        the finished handlers did is committed under the same lock (so between
+        savepoints), while the others go on.
+        """
+        slots = asyncio.Semaphore(self.settings.handler_concurrency)
+        lock = asyncio.Lock()
+        interval = self.settings.batch_commit_interval
+        running = len(batch)
+        finished = asyncio.Event()
+
+        async def one(message: StoredMessage) -> None:
+            nonlocal running
+            try:
+                async with slots:
+                    if committer.done():
+                        return  # a part's commit failed: so does the rest of the batch
+                    if self._stopping.is_set():
+                        outcomes.add(message.id, None, correction=-1)
+                        return
+                    started.add(message.id)
+                    await self.dispatcher.handle(tx, message, outcomes, done, debug, lock)
+            finally:
+                running -= 1
+                if not running:
+                    finished.set()
+
+        async def commit_now_and_then() -> None:
+            while not finished.is_set():
+                try:
+                    async with asyncio.timeout(interval):
+                        await finished.wait()
+                except TimeoutError:
+                    pass
+                if finished.is_set() or not len(outcomes):
+                    continue
+                async with lock:
+                    await self._commit_part(tx, batch, outcomes, done, committed)
+
+        committer = asyncio.create_task(commit_now_and_then())
+        try:
+            # A TaskGroup: if one fails outside its handler (a database error while
+            # rolling back), the others are cancelled and the batch fails as a whole.
+            async with asyncio.TaskGroup() as group:
+                for message in batch:
+                    group.create_task(one(message))
+        except BaseException:
+            # A commit under way is let finish, so what it committed is known.
+            finished.set()
+            await asyncio.gather(committer, return_exceptions=True)
+            raise
+        # A commit that failed (or found leases lost) fails the rest of the batch.
+        await committer
+
+    async def _copy_failed(self, tx: Batch, batch: list[StoredMessage], outcomes: Outcomes) -> None:
+        """Store a copy of every row going to F in the failure port, in ``tx``."""
+        assert self.dead_letter is not None
+        rows = {m.id: m for m in batch}
+        made = [
+            dead_letter_copy(
+                self.queue,
+                m.id,
+                m.unique_id,
+                m.label,
+                m.msg_text,
+                m.msg_headers,
+                m.correlation_id,
+                outcomes.error_info[i],
+            )
+            for i, id in enumerate(outcomes.ids)
+            if outcomes.subqueue[i] == "F" and (m := rows.get(id)) is not None
+        ]
+        # A failure port's copy that fails in turn stays in F here, uncopied.
+        copies = [c for c in made if c is not None]
+        if copies:
+            await tx.insert(self.dead_letter, self.queue, copies)
+
+    async def _flush(self, tx: Batch, done: list[Effects]) -> None:
+        """Store what the batch's handlers sent and published, in the batch's transaction."""
+        by_queue: dict[str, list[Envelope]] = defaultdict(list)
+        published: list[Envelope] = []
+        for effects in done:
+            for queue, envelope in effects.sends:
+                by_queue[queue].append(envelope)
+            published.extend(effects.publishes)
+        for queue, envelopes in by_queue.items():
+            await tx.insert(queue, self.queue, envelopes)
+        if published:
+            copies = await tx.publish(self.queue, published, [chain_of(e) for e in published])
+            if not copies:
+                log.info("published_without_subscribers", queue=self.queue, messages=len(published))

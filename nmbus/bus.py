@@ -44,7 +44,7 @@ from nmbus.sagas import S, Saga
 from nmbus.settings import Settings, build_settings
 from nmbus.store import Store, validate_queue_name
 from nmbus.subscriptions import Subscriptions
-from nmbus.supervise import supervise
+from nmbus.supervise import Services
 from nmbus.worker import Worker
 
 if TYPE_CHECKING:
@@ -182,7 +182,9 @@ class Bus:
         )
         self.sagas: dict[str, Saga[Any]] = {}
         self._schedules: dict[str, Schedule] = {}
-        self._background: list[asyncio.Task[None]] = []
+        self._background = Services(
+            log, settings.reconnect_max_delay, f"nmbus-{self.endpoint}", queue=self.endpoint
+        )
         self._remote_stores: list[Store] = []
         self.forwarder: Any = None  # nmbus.postgres.forwarder.Forwarder, when routes are set
         self._started = False
@@ -405,10 +407,7 @@ class Bus:
         try:
             await self.worker.stop()
         finally:
-            for task in self._background:
-                task.cancel()
-            await asyncio.gather(*self._background, return_exceptions=True)
-            self._background.clear()
+            await self._background.stop()
             await self._close_remote_stores()
             await self.store.close()
             await self._stop_metrics()
@@ -478,8 +477,7 @@ class Bus:
 
     def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
         """Run a side task of the bus, supervised: logged and restarted whenever it dies."""
-        side = supervise(run, name, log, self.settings.reconnect_max_delay, queue=self.endpoint)
-        self._background.append(asyncio.create_task(side, name=f"nmbus-{self.endpoint}-{name}"))
+        self._background.start(name, run)
 
     async def _retention(self, interval: float) -> None:
         """Clean this endpoint's queue every ``interval`` seconds (NMBUS_RETENTION_INTERVAL).

@@ -42,14 +42,14 @@ from typing import TYPE_CHECKING
 import structlog
 
 from nmbus.batch import BatchRunner
-from nmbus.dispatch import Dispatcher, cancelled_from_outside, per_message_logs
+from nmbus.dispatch import Dispatcher, per_message_logs
 from nmbus.errors import DatabaseUnavailable, StoreError
 from nmbus.logs import log_failure
 from nmbus.messages import StoredMessage
 from nmbus.recovery import Gate, isolate, process_gate
 from nmbus.settings import Settings
 from nmbus.store import Store, WorkerSession
-from nmbus.supervise import supervise
+from nmbus.supervise import Backoff, Services, supervise
 
 if TYPE_CHECKING:
     from nmbus.metrics import WorkerMetrics
@@ -83,7 +83,7 @@ class Worker:
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._side: list[asyncio.Task[None]] = []
+        self._side = Services(log, settings.reconnect_max_delay, f"nmbus-{queue}", queue=queue)
         self.batches = BatchRunner(
             queue=queue,
             store=store,
@@ -125,12 +125,8 @@ class Worker:
             task = asyncio.create_task(self._loop(index), name=f"nmbus-worker-{self.queue}-{index}")
             self._tasks.append(task)
         reconnect = self.settings.reconnect_max_delay
-        for name, run in (
-            ("listener", lambda: self.store.listen(self._on_wakeup, reconnect)),
-            ("leases", self._renew_leases),
-        ):
-            side = supervise(run, name, log, reconnect, queue=self.queue)
-            self._side.append(asyncio.create_task(side, name=f"nmbus-{self.queue}-{name}"))
+        self._side.start("listener", lambda: self.store.listen(self._on_wakeup, reconnect))
+        self._side.start("leases", self._renew_leases)
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -191,10 +187,7 @@ class Worker:
         try:
             await self._stop_loops()
         finally:
-            for task in self._side:
-                task.cancel()
-            await asyncio.gather(*self._side, return_exceptions=True)
-            self._side.clear()
+            await self._side.stop()
 
     async def _stop_loops(self) -> None:
         if not self._tasks:
@@ -228,41 +221,45 @@ class Worker:
     # -- the loop -----------------------------------------------------------------
 
     async def _loop(self, index: int) -> None:
+        """One loop: a session on its own connection, opened again after each failure."""
         # Every log line of this loop's task (handlers' included) names the queue.
         structlog.contextvars.bind_contextvars(queue=self.queue)
-        backoff = 0.1
-        while not self._stopping.is_set():
-            try:
-                async with self.store.worker_session() as session:
-                    if backoff > 0.1:
-                        log.info("worker_reconnected", queue=self.queue, loop=index)
-                    backoff = 0.1
-                    await self._serve(session)
-            except asyncio.CancelledError:
-                if cancelled_from_outside():
-                    raise
+        reconnect = self.settings.reconnect_max_delay
+        backoff = Backoff(reconnect)
+
+        async def connected() -> None:
+            if self._stopping.is_set():
+                return
+            async with self.store.worker_session() as session:
+                if backoff.failures:
+                    log.info("worker_reconnected", queue=self.queue, loop=index)
+                backoff.reset()
+                await self._serve(session)
+
+        def report(exc: BaseException, pause: float) -> None:
+            if isinstance(exc, asyncio.CancelledError):
                 log.error("worker_error", queue=self.queue, loop=index, error="CancelledError")
-            except DatabaseUnavailable as exc:
+            elif isinstance(exc, DatabaseUnavailable):
                 log.warning(
                     "worker_connection_lost",
                     queue=self.queue,
                     loop=index,
                     error=str(exc),
-                    retry_in=backoff,
+                    retry_in=round(pause, 3),
                 )
-            except Exception as exc:
+            else:
                 log_failure(log, "worker_error", exc, queue=self.queue, loop=index)
-            if self._stopping.is_set():
-                break
-            await self._pause(backoff)
-            backoff = min(self.settings.reconnect_max_delay, backoff * 2)
 
-    async def _pause(self, seconds: float) -> None:
-        try:
-            async with asyncio.timeout(seconds):
-                await self._stopping.wait()
-        except TimeoutError:
-            pass
+        await supervise(
+            connected,
+            f"loop-{index}",
+            log,
+            reconnect,
+            restart=True,
+            backoff=backoff,
+            report=report,
+            stop=self._stopping,
+        )
 
     async def _serve(self, session: WorkerSession) -> None:
         settings = self.settings

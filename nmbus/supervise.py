@@ -99,7 +99,7 @@ async def supervise(
     """
     loop = asyncio.get_running_loop()
     pauses = backoff if backoff is not None else Backoff(max_pause)
-    while True:
+    while stop is None or not stop.is_set():
         started = loop.time()
         failure: BaseException | None = None
         try:
@@ -111,8 +111,8 @@ async def supervise(
             failure = exc
         except Exception as exc:
             failure = exc
-        if failure is None and (not restart or (stop is not None and stop.is_set())):
-            return  # finished on its own (nothing to do), or told to stop: not a failure
+        if failure is None and not restart:
+            return  # finished on its own (nothing to do): not a failure
         if failure is not None and loop.time() - started > HEALTHY_SECONDS:
             pauses.reset()
         pause = pauses.next()
@@ -129,7 +129,7 @@ async def supervise(
                     **fields,
                 )
         if stop is not None and stop.is_set():
-            return
+            return  # told to stop meanwhile: no pause, no new start
         await _sleep(pause, stop)
 
 

@@ -228,8 +228,6 @@ class Worker:
         backoff = Backoff(reconnect)
 
         async def connected() -> None:
-            if self._stopping.is_set():
-                return
             async with self.store.worker_session() as session:
                 if backoff.failures:
                     log.info("worker_reconnected", queue=self.queue, loop=index)

@@ -37,12 +37,13 @@ from nmbus.errors import MAX_SECONDS, ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.logs import log_failure
 from nmbus.messages import Message
+from nmbus.names import validate_queue_name
 from nmbus.periodic import Schedule, Scheduler, Tick, TickHandler, router
 from nmbus.replies import Replies
 from nmbus.retry import RetryPolicy
 from nmbus.sagas import S, Saga
 from nmbus.settings import Settings, build_settings
-from nmbus.store import Store, validate_queue_name
+from nmbus.store import Store
 from nmbus.subscriptions import Subscriptions
 from nmbus.supervise import Services
 from nmbus.worker import Worker

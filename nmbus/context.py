@@ -33,7 +33,7 @@ from nmbus.envelopes import (
 )
 from nmbus.errors import ConfigurationError
 from nmbus.messages import Envelope, Message, StoredMessage
-from nmbus.store import validate_queue_name
+from nmbus.names import validate_queue_name
 
 if TYPE_CHECKING:
     import asyncpg

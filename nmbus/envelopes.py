@@ -18,17 +18,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from nmbus.errors import MAX_SECONDS, InvalidMessage, MessageTooLarge
-from nmbus.messages import (
-    Envelope,
-    Message,
-    check_key,
-    check_text,
-    encode,
-    lookup_type,
-    type_chain,
-    utf8_size,
-)
-from nmbus.store import validate_queue_name
+from nmbus.messages import Envelope, Message, encode, lookup_type, type_chain
+from nmbus.names import MAX_SEQUENCE_KEY as MAX_SEQUENCE_KEY
+from nmbus.names import check_key, check_text, utf8_size, validate_queue_name
 
 #: Header carrying a published message's type chain, most specific first,
 #: comma-separated; present when the message's class has Message ancestors.
@@ -234,8 +226,6 @@ def dead_letter_copy(
 
 #: Priorities a message may have: higher is claimed first, 0 by default.
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
-#: The longest sequence key, in UTF-8 bytes (it is a key of the sequence index).
-MAX_SEQUENCE_KEY = 200
 
 
 @dataclass(frozen=True, slots=True)

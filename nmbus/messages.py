@@ -22,6 +22,12 @@ from pydantic_core import PydanticSerializationError
 
 from nmbus.errors import ConfigurationError, InvalidMessage
 
+# Key and text rules live in nmbus.names; importable from here as before.
+from nmbus.names import MAX_KEY_BYTES as MAX_KEY_BYTES
+from nmbus.names import check_key as check_key
+from nmbus.names import check_text as check_text
+from nmbus.names import utf8_size as utf8_size
+
 _TYPE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
 
 # Every concrete type name known in this process, for decoding labels.
@@ -147,54 +153,6 @@ def _non_finite(text: str) -> tuple[str, str] | None:
 
 def _line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
-def check_text(what: str, text: str) -> None:
-    """Refuse ``text`` that PostgreSQL cannot store in a text or jsonb column.
-
-    The error message shows the bad character escaped: it must itself be storable,
-    since a handler's error ends up in ``error_info``.
-    """
-    if "\x00" in text:
-        raise InvalidMessage(
-            f"{what} contains a NUL character (U+0000): PostgreSQL cannot store it"
-        )
-    if not text.isascii():
-        try:
-            text.encode()
-        except UnicodeEncodeError as exc:
-            raise InvalidMessage(
-                f"{what} contains a lone surrogate ({text[exc.start]!r}), which is not valid "
-                "Unicode text: PostgreSQL cannot store it"
-            ) from None
-
-
-#: The longest key a message carries (unique_id, correlation_id) and the longest
-#: saga key, in UTF-8 bytes. Each is a key of a btree index, which holds at most
-#: about 2,700 bytes per entry, with room for what nmbus appends to one
-#: (``<publish id>/<subscriber>``). A limit in characters would not do: 1,000
-#: characters of 4 bytes each are 4,000 bytes.
-MAX_KEY_BYTES = 1000
-
-
-def utf8_size(text: str) -> int:
-    """The size of ``text`` in UTF-8 bytes (without encoding ASCII text)."""
-    return len(text) if text.isascii() else len(text.encode())
-
-
-def check_key(what: str, value: object, limit: int = MAX_KEY_BYTES) -> str:
-    """Refuse, with InvalidMessage, a key that is not a non-empty str PostgreSQL can
-    store in an index: NUL, lone surrogates, over ``limit`` UTF-8 bytes."""
-    if not isinstance(value, str) or not value:
-        got = type(value).__name__ if not isinstance(value, str) else "''"
-        raise InvalidMessage(f"{what} must be a non-empty string, got {got}")
-    check_text(what, value)
-    if len(value) * 4 > limit and (size := utf8_size(value)) > limit:
-        raise InvalidMessage(
-            f"{what} is {size} bytes as UTF-8, over the limit of {limit}; use a short key "
-            "(an id, a hash)"
-        )
-    return value
 
 
 @dataclass(slots=True)

@@ -41,7 +41,8 @@ from nmbus.errors import (
     SagaNotFound,
 )
 from nmbus.handlers import Registry
-from nmbus.messages import MAX_KEY_BYTES, Message, StoredMessage, check_text, utf8_size
+from nmbus.messages import Message, StoredMessage
+from nmbus.names import MAX_KEY_BYTES, check_text, utf8_size
 from nmbus.retry import RetryPolicy
 from nmbus.store import Batch, SagaTable, Store
 

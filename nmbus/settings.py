@@ -20,8 +20,9 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from nmbus.errors import MAX_SECONDS, InvalidSetting
+from nmbus.errors import MAX_SECONDS, InvalidQueueName, InvalidSetting
 from nmbus.logs import scrub
+from nmbus.names import validate_queue_name
 
 # Every duration below ends up in a PostgreSQL interval or an asyncio timer:
 # inf, NaN or centuries fail there at run time, so they are refused here.
@@ -243,9 +244,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_routes(self) -> Settings:
-        from nmbus.errors import InvalidQueueName
-        from nmbus.store import validate_queue_name
-
         for queue, target in self.routes.items():
             try:
                 validate_queue_name(queue)

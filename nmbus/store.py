@@ -11,51 +11,24 @@ stays in I or R with ``handling_client_id`` and ``lease_expires`` set.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from nmbus.errors import InvalidQueueName
 from nmbus.messages import Envelope, StoredMessage
-from nmbus.settings import Settings
+
+# The name rules live in nmbus.names; importable from here as before.
+from nmbus.names import MAX_QUEUE_NAME as MAX_QUEUE_NAME
+from nmbus.names import RESERVED_NAMES as RESERVED_NAMES
+from nmbus.names import validate_queue_name as validate_queue_name
+from nmbus.names import validate_schema_name as validate_schema_name
+
+if TYPE_CHECKING:
+    from nmbus.settings import Settings
 
 SCHEMA_VERSION = 9
-
-# Checked with fullmatch: `$` would also match before a final "\n".
-_QUEUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-_SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-MAX_QUEUE_NAME = 48
-RESERVED_NAMES = frozenset({"schema_version", "queues", "subscriptions", "outbox"})
-
-
-def validate_queue_name(name: object) -> str:
-    """Return ``name`` if it can be a queue table name, else raise InvalidQueueName.
-
-    Names are at most 48 characters (PostgreSQL truncates identifiers at 63
-    bytes, and index names add a suffix), start with a letter or ``_`` and use
-    letters, digits, ``_``, ``.`` and ``-``. They are still always quoted.
-    """
-    if not isinstance(name, str):
-        raise InvalidQueueName(f"queue name must be a string, got {type(name).__name__}")
-    if not name or len(name) > MAX_QUEUE_NAME or not _QUEUE_NAME.fullmatch(name):
-        raise InvalidQueueName(
-            f"invalid queue name {name!r}: use 1-{MAX_QUEUE_NAME} characters, letters, "
-            "digits, '_', '.' or '-', starting with a letter or '_'"
-        )
-    if name in RESERVED_NAMES:
-        raise InvalidQueueName(f"queue name {name!r} is reserved for nmbus's own tables")
-    return name
-
-
-def validate_schema_name(name: str) -> str:
-    if not name or len(name) > 40 or not _SCHEMA_NAME.fullmatch(name):
-        raise InvalidQueueName(
-            f"invalid schema name {name!r}: 1-40 characters, letters, digits and '_'"
-        )
-    return name
 
 
 class Outcomes:

@@ -39,7 +39,7 @@ import structlog
 
 from nmbus.errors import ConfigurationError, DatabaseUnavailable, StoreError
 from nmbus.messages import Message, type_name
-from nmbus.store import validate_queue_name
+from nmbus.names import validate_queue_name
 
 if TYPE_CHECKING:
     from nmbus.settings import Settings

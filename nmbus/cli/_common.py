@@ -24,8 +24,8 @@ from nmbus.admin import Admin
 from nmbus.cli._table import Column, Grid, age_text
 from nmbus.errors import NmbusError
 from nmbus.logs import scrub
+from nmbus.names import validate_queue_name
 from nmbus.settings import Settings
-from nmbus.store import validate_queue_name
 
 T = TypeVar("T")
 

@@ -21,11 +21,11 @@ import structlog
 
 from nmbus.errors import StoreError
 from nmbus.messages import Envelope
+from nmbus.names import validate_queue_name
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.rows import envelope_arrays
 from nmbus.postgres.sql import render
-from nmbus.store import validate_queue_name
 
 log = structlog.get_logger("nmbus.postgres")
 

@@ -38,10 +38,10 @@ from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.errors import ConfigurationError, NmbusError, PermanentError, RetryLater
 from nmbus.messages import Message
+from nmbus.names import validate_schema_name
 from nmbus.postgres import sql as core_sql
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
-from nmbus.store import validate_schema_name
 from nmbus.tools.sql import render
 
 log = structlog.get_logger("nmbus.tools.demo")

@@ -455,7 +455,7 @@ class Bus:
                 store = PostgresStore(dsn, self.settings.schema_name, 1)
                 self._remote_stores.append(store)
                 by_dsn[dsn] = store
-            self.subscriptions.remote[publisher] = by_dsn[dsn]
+            self.subscriptions.route(publisher, by_dsn[dsn])
 
     async def _refuse_routes_to_itself(self) -> None:
         """Refuse a route whose DSN reaches this endpoint's own database, however spelt.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
 import typing
 import uuid
 from collections.abc import Awaitable, Callable
@@ -84,22 +85,24 @@ def key_text(value: object) -> str:
 def _first_annotation(func: SagaFunc, param: inspect.Parameter) -> Any:
     """The message class of a saga handler: its first parameter's annotation, resolved.
 
-    Only that one is resolved: the state's class may well be local to a function.
+    Only that one is resolved, in the handler's module, as ``typing.get_type_hints``
+    resolves any annotation: the state's class may well be local to a function,
+    where resolving every annotation of the handler would fail.
     """
-    try:
-        return typing.get_type_hints(func).get(param.name)
-    except Exception:
-        pass
     annotation = param.annotation
-    if isinstance(annotation, str):
-        try:
-            return eval(annotation, getattr(func, "__globals__", {}))
-        except Exception as exc:
-            raise HandlerError(
-                f"cannot resolve the annotation {annotation!r} of saga handler "
-                f"{func.__qualname__}: {exc}; pass @saga.handler(SomeMessage)"
-            ) from exc
-    return None if annotation is inspect.Parameter.empty else annotation
+    if annotation is inspect.Parameter.empty:
+        return None
+    if not isinstance(annotation, str):
+        return annotation
+    only = types.SimpleNamespace(__annotations__={param.name: annotation})
+    module = getattr(inspect.unwrap(func), "__globals__", {})
+    try:
+        return typing.get_type_hints(only, globalns=module)[param.name]
+    except Exception as exc:
+        raise HandlerError(
+            f"cannot resolve the annotation {annotation!r} of saga handler "
+            f"{func.__qualname__}: {exc}; pass @saga.handler(SomeMessage)"
+        ) from exc
 
 
 class SagaLocks:

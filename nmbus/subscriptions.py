@@ -81,6 +81,14 @@ class Subscriptions:
         # Remote publishers whose rows are not written yet: their database was down.
         self._pending: set[str] = set()
 
+    def route(self, publisher: str, store: Store) -> None:
+        """Keep the rows for ``publisher`` in ``store``: it lives in another database.
+
+        Its publish reads the subscriptions table of its own database, so this
+        endpoint writes, renews and removes its rows there (docs/routes.md).
+        """
+        self.remote[publisher] = store
+
     def publishers(self) -> set[str]:
         """Every publisher a declared (or to be removed) subscription names."""
         return {p for p, _ in self._declared} | {p for p, _ in self._removed}

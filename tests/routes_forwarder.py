@@ -19,9 +19,12 @@ from nmbus.postgres.forwarder import Forwarder
 
 
 class DiesAfterCommit(Forwarder):
-    async def _after_remote_commit(self, queue: str, rows: Sequence[Any]) -> None:
+    async def _deliver(self, remote: Any, queue: str, rows: Sequence[Any]) -> int:
+        # Returns once the remote committed: the outbox rows are not deleted yet.
+        inserted = await super()._deliver(remote, queue, rows)
         print(f"committed {len(rows)}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+        return inserted
 
 
 async def main(argv: list[str]) -> None:

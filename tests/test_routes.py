@@ -234,7 +234,9 @@ async def test_a_resent_unique_id_is_stored_once_remotely(
 class DiesAfterRemoteCommit(Forwarder):
     """Fails in the window between the remote commit and the local delete."""
 
-    async def _after_remote_commit(self, queue: str, rows: Sequence[Any]) -> None:
+    async def _deliver(self, remote: Any, queue: str, rows: Sequence[Any]) -> int:
+        # Returns once the remote committed, before the outbox rows are deleted.
+        await super()._deliver(remote, queue, rows)
         raise RuntimeError("died after the remote commit")
 
 

@@ -233,7 +233,6 @@ class Forwarder:
                     connected = remote.conn is not None and not remote.conn.is_closed()
                     if connected:
                         inserted = await self._deliver(remote, queue, rows)
-                        await self._after_remote_commit(queue, rows)
                         await local.execute(
                             render("outbox_done", self.schema), [r[0] for r in rows]
                         )
@@ -248,9 +247,6 @@ class Forwarder:
             moved += len(rows)
             if len(rows) < self.batch_size:
                 return moved
-
-    async def _after_remote_commit(self, queue: str, rows: Sequence[Any]) -> None:
-        """Nothing: the window where a crash leaves forwarded rows in the outbox (tests use it)."""
 
     async def _deliver(self, remote: _Remote, queue: str, rows: Sequence[Any]) -> int:
         """Insert ``rows`` into ``queue`` on ``remote`` and commit; returns rows stored."""

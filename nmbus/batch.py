@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING
 import structlog
 
 from nmbus.context import Effects
-from nmbus.dispatch import Dispatcher, Replay, because, debug_enabled, describe
-from nmbus.envelopes import IN_REPLY_TO_HEADER, chain_of, dead_letter_copy, decode_type
+from nmbus.dispatch import Dispatcher, Replay, Savepoints, SerialBatch, Unguarded, because, describe
+from nmbus.envelopes import IN_REPLY_TO_HEADER, chain_of, dead_letter_copy
 from nmbus.errors import DatabaseUnavailable, LeaseLost, OutcomeNotRecorded, StoreError
+from nmbus.logs import debug_enabled
 from nmbus.messages import Envelope, StoredMessage
+from nmbus.received import Received
 from nmbus.recovery import is_conflict
 from nmbus.settings import Settings
 from nmbus.store import Batch, Outcomes, Store, WorkerSession
@@ -137,7 +139,8 @@ class BatchRunner:
         # A StoreError's text already names the driver error: "doing: Type: message".
         text = str(exc) if isinstance(exc, StoreError) else describe(exc)
         failure = because(OutcomeNotRecorded(text), exc)
-        self.dispatcher.failed(row, failure, self.dispatcher.policy(row), outcomes)
+        policy = self.dispatcher.policy(Received(row))
+        self.dispatcher.failures.failed(row, failure, policy, outcomes)
         try:
             async with session.batch() as tx:
                 if self.dead_letter is not None:
@@ -167,13 +170,15 @@ class BatchRunner:
         # rolled back and the batch runs again with savepoints, that failure
         # standing: nothing of the first run was visible, and no handler that
         # could have effects elsewhere ran in it.
-        unguarded = self.settings.handler_concurrency == 1 and self.replayable(batch)
+        # Each message is decoded once (type, headers) for all that follows.
+        received = [Received(m) for m in batch]
+        unguarded = self.settings.handler_concurrency == 1 and self.replayable(received)
         failed: dict[int, BaseException] = {}
         conflicts = 0
         while True:
             try:
                 return await self._run_batch_once(
-                    session, batch, claim_ahead, started, committed, unguarded, failed
+                    session, received, claim_ahead, started, committed, unguarded, failed
                 )
             except Replay as replay:
                 self.replays += 1
@@ -181,7 +186,7 @@ class BatchRunner:
                 if replay.error is not None:
                     failed[replay.row.id] = replay.error
                 # Only the part not committed yet was rolled back.
-                batch = [m for m in batch if m.id not in committed]
+                received = [r for r in received if r.row.id not in committed]
             except StoreError as exc:
                 # A deadlock or serialization failure outside the handlers: the batch
                 # was rolled back; run it again under the same claim (no attempt spent).
@@ -190,28 +195,27 @@ class BatchRunner:
                 conflicts += 1
                 await asyncio.sleep(random.uniform(0.01, 0.05) * conflicts)
                 # Only the part not committed yet was rolled back.
-                batch = [m for m in batch if m.id not in committed]
+                received = [r for r in received if r.row.id not in committed]
 
-    def replayable(self, batch: list[StoredMessage]) -> bool:
+    def replayable(self, received: list[Received]) -> bool:
         registry = self.dispatcher.registry
-        if not registry.all_replayable and not all(
-            registry.replayable(decode_type(m.label, m.msg_headers)) for m in batch
-        ):
+        if not registry.all_replayable and not all(registry.replayable(r.cls) for r in received):
             return False
         # A reply is handed to the request waiting for it as it is handled, which
         # a rolled-back run cannot take back: a batch with one keeps its savepoints.
-        return not any(m.msg_headers and IN_REPLY_TO_HEADER in m.msg_headers for m in batch)
+        return not any(r.mentions(IN_REPLY_TO_HEADER) for r in received)
 
     async def _run_batch_once(
         self,
         session: WorkerSession,
-        batch: list[StoredMessage],
+        received: list[Received],
         claim_ahead: bool,
         started: set[int],
         committed: set[int],
         unguarded: bool,
         failed: dict[int, BaseException],
     ) -> list[StoredMessage]:
+        batch = [r.row for r in received]
         outcomes = Outcomes()
         done: list[Effects] = []
         debug = debug_enabled()
@@ -220,36 +224,37 @@ class BatchRunner:
         interval = self.settings.batch_commit_interval
         async with session.batch() as tx:
             for hook in self.dispatcher.registry.batch_hooks:
-                await hook(tx, batch)
+                await hook(tx, received)
             if self.settings.handler_concurrency > 1 and len(batch) > 1:
                 await self._handle_concurrently(
-                    tx, batch, outcomes, done, debug, started, committed
+                    tx, received, outcomes, done, debug, started, committed
                 )
             else:
+                mode = Unguarded(tx) if unguarded else Savepoints(tx)
                 # One clock read per message; a commit only once a part took long.
                 due = time.monotonic() + interval
-                last = batch[-1]
-                for message in batch:
+                last = received[-1]
+                for item in received:
+                    message = item.row
                     if failed and message.id in failed:
                         # Failed after writing in a run that was rolled back: not run
                         # again, and its attempt counts even when the worker is stopping.
                         started.add(message.id)
-                        policy = self.dispatcher.policy(message)
+                        policy = self.dispatcher.policy(item)
                         with structlog.contextvars.bound_contextvars(
                             message_id=message.id, message_type=message.label
                         ):
-                            self.dispatcher.failed(message, failed[message.id], policy, outcomes)
+                            error = failed[message.id]
+                            self.dispatcher.failures.failed(message, error, policy, outcomes)
                         continue
                     if self._stopping.is_set():
                         # Never started: back to I at once; the attempt does not count.
                         outcomes.add(message.id, None, correction=-1)
                         continue
                     started.add(message.id)
-                    await self.dispatcher.handle(
-                        tx, message, outcomes, done, debug, None, unguarded
-                    )
-                    if time.monotonic() >= due and message is not last:
-                        await self._commit_part(tx, batch, outcomes, done, committed)
+                    await self.dispatcher.handle(mode, item, outcomes, done, debug)
+                    if time.monotonic() >= due and item is not last:
+                        await self._commit_part(tx, received, outcomes, done, committed)
                         due = time.monotonic() + interval
             if done:
                 await self._flush(tx, done)
@@ -295,7 +300,7 @@ class BatchRunner:
     async def _commit_part(
         self,
         tx: Batch,
-        batch: list[StoredMessage],
+        received: list[Received],
         outcomes: Outcomes,
         done: list[Effects],
         committed: set[int],
@@ -306,6 +311,7 @@ class BatchRunner:
         rows finished, and the transaction committed; the rest of the batch goes
         on in a new one, its rows still leased to this worker.
         """
+        batch = [r.row for r in received]
         part = outcomes.take()
         effects = done[:]
         done.clear()
@@ -334,14 +340,14 @@ class BatchRunner:
         if hooks:
             # The commit let go of what the hooks took (the saga locks): the rest of
             # the batch takes its own again, all at once, holding nothing meanwhile.
-            rest = [m for m in batch if m.id not in committed]
+            rest = [r for r in received if r.row.id not in committed]
             for hook in hooks:
                 await hook(tx, rest)
 
     async def _handle_concurrently(
         self,
         tx: Batch,
-        batch: list[StoredMessage],
+        received: list[Received],
         outcomes: Outcomes,
         done: list[Effects],
         debug: bool,
@@ -361,11 +367,12 @@ class BatchRunner:
         slots = asyncio.Semaphore(self.settings.handler_concurrency)
         lock = asyncio.Lock()
         interval = self.settings.batch_commit_interval
-        running = len(batch)
+        running = len(received)
         finished = asyncio.Event()
 
-        async def one(message: StoredMessage) -> None:
+        async def one(item: Received) -> None:
             nonlocal running
+            message = item.row
             try:
                 async with slots:
                     if committer.done():
@@ -374,7 +381,11 @@ class BatchRunner:
                         outcomes.add(message.id, None, correction=-1)
                         return
                     started.add(message.id)
-                    await self.dispatcher.handle(tx, message, outcomes, done, debug, lock)
+                    serial = SerialBatch(tx, lock)
+                    try:
+                        await self.dispatcher.handle(serial, item, outcomes, done, debug)
+                    finally:
+                        serial.let_go()
             finally:
                 running -= 1
                 if not running:
@@ -390,15 +401,15 @@ class BatchRunner:
                 if finished.is_set() or not len(outcomes):
                     continue
                 async with lock:
-                    await self._commit_part(tx, batch, outcomes, done, committed)
+                    await self._commit_part(tx, received, outcomes, done, committed)
 
         committer = asyncio.create_task(commit_now_and_then())
         try:
             # A TaskGroup: if one fails outside its handler (a database error while
             # rolling back), the others are cancelled and the batch fails as a whole.
             async with asyncio.TaskGroup() as group:
-                for message in batch:
-                    group.create_task(one(message))
+                for item in received:
+                    group.create_task(one(item))
         except BaseException:
             # A commit under way is let finish, so what it committed is known.
             finished.set()

@@ -46,11 +46,12 @@ from nmbus.settings import Settings, build_settings
 from nmbus.store import Store
 from nmbus.subscriptions import Subscriptions
 from nmbus.supervise import Services
+from nmbus.tracer import load as load_tracing
+from nmbus.tracer import tracer_of
 from nmbus.worker import Worker
 
 if TYPE_CHECKING:
     from nmbus.metrics import WorkerMetrics
-    from nmbus.tracing import Tracing
 
 log = structlog.get_logger("nmbus.bus")
 
@@ -162,7 +163,7 @@ class Bus:
         self.replies = Replies(self.client_id)
         # Both optional, both None unless wanted: docs/metrics.md, docs/tracing.md.
         self.metrics = _metrics(self.endpoint, settings)
-        self.tracing = _tracing(tracer_provider)
+        self.tracing = load_tracing(tracer_provider)
         self.worker = Worker(
             queue=self.endpoint,
             store=store,
@@ -576,13 +577,7 @@ class Bus:
             validate_queue_name(reply_to)
             headers = {**(headers or {}), REPLY_TO_HEADER: reply_to}
         controls = delivery(priority, sequence, ttl, expires_at)
-        if self.tracing is None or not self.tracing.on():
-            envelope = self.envelopes.for_send(
-                message, to, correlation_id, headers, unique_id, deliver_at, delay, controls
-            )
-            await self.store.insert(to, self.endpoint, [envelope], connection)
-            return envelope.unique_id
-        with self.tracing.producing("send", to) as producer:
+        with tracer_of(self.tracing).producing("send", to) as producer:
             envelope = self.envelopes.for_send(
                 message,
                 to,
@@ -681,15 +676,11 @@ class Bus:
         when = deliver_time(deliver_at, delay)
         controls = delivery(priority, sequence, ttl, expires_at)
         build = self.envelopes.for_publish
-        if self.tracing is None or not self.tracing.on():
-            envelope, chain = build(message, correlation_id, headers, unique_id, when, controls)
+        with tracer_of(self.tracing).producing("publish", type_name(message)) as producer:
+            traced = producer.headers(headers)
+            envelope, chain = build(message, correlation_id, traced, unique_id, when, controls)
+            producer.sent(envelope)
             copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
-        else:
-            with self.tracing.producing("publish", type_name(message)) as producer:
-                traced = producer.headers(headers)
-                envelope, chain = build(message, correlation_id, traced, unique_id, when, controls)
-                producer.sent(envelope)
-                copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
         self._log_published(1, copies)
         return sorted(copies)
 
@@ -710,15 +701,12 @@ class Bus:
             return {}
         headers = user_headers(headers)
         check_connection(connection)
-        if self.tracing is None or not self.tracing.on():
-            copies = await self._publish_many(messages, headers, correlation_id, connection)
-        else:
-            # One span for the batch: every message carries its context.
-            name = type_name(messages[0]) if len(messages) == 1 else "messages"
-            with self.tracing.producing("publish", name, len(messages)) as producer:
-                copies = await self._publish_many(
-                    messages, producer.headers(headers), correlation_id, connection
-                )
+        # One span for the batch: every message carries its context.
+        name = type_name(messages[0]) if len(messages) == 1 else "messages"
+        with tracer_of(self.tracing).producing("publish", name, len(messages)) as producer:
+            copies = await self._publish_many(
+                messages, producer.headers(headers), correlation_id, connection
+            )
         self._log_published(len(messages), copies)
         return copies
 
@@ -759,19 +747,3 @@ def _metrics(endpoint: str, settings: Settings) -> WorkerMetrics | None:
     from nmbus.metrics import WorkerMetrics
 
     return WorkerMetrics(endpoint, settings.metrics_host, settings.metrics_port)
-
-
-def _tracing(provider: Any) -> Tracing | None:
-    """Spans when opentelemetry-api is installed: imported once here, else None for good."""
-    try:
-        from nmbus.tracing import Tracing
-    except ImportError as exc:
-        if not (exc.name or "").startswith("opentelemetry"):
-            raise
-        if provider is not None:
-            raise ConfigurationError(
-                "tracer_provider is given but opentelemetry-api is not installed: "
-                "pip install 'nmbus[otel]'"
-            ) from exc
-        return None
-    return Tracing(provider)

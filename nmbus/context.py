@@ -9,7 +9,6 @@ savepoint. The Context knows nothing of the Bus: envelopes come from the same
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,14 +31,15 @@ from nmbus.envelopes import (
     user_headers,
 )
 from nmbus.errors import ConfigurationError
-from nmbus.messages import Envelope, Message, StoredMessage
+from nmbus.messages import Envelope, Message
 from nmbus.names import validate_queue_name
+from nmbus.tracer import NULL_TRACER, Tracer
 
 if TYPE_CHECKING:
     import asyncpg
 
+    from nmbus.received import Received
     from nmbus.store import HandlerTransaction
-    from nmbus.tracing import Tracing
 
 
 @dataclass(slots=True)
@@ -168,31 +168,31 @@ class Context:
         "_batch",
         "_builder",
         "_connection",
-        "_headers",
+        "_effects",
+        "_received",
         "_row",
         "_saga",
-        "_tracing",
+        "_tracer",
         "_travel",
-        "effects",
         "queue",
     )
 
     def __init__(
         self,
         queue: str,
-        row: StoredMessage,
+        received: Received,
         batch: HandlerTransaction,
         builder: EnvelopeBuilder,
-        tracing: Tracing | None = None,
+        tracer: Tracer = NULL_TRACER,
     ) -> None:
         self.queue = queue
-        self._tracing = tracing
-        self._row = row
+        self._tracer = tracer
+        self._received = received
+        self._row = received.row
         self._batch = batch
         self._builder = builder
-        self.effects = Effects()
+        self._effects: Effects | None = None
         self._connection: HandlerConnection | None = None
-        self._headers: dict[str, str] | None = None
         self._saga: SagaControl | None = None
         self._travel: dict[str, str] | None = None
 
@@ -228,12 +228,25 @@ class Context:
 
     @property
     def headers(self) -> Mapping[str, str]:
-        if self._headers is None:
-            raw = self._row.msg_headers
-            parsed = json.loads(raw) if raw else {}
-            # Written by hand, msg_headers may hold any JSON: only an object is headers.
-            self._headers = parsed if isinstance(parsed, dict) else {}
-        return self._headers
+        # Parsed once per message (Received), whoever reads them first. Written by
+        # hand, msg_headers may hold any JSON: only an object is headers.
+        return self._received.headers
+
+    @property
+    def effects(self) -> Effects:
+        """What this handler did besides returning: made when it first does something."""
+        effects = self._effects
+        if effects is None:
+            effects = self._effects = Effects()
+        return effects
+
+    @property
+    def effects_made(self) -> Effects | None:
+        """The handler's :class:`Effects`, or None while it has done nothing that made one.
+
+        Most handlers send nothing and write nothing: they cost no Effects at all.
+        """
+        return self._effects
 
     @property
     def saga(self) -> SagaControl:
@@ -333,32 +346,20 @@ class Context:
         """``send`` with nmbus's own headers allowed (a reply's, a saga timeout's)."""
         controls = delivery(priority, sequence, ttl, expires_at)
         correlation = correlation_id or self.correlation_id or self.unique_id
-        if self._tracing is None:
+        # Recorded now, stored when the batch commits. The current span (this
+        # handler's) wins over the traceparent the handled message carried in.
+        with self._tracer.producing("send", to) as producer:
             envelope = self._builder.for_send(
                 message,
                 to,
                 correlation,
-                self._outgoing(headers, reply_to),
+                self._outgoing(producer.headers(headers), reply_to),
                 unique_id,
                 deliver_at,
                 delay,
                 controls,
             )
-        else:
-            # Recorded now, stored when the batch commits. The current span (this
-            # handler's) wins over the traceparent the handled message carried in.
-            with self._tracing.producing("send", to) as producer:
-                envelope = self._builder.for_send(
-                    message,
-                    to,
-                    correlation,
-                    self._outgoing(producer.headers(headers), reply_to),
-                    unique_id,
-                    deliver_at,
-                    delay,
-                    controls,
-                )
-                producer.sent(envelope)
+            producer.sent(envelope)
         self.effects.sends.append((to, envelope))
         return envelope.unique_id
 
@@ -391,12 +392,9 @@ class Context:
             deliver_time(deliver_at, delay),
             delivery(priority, sequence, ttl, expires_at),
         )
-        if self._tracing is None:
-            envelope = self._publish(message, headers, *args)
-        else:
-            with self._tracing.producing("publish", type_name(message)) as producer:
-                envelope = self._publish(message, producer.headers(headers), *args)
-                producer.sent(envelope)
+        with self._tracer.producing("publish", type_name(message)) as producer:
+            envelope = self._publish(message, producer.headers(headers), *args)
+            producer.sent(envelope)
         self.effects.publishes.append(envelope)
         return envelope.unique_id
 

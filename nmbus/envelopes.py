@@ -126,6 +126,11 @@ def decode_type(label: str | None, msg_headers: str | None) -> type[Message] | N
         chain = json.loads(msg_headers).get(TYPE_CHAIN_HEADER)
     except (ValueError, AttributeError):
         return None
+    return nearest_known(chain)
+
+
+def nearest_known(chain: object) -> type[Message] | None:
+    """The first class known here of a TYPE_CHAIN_HEADER value (None for anything else)."""
     if not isinstance(chain, str):
         return None
     for name in chain.split(","):

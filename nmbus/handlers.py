@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from nmbus.context import Context
 from nmbus.errors import MAX_SECONDS, HandlerError
-from nmbus.messages import Message, StoredMessage
+from nmbus.messages import Message
 from nmbus.retry import RetryPolicy
 
 if TYPE_CHECKING:
+    from nmbus.received import Received
     from nmbus.store import Batch
 
 HandlerFunc = Callable[[Any, Context], Awaitable[None]]
@@ -54,9 +55,10 @@ class Registry:
         self._outside = 0
         # Changes with every registration: caches built on the registry check it.
         self.version = 0
-        # Run in each batch's transaction before its handlers: ``await hook(tx, rows)``
-        # (the saga locks of the batch, taken in one order: nmbus/sagas.py).
-        self.batch_hooks: list[Callable[[Batch, list[StoredMessage]], Awaitable[None]]] = []
+        # Run in each batch's transaction before its handlers: ``await hook(tx, received)``
+        # with the batch's decoded messages (the saga locks of the batch, taken in
+        # one order: nmbus/sagas.py).
+        self.batch_hooks: list[Callable[[Batch, list[Received]], Awaitable[None]]] = []
 
     def add(
         self,

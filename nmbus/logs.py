@@ -5,13 +5,21 @@ structlog's default one (rich) prints every frame's local variables: asyncpg's
 frames hold the DSN and its password. :func:`log_failure` logs the event with
 the error on one line and a plain traceback (``traceback.format_exception``,
 no locals), both with passwords scrubbed.
+
+A line per message is written only when the application configured structlog
+(:func:`per_message_logs`): a library is quiet by default.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import traceback
 from typing import Any
+
+import structlog
+
+_worker_log = structlog.get_logger("nmbus.worker")
 
 # scheme://user:password@host (also scheme:/ and scheme:): the password runs to
 # the last '@' of the line, so one holding '@', '/', ',', '%' or a space is
@@ -54,3 +62,21 @@ def log_failure(
     headline = f"{name}: {text}".splitlines()[0] if text else name
     trace = "".join(traceback.format_exception(exc))
     getattr(logger, level)(event, error=scrub(headline), traceback=scrub(trace), **fields)
+
+
+def per_message_logs() -> bool:
+    """Whether to log a line per message: only when the application configured structlog.
+
+    A library must be quiet by default; unconfigured, structlog would print
+    every line, one per message handled.
+    """
+    return structlog.is_configured()
+
+
+def debug_enabled() -> bool:
+    """Whether the worker's per-message debug lines would be written (asked once per batch)."""
+    if not per_message_logs():
+        return False
+    bound = _worker_log.bind()
+    check = getattr(bound, "is_enabled_for", None)
+    return bool(check(logging.DEBUG)) if check is not None else True

@@ -21,7 +21,6 @@ that concurrent batches of several loops and processes never deadlock on them.
 from __future__ import annotations
 
 import inspect
-import json
 import types
 import typing
 import uuid
@@ -32,8 +31,7 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from nmbus.context import Context, SagaControl
-from nmbus.dispatch import per_message_logs
-from nmbus.envelopes import SAGA_HEADER, SAGA_INSTANCE_HEADER, SAGA_KEY_HEADER, decode_type
+from nmbus.envelopes import SAGA_HEADER, SAGA_INSTANCE_HEADER, SAGA_KEY_HEADER
 from nmbus.errors import (
     ConfigurationError,
     HandlerError,
@@ -42,8 +40,10 @@ from nmbus.errors import (
     SagaNotFound,
 )
 from nmbus.handlers import Registry
-from nmbus.messages import Message, StoredMessage
+from nmbus.logs import per_message_logs
+from nmbus.messages import Message
 from nmbus.names import MAX_KEY_BYTES, check_text, utf8_size
+from nmbus.received import Received
 from nmbus.retry import RetryPolicy
 from nmbus.store import Batch, SagaTable, Store
 
@@ -140,31 +140,31 @@ class SagaLocks:
         self._handlers[func] = (saga, field)
         self._sagas[saga.name] = saga
 
-    async def __call__(self, tx: Batch, batch: list[StoredMessage]) -> None:
+    async def __call__(self, tx: Batch, batch: list[Received]) -> None:
         wanted: set[tuple[str, str]] = set()
         table: SagaTable | None = None
-        for row in batch:
-            for saga, key in self._sagas_of(row):
+        for received in batch:
+            for saga, key in self._sagas_of(received):
                 wanted.add((saga.name, key))
                 table = saga.table
         if table is not None:
             await tx.begin()
             await table.lock_keys(tx.connection, wanted)
 
-    def _sagas_of(self, row: StoredMessage) -> list[tuple[Saga[Any], str]]:
-        headers = row.msg_headers
+    def _sagas_of(self, received: Received) -> list[tuple[Saga[Any], str]]:
+        row = received.row
         # A timeout names its saga and key in headers; the message's other sagas
         # (if its type has handlers in several) find theirs as any message does.
         timeout: tuple[Saga[Any], str] | None = None
-        if headers and SAGA_HEADER in headers:
+        if received.mentions(SAGA_HEADER):
             try:
-                parsed = json.loads(headers)
-                saga = self._sagas.get(parsed.get(SAGA_HEADER))
+                headers = received.headers
+                saga = self._sagas.get(headers.get(SAGA_HEADER, ""))
                 if saga is not None:
-                    timeout = (saga, key_text(parsed.get(SAGA_KEY_HEADER)))
-            except (ValueError, AttributeError, TypeError, PermanentError):
+                    timeout = (saga, key_text(headers.get(SAGA_KEY_HEADER)))
+            except (ValueError, TypeError, PermanentError):
                 pass
-        cls = decode_type(row.label, headers)
+        cls = received.cls
         if cls is None:
             return []
         found: list[tuple[Saga[Any], str]] = []

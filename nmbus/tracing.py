@@ -1,8 +1,10 @@
 """OpenTelemetry spans and trace context in headers (extra ``nmbus[otel]``).
 
 This module imports ``opentelemetry`` at once: the Bus imports it only through
-:func:`load`, once, and holds None when the API is not installed, so a bus
-without it pays one ``is None`` check per send and per message handled.
+:func:`nmbus.tracer.load`, once, and holds None when the API is not installed.
+Sending and handling go through :func:`nmbus.tracer.tracer_of`, which hands
+out this module's :class:`Tracing` while it records spans and the null tracer
+(same interface, does nothing) otherwise: one code path, traced or not.
 
 What it does (docs/tracing.md):
 
@@ -15,8 +17,8 @@ What it does (docs/tracing.md):
   message carries onto what its handler sends (DESIGN, section 8);
 - a handler's failure is recorded on its span (exception event, status ERROR).
 
-Callers check :meth:`Tracing.on` first: with the API but no SDK provider, no
-span is made at all.
+With the API but no SDK provider, :meth:`Tracing.on` is False and no span is
+made at all: the null tracer is used.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from nmbus.errors import RetryLater
 
 if TYPE_CHECKING:
-    from nmbus.messages import Envelope, StoredMessage
+    from nmbus.messages import Envelope
+    from nmbus.received import Received
 
 #: ``messaging.system`` of every span: the bus is the messaging system here;
 #: PostgreSQL is its storage (a ``db.system`` in database spans, if any).
@@ -148,7 +151,7 @@ class Tracing:
 
     @property
     def tracer(self) -> trace.Tracer:
-        assert self._tracer is not None, "callers check on() first"
+        assert self._tracer is not None, "nmbus.tracer.tracer_of checks on() first"
         return self._tracer
 
     @contextmanager
@@ -174,14 +177,22 @@ class Tracing:
         with trace.use_span(span, end_on_exit=True):
             yield Producer(span)
 
-    def consuming(self, queue: str, row: StoredMessage, headers: Mapping[str, Any]) -> Consumer:
-        """Start the CONSUMER span of ``row``, child of the context its headers carry."""
-        carrier = {
-            name: value
-            for name in (TRACEPARENT, TRACESTATE)
-            if isinstance(value := headers.get(name), str)
-        }
-        parent = _PROPAGATOR.extract(carrier) if carrier else None
+    def consuming(self, queue: str, received: Received) -> Consumer:
+        """Start the CONSUMER span of a row, child of the context its headers carry."""
+        row = received.row
+        parent = None
+        # Headers that name no trace context are not parsed for one.
+        if received.mentions(TRACEPARENT):
+            try:
+                headers = received.headers
+            except ValueError:
+                headers = {}
+            carrier = {
+                name: value
+                for name in (TRACEPARENT, TRACESTATE)
+                if isinstance(value := headers.get(name), str)
+            }
+            parent = _PROPAGATOR.extract(carrier) if carrier else None
         attributes: dict[str, str | int] = {
             "messaging.system": SYSTEM,
             "messaging.operation.type": "process",

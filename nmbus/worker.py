@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING
 import structlog
 
 from nmbus.batch import BatchRunner
-from nmbus.dispatch import Dispatcher, per_message_logs
+from nmbus.dispatch import Dispatcher
 from nmbus.errors import DatabaseUnavailable, StoreError
-from nmbus.logs import log_failure
+from nmbus.logs import log_failure, per_message_logs
 from nmbus.messages import StoredMessage
 from nmbus.recovery import Gate, isolate, process_gate
 from nmbus.settings import Settings

@@ -25,6 +25,7 @@ import pytest
 from nmbus import Bus, Context, HandlerError
 from nmbus.envelopes import IN_REPLY_TO_HEADER
 from nmbus.messages import StoredMessage
+from nmbus.received import Received
 from nmbus.testing import drain
 from tests.messages import Ping, Pong
 from tests.waits import wait_until
@@ -166,10 +167,13 @@ async def test_a_batch_holding_a_reply_keeps_its_savepoints(make_bus: Callable[.
     async def handle(msg: Ping, ctx: Context) -> None:
         pass
 
-    def row(headers: dict[str, str]) -> StoredMessage:
-        return cast(
-            StoredMessage,
-            SimpleNamespace(label=Ping.__type_name__, msg_headers=json.dumps(headers)),
+    def row(headers: dict[str, str]) -> Received:
+        # The worker decodes each claimed row once; the batch is judged on that.
+        return Received(
+            cast(
+                StoredMessage,
+                SimpleNamespace(label=Ping.__type_name__, msg_headers=json.dumps(headers)),
+            )
         )
 
     plain = [row({}), row({"x": "1"})]

@@ -1,0 +1,127 @@
+"""Transaction modes: how a handler's writes share the batch's one transaction.
+
+The worker picks one for each batch (or each handler, when several run at once)
+and hands it to the dispatcher, which gives it to the handler's Context as the
+transaction ``ctx.connection`` writes in, and asks it what to do with the
+handler's savepoint once the handler is done:
+
+- :class:`Savepoints`, the default: a handler's first use of the connection
+  takes a savepoint; a failure rolls back to it, so only its own writes go.
+- :class:`SerialBatch`, for handlers that run concurrently: the same, holding
+  the batch's connection lock from the first savepoint until the dispatcher lets
+  go, so that two handlers' savepoints never interleave on one connection.
+- :class:`Unguarded`, for a batch whose handlers all have no outside effects: no
+  savepoint at all; a handler that fails after writing (or that may have left
+  the transaction aborted) raises :class:`Replay`, and the worker rolls the
+  whole batch back and runs it again, with savepoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from nmbus.messages import StoredMessage
+from nmbus.store import Batch
+
+if TYPE_CHECKING:
+    from nmbus.context import Effects
+
+
+class Replay(Exception):
+    """A batch run without savepoints must be rolled back and run again with them.
+
+    ``row`` is the message whose handler wrote and then failed (its failure,
+    ``error``, stands: it is not run again) or whose writes may have aborted
+    the transaction although it returned (``error`` None: it runs again).
+    """
+
+    def __init__(self, row: StoredMessage, error: BaseException | None) -> None:
+        super().__init__(f"replay the batch of message {row.id}")
+        self.row = row
+        self.error = error
+
+
+class Savepoints:
+    """The batch's transaction as a handler sees it: a savepoint per handler that writes.
+
+    ``kept`` and ``undone`` are called only for a handler that took its savepoint.
+    """
+
+    __slots__ = ("_batch",)
+
+    #: Whether a failure after writing makes the batch run again (Unguarded).
+    replays = False
+
+    def __init__(self, batch: Batch) -> None:
+        self._batch = batch
+
+    @property
+    def connection(self) -> Any:
+        return self._batch.connection
+
+    async def savepoint(self) -> None:
+        await self._batch.savepoint()
+
+    async def kept(self, row: StoredMessage, effects: Effects) -> None:
+        """The handler succeeded: its savepoint stays part of the batch."""
+        if effects.tainted:
+            # One that may be aborted is released now, so that its own handler fails.
+            await self._batch.release_savepoint()
+        else:
+            # A clean one is released with the next savepoint: a round trip saved.
+            self._batch.defer_release()
+
+    async def undone(self, row: StoredMessage, error: BaseException) -> None:
+        """The handler failed: its writes are rolled back, the batch's others stay."""
+        await self._batch.rollback_savepoint()
+
+
+class SerialBatch(Savepoints):
+    """The batch's connection as one of several concurrent handlers sees it.
+
+    Its first savepoint takes the batch's connection lock, held until the
+    worker lets go (:meth:`let_go`), after the handler's savepoint is released
+    or rolled back: the savepoints of two handlers never interleave on one
+    connection.
+    """
+
+    __slots__ = ("_held", "_lock")
+
+    def __init__(self, batch: Batch, lock: asyncio.Lock) -> None:
+        super().__init__(batch)
+        self._lock = lock
+        self._held = False
+
+    async def savepoint(self) -> None:
+        if not self._held:
+            await self._lock.acquire()
+            self._held = True
+        await self._batch.savepoint()
+
+    def let_go(self) -> None:
+        if self._held:
+            self._held = False
+            self._lock.release()
+
+
+class Unguarded(Savepoints):
+    """The batch's transaction for handlers without outside effects: no savepoint.
+
+    Its first use of ``ctx.connection`` only begins the batch's transaction.
+    """
+
+    __slots__ = ()
+
+    replays = True
+
+    async def savepoint(self) -> None:
+        await self._batch.begin()
+
+    async def kept(self, row: StoredMessage, effects: Effects) -> None:
+        if effects.tainted:
+            # It returned, but a statement of its failed: the transaction may be aborted.
+            raise Replay(row, None)
+
+    async def undone(self, row: StoredMessage, error: BaseException) -> None:
+        raise Replay(row, error) from error

@@ -138,7 +138,7 @@ class Dispatcher:
         handlers, message, policy = ready
         row = received.row
         tracer = self._tracer
-        ctx = Context(self.queue, received, mode, self.builder, tracer)
+        ctx = Context(self.queue, received, mode.transaction, self.builder, tracer)
         metrics = self.metrics
         span = tracer.consuming(self.queue, received)
         # ``queue`` is bound once per loop; these two change per message, set on
@@ -163,7 +163,10 @@ class Dispatcher:
                         await _Resumed(coro, first)
                 effects = ctx.effects_made
                 if effects is not None and effects.savepoint:
-                    await mode.kept(row, effects)
+                    if effects.tainted:
+                        await mode.release(row)
+                    else:
+                        mode.keep()
             except Replay:
                 replayed = True
                 raise
@@ -178,20 +181,17 @@ class Dispatcher:
                 effects = ctx.effects_made
                 if effects is not None and effects.savepoint:
                     replayed = mode.replays
-                    await mode.undone(row, exc)
+                    await mode.undo(row, exc)
                 self.failures.failed(row, exc, policy, outcomes)
                 return
             if metrics is not None:
                 metrics.handler_ran(row.label, time.perf_counter() - started)
-            if effects is None:
-                outcomes.processed(row.id)
+            if effects is not None and effects.note is not None:
+                outcomes.add(row.id, "X", error_info=effects.note)
             else:
-                if effects.note is None:
-                    outcomes.processed(row.id)
-                else:
-                    outcomes.add(row.id, "X", error_info=effects.note)
-                if effects.sends or effects.publishes:
-                    done.append(effects)
+                outcomes.processed(row.id)
+            if effects is not None and (effects.sends or effects.publishes):
+                done.append(effects)
             if debug:
                 log.debug("message_handled", ms=round((time.perf_counter() - started) * 1000, 3))
         finally:

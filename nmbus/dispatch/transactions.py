@@ -1,15 +1,16 @@
 """Transaction modes: how a handler's writes share the batch's one transaction.
 
 The worker picks one for each batch (or each handler, when several run at once)
-and hands it to the dispatcher, which gives it to the handler's Context as the
-transaction ``ctx.connection`` writes in, and asks it what to do with the
-handler's savepoint once the handler is done:
+and hands it to the dispatcher, which gives its ``transaction`` to the handler's
+Context (what ``ctx.connection`` writes in) and asks it what to do with the
+handler's savepoint once the handler is done (keep, release or undo it):
 
 - :class:`Savepoints`, the default: a handler's first use of the connection
   takes a savepoint; a failure rolls back to it, so only its own writes go.
 - :class:`SerialBatch`, for handlers that run concurrently: the same, holding
-  the batch's connection lock from the first savepoint until the dispatcher lets
-  go, so that two handlers' savepoints never interleave on one connection.
+  the batch's connection lock from the first savepoint until the worker lets go
+  after the handler, so that two handlers' savepoints never interleave on one
+  connection.
 - :class:`Unguarded`, for a batch whose handlers all have no outside effects: no
   savepoint at all; a handler that fails after writing (or that may have left
   the transaction aborted) raises :class:`Replay`, and the worker rolls the
@@ -19,13 +20,10 @@ handler's savepoint once the handler is done:
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nmbus.messages import StoredMessage
-from nmbus.store import Batch
-
-if TYPE_CHECKING:
-    from nmbus.context import Effects
+from nmbus.store import Batch, HandlerTransaction
 
 
 class Replay(Exception):
@@ -43,38 +41,35 @@ class Replay(Exception):
 
 
 class Savepoints:
-    """The batch's transaction as a handler sees it: a savepoint per handler that writes.
+    """The default mode: a handler's first write takes a savepoint of the batch's transaction.
 
-    ``kept`` and ``undone`` are called only for a handler that took its savepoint.
+    ``transaction`` is what the handler's ``ctx.connection`` writes in: here the
+    batch itself. Once the handler is done, the dispatcher calls one of ``keep``,
+    ``release`` or ``undo``, and only for a handler that took its savepoint.
     """
 
-    __slots__ = ("_batch",)
+    __slots__ = ("batch", "transaction")
 
     #: Whether a failure after writing makes the batch run again (Unguarded).
     replays = False
 
     def __init__(self, batch: Batch) -> None:
-        self._batch = batch
+        self.batch = batch
+        self.transaction: HandlerTransaction = batch
 
-    @property
-    def connection(self) -> Any:
-        return self._batch.connection
+    def keep(self) -> None:
+        """The handler succeeded: its clean savepoint is released with the next one
+        (a round trip saved)."""
+        self.batch.defer_release()
 
-    async def savepoint(self) -> None:
-        await self._batch.savepoint()
+    async def release(self, row: StoredMessage) -> None:
+        """The handler succeeded, but its savepoint may be aborted (a statement failed):
+        released now, so that it is this handler that fails if it is."""
+        await self.batch.release_savepoint()
 
-    async def kept(self, row: StoredMessage, effects: Effects) -> None:
-        """The handler succeeded: its savepoint stays part of the batch."""
-        if effects.tainted:
-            # One that may be aborted is released now, so that its own handler fails.
-            await self._batch.release_savepoint()
-        else:
-            # A clean one is released with the next savepoint: a round trip saved.
-            self._batch.defer_release()
-
-    async def undone(self, row: StoredMessage, error: BaseException) -> None:
+    async def undo(self, row: StoredMessage, error: BaseException) -> None:
         """The handler failed: its writes are rolled back, the batch's others stay."""
-        await self._batch.rollback_savepoint()
+        await self.batch.rollback_savepoint()
 
 
 class SerialBatch(Savepoints):
@@ -90,14 +85,19 @@ class SerialBatch(Savepoints):
 
     def __init__(self, batch: Batch, lock: asyncio.Lock) -> None:
         super().__init__(batch)
+        self.transaction = self
         self._lock = lock
         self._held = False
+
+    @property
+    def connection(self) -> Any:
+        return self.batch.connection
 
     async def savepoint(self) -> None:
         if not self._held:
             await self._lock.acquire()
             self._held = True
-        await self._batch.savepoint()
+        await self.batch.savepoint()
 
     def let_go(self) -> None:
         if self._held:
@@ -108,20 +108,30 @@ class SerialBatch(Savepoints):
 class Unguarded(Savepoints):
     """The batch's transaction for handlers without outside effects: no savepoint.
 
-    Its first use of ``ctx.connection`` only begins the batch's transaction.
+    A handler's first use of ``ctx.connection`` only begins the batch's transaction.
     """
 
     __slots__ = ()
 
     replays = True
 
+    def __init__(self, batch: Batch) -> None:
+        super().__init__(batch)
+        self.transaction = self
+
+    @property
+    def connection(self) -> Any:
+        return self.batch.connection
+
     async def savepoint(self) -> None:
-        await self._batch.begin()
+        await self.batch.begin()
 
-    async def kept(self, row: StoredMessage, effects: Effects) -> None:
-        if effects.tainted:
-            # It returned, but a statement of its failed: the transaction may be aborted.
-            raise Replay(row, None)
+    def keep(self) -> None:
+        return None
 
-    async def undone(self, row: StoredMessage, error: BaseException) -> None:
+    async def release(self, row: StoredMessage) -> None:
+        # It returned, but a statement of its failed: the transaction may be aborted.
+        raise Replay(row, None)
+
+    async def undo(self, row: StoredMessage, error: BaseException) -> None:
         raise Replay(row, error) from error

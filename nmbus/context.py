@@ -168,12 +168,12 @@ class Context:
         "_batch",
         "_builder",
         "_connection",
-        "_effects",
         "_received",
         "_row",
         "_saga",
         "_tracer",
         "_travel",
+        "effects_made",
         "queue",
     )
 
@@ -191,7 +191,10 @@ class Context:
         self._row = received.row
         self._batch = batch
         self._builder = builder
-        self._effects: Effects | None = None
+        #: The handler's :class:`Effects`, or None while it has done nothing that
+        #: made one (most handlers send and write nothing: they cost no Effects).
+        #: A plain attribute, read once or twice per message by the dispatcher.
+        self.effects_made: Effects | None = None
         self._connection: HandlerConnection | None = None
         self._saga: SagaControl | None = None
         self._travel: dict[str, str] | None = None
@@ -235,18 +238,10 @@ class Context:
     @property
     def effects(self) -> Effects:
         """What this handler did besides returning: made when it first does something."""
-        effects = self._effects
+        effects = self.effects_made
         if effects is None:
-            effects = self._effects = Effects()
+            effects = self.effects_made = Effects()
         return effects
-
-    @property
-    def effects_made(self) -> Effects | None:
-        """The handler's :class:`Effects`, or None while it has done nothing that made one.
-
-        Most handlers send nothing and write nothing: they cost no Effects at all.
-        """
-        return self._effects
 
     @property
     def saga(self) -> SagaControl:

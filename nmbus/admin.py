@@ -28,6 +28,7 @@ from typing import Protocol
 
 from nmbus.errors import ConfigurationError
 from nmbus.logs import scrub
+from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.operations import (
     BlockedSequence,
     FailedCount,
@@ -51,7 +52,6 @@ from nmbus.operations import (
 )
 from nmbus.postgres.operations import DEPTH_CHUNK, PostgresOperations, schema_ddl
 from nmbus.settings import Settings
-from nmbus.store import validate_queue_name, validate_schema_name
 
 __all__ = [
     "BLOCKED_SHOWN",

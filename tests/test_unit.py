@@ -12,8 +12,8 @@ import pytest
 import nmbus
 from nmbus import Bus, Context, Message, PermanentError, RetryPolicy
 from nmbus.errors import ConfigurationError, HandlerError, InvalidQueueName, MessageTooLarge
+from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.postgres import PostgresStore
-from nmbus.store import validate_queue_name, validate_schema_name
 from nmbus.testing import MemoryStore, drain
 from tests.messages import Event, OrderPlaced, Ping, Pong
 

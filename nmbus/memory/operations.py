@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from nmbus.errors import ConfigurationError, QueueNotFound
+from nmbus.names import validate_queue_name
 from nmbus.operations import (
     BlockedSequence,
     FailedCount,
@@ -37,7 +38,7 @@ from nmbus.operations import (
     window_stats,
 )
 from nmbus.rows import COLUMNS, QueueRow
-from nmbus.store import SCHEMA_VERSION, validate_queue_name
+from nmbus.store import SCHEMA_VERSION
 
 _TEXTS = {"error": "error_info", "body": "msg_text", "headers": "msg_headers"}
 

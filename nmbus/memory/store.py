@@ -21,10 +21,11 @@ from typing import Any
 from nmbus.errors import ConfigurationError, QueueNotFound
 from nmbus.memory.operations import MemoryOperations, sequence_heads
 from nmbus.messages import Envelope, StoredMessage
+from nmbus.names import validate_queue_name
 from nmbus.operations import RetentionPolicy
 from nmbus.rows import QueueRow
 from nmbus.settings import Settings
-from nmbus.store import Outcomes, SagaTable, validate_queue_name
+from nmbus.store import Outcomes, SagaTable
 
 
 def _now() -> datetime:

@@ -20,6 +20,7 @@ import asyncpg
 
 from nmbus.errors import QueueNotFound
 from nmbus.logs import scrub
+from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.operations import (
     FailedCount,
     FailedFilter,
@@ -43,7 +44,7 @@ from nmbus.postgres.schema import CREATED_BY_SEND
 from nmbus.postgres.sql import render
 from nmbus.postgres.status import created_by_send, each_queue, status_of
 from nmbus.postgres.store import PostgresStore
-from nmbus.store import SCHEMA_VERSION, validate_queue_name, validate_schema_name
+from nmbus.store import SCHEMA_VERSION
 
 # queue_depths reads this many queues per statement (and transaction), so one
 # read never holds the locks of hundreds of tables at once.

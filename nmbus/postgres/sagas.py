@@ -14,9 +14,10 @@ from typing import Any
 import asyncpg
 import structlog
 
+from nmbus.names import validate_queue_name
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.sql import own_name, render
-from nmbus.store import SagaRow, validate_queue_name
+from nmbus.store import SagaRow
 
 log = structlog.get_logger("nmbus.postgres")
 

@@ -13,10 +13,11 @@ from typing import Any
 import structlog
 
 from nmbus.errors import QueueNotFound, SchemaVersionError
+from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.pubsub import create_queue_on
 from nmbus.postgres.sql import QUERIES, render
-from nmbus.store import SCHEMA_VERSION, validate_queue_name, validate_schema_name
+from nmbus.store import SCHEMA_VERSION
 
 log = structlog.get_logger("nmbus.postgres")
 

@@ -21,6 +21,7 @@ import structlog
 from nmbus.errors import QueueNotFound
 from nmbus.logs import scrub
 from nmbus.messages import Envelope
+from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.operations import RetentionPolicy
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.listen import close_quietly as _close_quietly
@@ -44,7 +45,6 @@ from nmbus.postgres.schema import (
 from nmbus.postgres.session import PostgresSession, insert_outbox
 from nmbus.postgres.sql import render
 from nmbus.settings import Settings
-from nmbus.store import validate_queue_name, validate_schema_name
 
 # The forwarder imports these from here, where they were first written.
 __all__ = ["PostgresStore", "ensure_queue_on", "install_schema"]

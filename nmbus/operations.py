@@ -291,8 +291,12 @@ class RetentionPolicy:
     failed_max_age: timedelta | None = None
     batch_size: int = 5000
     archive_dir: Path | None = None
+    #: The span of time one segment covers (docs/storage.md, "Segments").
+    segment_seconds: float = 3600.0
 
     def __post_init__(self) -> None:
+        if not 1.0 <= self.segment_seconds <= 31 * 86400:
+            raise ValueError("segment_seconds must be from 1 second to 31 days")
         if self.max_age < timedelta(0):
             raise ValueError("max_age must not be negative")
         if self.failed_max_age is not None and self.failed_max_age < timedelta(0):
@@ -308,6 +312,7 @@ class RetentionPolicy:
             failed_max_age=settings.retention_failed_max_age,
             batch_size=settings.retention_batch_size,
             archive_dir=Path(archive) if archive else None,
+            segment_seconds=settings.segment_seconds,
         )
 
 
@@ -322,6 +327,11 @@ class RetentionResult:
     longest_batch_seconds: float = 0.0
     recovered_files: int = 0
     skipped: bool = False
+    #: Segments dropped whole, rows moved out of old segments to the one being
+    #: written (waiting F/I/R rows), and segments kept because of what they hold.
+    segments_dropped: int = 0
+    rows_moved: int = 0
+    segments_pinned: int = 0
 
     @property
     def total(self) -> int:

@@ -37,6 +37,7 @@ _SECONDS = (
     "subscription_ttl",
     "reconnect_max_delay",
     "retention_interval",
+    "segment_seconds",
 )
 _AGES = ("retention_max_age", "retention_failed_max_age")
 # The shortest lease the design honours: it must outlast several round trips,
@@ -167,6 +168,12 @@ class Settings(BaseSettings):
         default=None,
         ge=0.1,
         description="seconds between retention runs inside a worker; None: off",
+    )
+    segment_seconds: float = Field(
+        default=3600.0,
+        ge=1.0,
+        le=31 * 86400,
+        description="the span of time one segment of a queue table covers (docs/storage.md)",
     )
     retention_batch_size: int = Field(
         default=5000, ge=1, le=100_000, description="rows deleted per short transaction"

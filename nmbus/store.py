@@ -28,7 +28,7 @@ from nmbus.names import validate_schema_name as validate_schema_name
 if TYPE_CHECKING:
     from nmbus.settings import Settings
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 class Outcomes:

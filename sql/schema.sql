@@ -1,4 +1,4 @@
--- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 9).
+-- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 10).
 -- nmbus creates all of this itself when a Bus starts; to run it by hand:
 --   psql -v ON_ERROR_STOP=1 -f FILE
 
@@ -48,15 +48,32 @@ CREATE TABLE IF NOT EXISTS "nmbus"."periodic$due" (
     recorded_at timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT "periodic$due$pkey" PRIMARY KEY (endpoint, schedule)
 );
+CREATE OR REPLACE FUNCTION "nmbus".nmbus_create_segment(
+    p_schema text, p_queue text, p_number bigint
+) RETURNS void LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF p_number < 0 THEN
+        RAISE EXCEPTION 'no segment %', p_number;
+    END IF;
+    EXECUTE format(
+        'CREATE TABLE IF NOT EXISTS %I.%I PARTITION OF %I.%I FOR VALUES FROM (%s) TO (%s) '
+        'WITH (fillfactor = 50, autovacuum_vacuum_scale_factor = 0.02, '
+        'autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_insert_scale_factor = 0.05, '
+        'autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 1)',
+        p_schema, p_queue || '$s' || p_number, p_schema, p_queue,
+        CASE WHEN p_number = 0 THEN 'MINVALUE' ELSE (p_number * 68719476736)::text END,
+        (p_number + 1) * 68719476736);
+END
+$fn$;
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('9') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('10') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")
         CONSTRAINT "billing$pkey" PRIMARY KEY,
     from_endpoint text NOT NULL,
     to_endpoint text NOT NULL,
-    subqueue char(1) NOT NULL DEFAULT 'I' CHECK (subqueue IN ('I', 'R', 'X', 'F')),
+    subqueue char(1) NOT NULL DEFAULT 'I' CONSTRAINT "billing$subqueue" CHECK (subqueue IN ('I', 'R', 'X', 'F')),
     insert_time timestamptz NOT NULL DEFAULT now(),
     last_processed timestamptz,
     retry_count integer NOT NULL DEFAULT 0,
@@ -73,21 +90,34 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     priority smallint NOT NULL DEFAULT 0,
     sequence_key text,
     expires_at timestamptz
-) WITH (
-    fillfactor = 50,
-    autovacuum_vacuum_scale_factor = 0.02,
-    autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0.05,
-    autovacuum_analyze_scale_factor = 0.02,
-    autovacuum_vacuum_cost_delay = 1
-);
+) PARTITION BY RANGE (id);
 CREATE INDEX IF NOT EXISTS "billing$ready" ON "nmbus"."billing" (priority DESC, retry_time, id)
     WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
-CREATE UNIQUE INDEX IF NOT EXISTS "billing$uid" ON "nmbus"."billing" (unique_id);
 CREATE INDEX IF NOT EXISTS "billing$seq" ON "nmbus"."billing" (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
 CREATE INDEX IF NOT EXISTS "billing$done" ON "nmbus"."billing" (subqueue, last_processed, id)
     WHERE subqueue IN ('X', 'F');
+CREATE TABLE IF NOT EXISTS "nmbus"."billing$unique" (
+    unique_id text CONSTRAINT "billing$unique$pkey" PRIMARY KEY,
+    id bigint NOT NULL
+);
+CREATE INDEX IF NOT EXISTS "billing$unique$id" ON "nmbus"."billing$unique" (id);
+CREATE OR REPLACE FUNCTION "nmbus"."billing$unique"() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    INSERT INTO "nmbus"."billing$unique" (unique_id, id) VALUES (NEW.unique_id, NEW.id)
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN NEW;
+END
+$fn$;
+CREATE OR REPLACE TRIGGER "nmbus$unique" BEFORE INSERT ON "nmbus"."billing"
+    FOR EACH ROW EXECUTE FUNCTION "nmbus"."billing$unique"();
+SELECT "nmbus".nmbus_create_segment(n.nspname, c.relname, s.n)
+FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace,
+     generate_series(0, 1) AS s(n)
+WHERE c.oid = (SELECT typrelid FROM pg_type WHERE oid = pg_typeof(NULL::"nmbus"."billing")::oid);
 
 INSERT INTO "nmbus".queues (name) VALUES ('billing') ON CONFLICT DO NOTHING;
 

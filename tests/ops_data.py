@@ -13,7 +13,9 @@ from typing import Any
 
 import asyncpg
 
-from nmbus.postgres.sql import render
+from nmbus.postgres.segments import advance
+from nmbus.postgres.sql import SEGMENT_SPAN, render
+from nmbus.rows import COLUMNS as ROW_COLUMNS
 
 COLUMNS = (
     "from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count, "
@@ -162,3 +164,28 @@ async def populate(db: asyncpg.Connection) -> Facts:
         ],
     )
     return facts
+
+
+async def split_segments(
+    db: asyncpg.Connection, where: str, queue: str = "billing", schema: str = "nmbus"
+) -> None:
+    """Keep the rows matching ``where`` in their segment and move every other row
+    to the next one (its id plus the segment span, so the order holds); new rows
+    then go to the segment after that. For retention tests: an old segment that
+    holds exactly the rows ``where`` picks.
+    """
+    q = f'"{schema}"."{queue}"'
+    unique = f'"{schema}"."{queue}$unique"'
+    rest = f"({where}) IS NOT TRUE"
+    others = ", ".join(c for c in ROW_COLUMNS if c != "id")
+    await advance(db, schema, queue)
+    async with db.transaction():
+        await db.execute(
+            f"DELETE FROM {unique} WHERE unique_id IN (SELECT unique_id FROM {q} WHERE {rest})"
+        )
+        await db.execute(
+            f"WITH gone AS (DELETE FROM {q} WHERE {rest} RETURNING *) "
+            f"INSERT INTO {q} (id, {others}) OVERRIDING SYSTEM VALUE "
+            f"SELECT id + {SEGMENT_SPAN}, {others} FROM gone"
+        )
+    await advance(db, schema, queue)

@@ -33,6 +33,7 @@ import asyncpg
 from nmbus.operations import RetentionPolicy, RetentionResult
 from nmbus.postgres import install_schema
 from nmbus.postgres.retention import clean_queue
+from nmbus.postgres.segments import advance
 from nmbus.postgres.sql import render
 from tests.pg import with_database
 
@@ -68,6 +69,8 @@ async def fill(conn: asyncpg.Connection, rows: int, ready: int = 1000) -> None:
             start,
             min(start + step, rows) - 1,
         )
+    # The processed rows fill a segment of their own; new rows go to the next one.
+    await advance(conn, "nmbus", QUEUE)
     await conn.execute(
         f"""INSERT INTO nmbus."{QUEUE}" (from_endpoint, to_endpoint, subqueue, label, msg_text,
                unique_id)

@@ -1,4 +1,8 @@
-"""Retention: exactly the old rows go, in short batches, archived without loss."""
+"""Retention: exactly the old segments go, whole, archived without loss.
+
+Most tests put the rows they expect removed into an old segment of their own
+(split_segments), since processed rows go only with their segment.
+"""
 
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ from nmbus.postgres.retention import (
 )
 from nmbus.postgres.sql import render
 from tests import retention_bench as bench
-from tests.ops_data import populate
+from tests.ops_data import populate, split_segments
 from tests.procs import Proc
 from tests.waits import wait_until
 
 ALL = "SELECT * FROM nmbus.billing ORDER BY id"
+OLD = "subqueue = 'X' AND last_processed < now() - interval '12 hours'"
 # Every archived column (test_the_archive_holds_every_column_of_the_queue_table
 # checks that they are the table's), headers as the JSON text the archive holds.
 PICK = (
@@ -53,16 +58,18 @@ def found(root: Path, pattern: str) -> list[Path]:
 
 async def test_deletes_exactly_the_old_processed_rows(db: asyncpg.Connection) -> None:
     await populate(db)
+    await split_segments(db, OLD)
     before = await ids(db)
-    old = await ids(db, "subqueue = 'X' AND last_processed < now() - interval '12 hours'")
+    old = await ids(db, OLD)
     assert len(old) == 65
     untouched = await db.fetch("SELECT * FROM nmbus.billing WHERE NOT (id = ANY($1)) ORDER BY id",
                                list(old))  # fmt: skip
-    # A batch of 7 and windows of 70 ids: many batches, windows with and without old rows.
+    # Segment 0 holds the old rows only; segment 1 mixes recent X rows with I/R/F.
     policy = RetentionPolicy(max_age=timedelta(hours=12), batch_size=7)
     result = await clean_queue(db, "nmbus", "billing", policy)
     assert result.deleted == {"X": 65, "F": 0}
-    assert result.batches >= 65 // 7
+    assert (result.segments_dropped, result.rows_moved, result.segments_pinned) == (1, 0, 0)
+    assert await db.fetchval("SELECT to_regclass('nmbus.\"billing$s0\"')") is None
     assert await ids(db) == before - old
     # Every row left is exactly as it was: I, R, F and the recent X rows.
     assert await db.fetch(ALL) == untouched
@@ -72,10 +79,18 @@ async def test_deletes_exactly_the_old_processed_rows(db: asyncpg.Connection) ->
 
 async def test_failed_rows_stay_unless_configured(db: asyncpg.Connection) -> None:
     await populate(db)
-    failed = await ids(db, "subqueue = 'F'")
+    await db.execute("UPDATE nmbus.billing SET lease_expires = now() - interval '1 minute'")
+    await split_segments(db, "true")  # every row in an old segment
+    failed = await db.fetch("SELECT * FROM nmbus.billing WHERE subqueue = 'F' ORDER BY id")
     keep = RetentionPolicy(max_age=timedelta(0))
-    await clean_queue(db, "nmbus", "billing", keep)
-    assert await ids(db, "subqueue = 'F'") == failed
+    result = await clean_queue(db, "nmbus", "billing", keep)
+    # The F (and I/R) rows moved to the segment being written, every column but the id kept.
+    # Segment 0 with its rows, and the empty segment 1 that split_segments skipped.
+    assert result.segments_dropped == 2 and result.rows_moved == 3 + 9
+    moved = await db.fetch("SELECT * FROM nmbus.billing WHERE subqueue = 'F' ORDER BY id")
+    assert [dict(r, id=0) for r in moved] == [dict(r, id=0) for r in failed]
+    assert all(r["id"] > f["id"] for r, f in zip(moved, failed, strict=True))
+    failed = await ids(db, "subqueue = 'F'")
     assert await ids(db, "subqueue = 'X'") == set()
     # F rows failed 50, 40 and 30 minutes ago; remove those older than 35 minutes.
     policy = RetentionPolicy(max_age=timedelta(days=1), failed_max_age=timedelta(minutes=35))
@@ -106,6 +121,7 @@ def read_archive(root: Path) -> pa.Table:
 async def test_archive_then_delete_loses_no_row(db: asyncpg.Connection, tmp_path: Path) -> None:
     await populate(db)
     where = "subqueue = 'X' AND last_processed < now() - interval '12 hours'"
+    await split_segments(db, where)
     expected = await db.fetch(PICK.format(where))
     policy = RetentionPolicy(max_age=timedelta(hours=12), batch_size=9, archive_dir=tmp_path)
     result = await clean_queue(db, "nmbus", "billing", policy)
@@ -157,8 +173,6 @@ async def test_a_crash_mid_batch_is_settled_by_the_next_run(
 
 # -- a run killed while it writes, and the archive's columns (issue 23, defect 15) ------
 
-OLD = "subqueue = 'X' AND last_processed < now() - interval '12 hours'"
-
 
 async def advisory_locks(db: asyncpg.Connection) -> int:
     return int(
@@ -174,8 +188,9 @@ async def test_a_run_killed_while_writing_a_file_never_blocks_the_next_run(
     dsn: str, db: asyncpg.Connection, tmp_path: Path, mode: str
 ) -> None:
     await populate(db)
+    await split_segments(db, OLD)
     expected = [r["id"] for r in await db.fetch(PICK.format(OLD))]
-    assert len(expected) > 9  # more than one batch
+    assert len(expected) > 9
     # The run stops inside its first write, the pending file empty or cut in
     # half (and synced), and is killed there.
     proc = Proc("tests.retention_kill", dsn, str(tmp_path), str(12 * 3600), "9", mode)
@@ -222,6 +237,7 @@ async def test_the_archive_holds_every_column_of_the_queue_table(
     db: asyncpg.Connection, tmp_path: Path
 ) -> None:
     await populate(db)
+    await split_segments(db, OLD)
     # Every column holds something, so a column left out would show.
     await db.execute(
         "UPDATE nmbus.billing SET priority = 7, sequence_key = 'acct-' || id, "
@@ -274,9 +290,9 @@ async def test_cli_sized_run_never_blocks_a_conflicting_lock_for_long(dsn: str) 
     policy = RetentionPolicy(max_age=timedelta(days=1), batch_size=1000)
     result, locks, claims, _ = await bench.measure(dsn, policy, lock_timeout=5.0)
     assert result.deleted["X"] == 30_000
-    assert result.batches == 30
-    # The probe really ran between batches: it saw the table part-way through.
-    assert len({c for c in locks.seen_counts if 0 < c < 30_000}) >= 3
+    assert result.segments_dropped == 1
+    # The probe really ran while retention did: it saw the table before and after.
+    assert {0, 30_000} <= set(locks.seen_counts)
     assert locks.timeouts == 0 and claims.timeouts == 0
     assert locks.longest < 1.0, f"a SHARE lock waited {locks.longest:.3f}s"
     assert claims.longest < 1.0, f"a claim waited {claims.longest:.3f}s"
@@ -296,6 +312,7 @@ async def test_retention_runs_inside_a_worker_on_a_schedule(
     dsn: str, db: asyncpg.Connection, tmp_path: Path, archive: bool
 ) -> None:
     await populate(db)
+    await split_segments(db, "subqueue = 'X' AND last_processed < now() - interval '7 days'")
     old = await ids(db, "subqueue = 'X' AND last_processed < now() - interval '7 days'")
     assert len(old) == 5
     bus = Bus(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nmbus.postgres.sql import QUERIES, Block, load, read, render
+from nmbus.postgres.sql import QUERIES, Block, load, read, render, render_segment
 from nmbus.tools import sql as tools_sql
 
 NMBUS = Path(__file__).resolve().parent.parent / "nmbus"
@@ -111,9 +111,9 @@ def test_every_sql_file_is_under_500_lines() -> None:
 def test_the_adapter_s_sql_is_in_files_by_purpose() -> None:
     files = {block.path for block in read("nmbus.postgres.sql").values()}
     assert {"schema.sql", "runtime.sql", "operations.sql", "retention.sql"} <= files
-    assert {"outbox.sql", "pubsub.sql", "sagas.sql"} <= files
+    assert {"outbox.sql", "pubsub.sql", "sagas.sql", "segments.sql"} <= files
     migrations = sorted(f for f in files if f.startswith("migrations/"))
-    assert [m.split("/")[1][:3] for m in migrations] == [f"{v:03}" for v in range(2, 10)]
+    assert [m.split("/")[1][:3] for m in migrations] == [f"{v:03}" for v in range(2, 11)]
 
 
 def test_no_two_blocks_are_the_same_statement() -> None:
@@ -175,7 +175,10 @@ def test_every_block_is_run_by_python_or_put_in_by_another() -> None:
 
 def test_every_statement_renders_with_every_name_filled() -> None:
     for name in QUERIES:
-        text = render(name, "s", "q")
+        if "{segment}" in QUERIES[name]:
+            text = render_segment(name, "s", "q", 3)
+        else:
+            text = render(name, "s", "q")
         assert not re.search(r"\{:?[a-z_]+[(}]", text), (name, text)
     for name in tools_sql.QUERIES:
         tools_sql.render(name, "s", "q")

@@ -9,7 +9,7 @@ The forwarder moves those rows, one destination queue at a time, in order:
    order is kept; a busy queue is tried again shortly) and read its oldest
    rows (``outbox_take``).
 2. In a transaction on the remote database, insert them into the queue table
-   with ``insert_messages``: ``ON CONFLICT (unique_id) DO NOTHING`` makes a
+   with ``insert_messages``: the queue's unique table (a unique_id is stored once) makes a
    second copy of a row impossible. Commit.
 3. Only then delete the rows from the outbox and commit locally.
 

@@ -1,8 +1,15 @@
-"""Retention: remove old processed rows in bounded batches, optionally archived first.
+"""Retention: remove old processed rows, optionally archived first.
 
 A queue table keeps every processed (X) row for the statistics job until it is
 older than ``retention_max_age``; failed (F) rows stay until an operator acts,
-unless ``retention_failed_max_age`` is set. Removal never holds a long lock:
+unless ``retention_failed_max_age`` is set.
+
+A segmented queue (schema 10, docs/storage.md "Segments") loses its X rows
+with their segments, dropped whole by nmbus.postgres.reclaim, and then rolls
+to its next segment (nmbus.postgres.segments). What is left to remove row by
+row is the F rows past ``retention_failed_max_age`` that sit in segments kept
+for other reasons, and the X rows of a table not segmented; that is done in
+batches, and never holds a long lock:
 
 * the table is walked in windows of ids (``10 * batch_size`` ids each), so no
   statement scans more than one window of the primary key;
@@ -37,11 +44,8 @@ returned, so its rows were never deleted.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-import uuid
-from collections.abc import Sequence
-from datetime import UTC, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,20 +53,33 @@ import structlog
 
 from nmbus.errors import RetentionError
 from nmbus.operations import ProgressCallback, RetentionPolicy, RetentionResult
+from nmbus.postgres.archive import (
+    ARCHIVE_COLUMNS,
+    PENDING,
+    archive_schema,
+    partition_dir,
+    pending_ids,
+    publish,
+    write_pending,
+)
+from nmbus.postgres.reclaim import reclaim_segments
+from nmbus.postgres.segments import roll, segments
 from nmbus.postgres.sql import render
-from nmbus.rows import COLUMNS
 
 if TYPE_CHECKING:
     import asyncpg
 
 log = structlog.get_logger("nmbus.retention")
 
-# The queue table's columns, in table order: the archive holds exactly these.
-ARCHIVE_COLUMNS: tuple[str, ...] = COLUMNS
-_TIMESTAMPS = frozenset(
-    {"insert_time", "last_processed", "retry_time", "lease_expires", "expires_at"}
-)
-_PENDING = ".pending-"
+__all__ = [
+    "ARCHIVE_COLUMNS",
+    "archive_schema",
+    "clean_queue",
+    "partition_dir",
+    "publish",
+    "recover",
+    "write_pending",
+]
 
 
 async def clean_queue(
@@ -92,7 +109,13 @@ async def clean_queue(
             render("retention_expire", schema, queue), policy.max_age, policy.batch_size
         ):
             pass
-        passes: list[tuple[str, timedelta]] = [("X", policy.max_age)]
+        passes: list[tuple[str, timedelta]] = []
+        if await segments(conn, schema, queue):
+            # Processed rows go with their segments, whole; then the next segment.
+            await reclaim_segments(conn, schema, queue, policy, result, on_batch)
+            await roll(conn, schema, queue, policy.segment_seconds)
+        else:
+            passes.append(("X", policy.max_age))
         if policy.failed_max_age is not None:
             passes.append(("F", policy.failed_max_age))
         for subqueue, age in passes:
@@ -104,6 +127,9 @@ async def clean_queue(
         queue=queue,
         deleted_processed=result.deleted["X"],
         deleted_failed=result.deleted["F"],
+        segments_dropped=result.segments_dropped,
+        rows_moved=result.rows_moved,
+        segments_pinned=result.segments_pinned,
         files=len(result.files),
         batches=result.batches,
         longest_batch_seconds=round(result.longest_batch_seconds, 3),
@@ -188,107 +214,14 @@ async def _archive_batch(
     return ids[-1], len(ids)
 
 
-# -- Parquet files -------------------------------------------------------------------
-
-
-def archive_schema() -> Any:
-    """The pyarrow schema of archive files: the queue table's columns and types."""
-    import pyarrow as pa
-
-    ts = pa.timestamp("us", tz="UTC")
-    types = {
-        "id": pa.int64(),
-        "retry_count": pa.int32(),
-        "isolated": pa.bool_(),
-        "priority": pa.int16(),
-        **{name: ts for name in _TIMESTAMPS},
-    }
-    return pa.schema([(name, types.get(name, pa.string())) for name in ARCHIVE_COLUMNS])
-
-
-def partition_dir(archive_dir: Path, queue: str, day: str) -> Path:
-    return archive_dir / f"queue={queue}" / f"day={day}"
-
-
-def write_pending(archive_dir: Path, queue: str, rows: Sequence[Any]) -> list[Path]:
-    """Write ``rows`` as hidden pending files, one per UTC day, durable on return."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise RetentionError("archiving needs pyarrow: pip install 'nmbus[archive]'") from exc
-    by_day: dict[str, list[Any]] = {}
-    for row in rows:
-        day = row["last_processed"].astimezone(UTC).date().isoformat()
-        by_day.setdefault(day, []).append(row)
-    schema = archive_schema()
-    written: list[Path] = []
-    try:
-        for day, day_rows in sorted(by_day.items()):
-            folder = partition_dir(archive_dir, queue, day)
-            folder.mkdir(parents=True, exist_ok=True)
-            part = f"part-{day_rows[0]['id']}-{day_rows[-1]['id']}-{uuid.uuid4().hex[:8]}"
-            path = folder / f"{_PENDING}{part}.parquet"
-            table = pa.Table.from_pydict(
-                {name: [r[name] for r in day_rows] for name in ARCHIVE_COLUMNS}, schema=schema
-            )
-            # Listed before it is written: a write that fails leaves no half file.
-            written.append(path)
-            with open(path, "wb") as f:
-                pq.write_table(table, f)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(folder)
-    except BaseException:
-        for path in written:
-            path.unlink(missing_ok=True)
-        raise
-    return written
-
-
-def publish(pending: Sequence[Path]) -> list[Path]:
-    """Rename committed pending files to their visible names, durably."""
-    final: list[Path] = []
-    for path in pending:
-        target = path.with_name(path.name.removeprefix(_PENDING))
-        os.replace(path, target)
-        _fsync_dir(target.parent)
-        final.append(target)
-    return final
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pending_ids(path: Path) -> list[int] | None:
-    """The ids a pending file holds; None when it is not a whole Parquet file.
-
-    A Parquet file is whole only once its footer, written last, is there: a
-    file the writer was killed in (empty, or cut short) has none.
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path, columns=["id"])
-    except pa.ArrowInvalid:
-        return None
-    return [int(i) for i in table.column("id").to_pylist()]
-
-
 async def recover(conn: asyncpg.Connection, schema: str, queue: str, archive_dir: Path) -> int:
     """Settle pending files a dead run left behind; returns how many were settled."""
     root = archive_dir / f"queue={queue}"
     if not root.is_dir():
         return 0
     settled = 0
-    for path in sorted(root.glob(f"day=*/{_PENDING}*.parquet")):
-        ids = await asyncio.to_thread(_pending_ids, path)
+    for path in sorted(root.glob(f"day=*/{PENDING}*.parquet")):
+        ids = await asyncio.to_thread(pending_ids, path)
         if ids is None:
             # Rows are deleted only after their file is whole and synced, in
             # the transaction that follows write_pending: a file that never

@@ -34,6 +34,7 @@ MIGRATIONS: dict[int, list[str]] = {
     7: ["migrate_7_done"],
     8: ["migrate_8_saga_instance"],
     9: ["migrate_9_periodic_due"],
+    10: ["migrate_10_function", "migrate_10_segments", "migrate_10_publish"],
 }
 
 

@@ -7,7 +7,8 @@ by :func:`load`:
 - ``migrations/NNN_*.sql``: what brings an older schema to version NNN;
 - ``runtime.sql``: insert, claim, finish, leases, isolation, sequences;
 - ``pubsub.sql``, ``sagas.sql``, ``outbox.sql``: publish/subscribe, sagas, routes;
-- ``operations.sql`` and ``retention.sql``: what operators and retention read and change.
+- ``operations.sql`` and ``retention.sql``: what operators and retention read and change;
+- ``segments.sql``: the segments of a queue table, rolled and dropped.
 
 A block starts with a line ``-- name --``, then comment lines saying what it does
 and what ``$1..$n`` are. Block names are unique across the files (a second
@@ -63,6 +64,13 @@ IDENTIFIERS = frozenset(
         "id_seq",
         "saga",
         "saga_pkey",
+        "unique_table",
+        "unique_pkey",
+        "subqueue_check",
+        "unique_ids",
+        "segment",
+        "lower",
+        "upper",
     }
 )
 
@@ -183,7 +191,8 @@ MAX_IDENTIFIER_BYTES = 63
 def own_name(table: str, role: str) -> str:
     """The name of nmbus's object ``role`` of ``table``.
 
-    Roles: ready, uid, seq, done, pkey, id_seq, saga.
+    Roles: ready, uid, seq, done, pkey, id_seq, saga, unique (and unique$pkey,
+    unique$id), s<n> (segment n).
     """
     name = f"{table}${role}"
     if len(name.encode()) > MAX_IDENTIFIER_BYTES:
@@ -202,11 +211,46 @@ def fill(sql: str, schema: str, queue: str | None = None) -> str:
         values["done_index"] = quote_ident(own_name(queue, "done"))
         values["pkey"] = quote_ident(own_name(queue, "pkey"))
         values["id_seq"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'id_seq'))}"
+        values["unique_table"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'unique'))}"
+        values["unique_pkey"] = quote_ident(own_name(queue, "unique$pkey"))
+        values["unique_ids"] = quote_ident(own_name(queue, "unique$id"))
+        values["subqueue_check"] = quote_ident(own_name(queue, "subqueue"))
         if "{saga" in sql:
             saga = own_name(queue, "saga")
             values["saga"] = f"{quote_ident(schema)}.{quote_ident(saga)}"
             values["saga_pkey"] = quote_ident(own_name(saga, "pkey"))
     return sql.format_map(values)
+
+
+#: Segment n of a queue holds the ids from n * SEGMENT_SPAN up to (n + 1) * SEGMENT_SPAN
+#: (segment 0 from the lowest bigint): 2**36 ids, more than any segment fills, and
+#: room for 2**27 segments in a bigint.
+SEGMENT_SPAN = 2**36
+
+
+def segment_name(queue: str, number: int) -> str:
+    """The table name of segment ``number`` of ``queue``: ``<queue>$s<number>``."""
+    return own_name(queue, f"s{int(number)}")
+
+
+@functools.lru_cache(maxsize=4096)
+def render_segment(name: str, schema: str, queue: str, number: int) -> str:
+    """The query ``name`` for segment ``number`` of ``queue``: {segment}, {lower}, {upper}.
+
+    The bounds are integers computed here, never text from outside.
+    """
+    number = int(number)
+    if number < 0:
+        raise ValueError(f"no segment {number}")
+    sql = QUERIES[name]
+    values = {
+        "segment": f"{quote_ident(schema)}.{quote_ident(segment_name(queue, number))}",
+        "lower": "MINVALUE" if number == 0 else str(number * SEGMENT_SPAN),
+        "upper": str((number + 1) * SEGMENT_SPAN),
+    }
+    for key, value in values.items():
+        sql = sql.replace("{" + key + "}", value)
+    return fill(sql, schema, queue)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -129,8 +129,7 @@ BEGIN
                        v.publish_id || '/' || $2, coalesce(v.priority, 0), v.sequence_key,
                        v.expires_at
                 {published_rows}
-                ON CONFLICT (unique_id) DO NOTHING
-                RETURNING 1
+                            RETURNING 1
             )
             SELECT count(*) FROM ins
         $q$, p_schema, subscriber)

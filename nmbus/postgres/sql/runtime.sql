@@ -9,7 +9,8 @@
 -- is parked_retry_time (also in the fan-out of pubsub.sql).
 
 -- insert_messages --
--- Insert messages given as parallel arrays, skipping unique_ids already stored,
+-- Insert messages given as parallel arrays, skipping unique_ids already stored
+-- (the unique table's trigger drops them: queue_unique_table),
 -- and wake the queue's workers once. $1 from_endpoint, $2 to_endpoint,
 -- $3 deliver_at[], $4 correlation_id[], $5 label[], $6 msg_text[],
 -- $7 msg_headers[] (JSON text), $8 unique_id[], $9 notify channel,
@@ -30,7 +31,6 @@ WITH ins AS (
            v.priority, v.sequence_key, v.expires_at
     {insert_arrays}
     ORDER BY v.ord
-    ON CONFLICT (unique_id) DO NOTHING
     RETURNING 1
 )
 SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
@@ -65,7 +65,7 @@ CASE WHEN v.sequence_key IS NOT NULL AND (
 -- second finds last_due = $9 and inserts nothing. A record more than a minute
 -- ahead of the database's clock (a process whose clock ran ahead) is not trusted:
 -- any due time replaces it, so that process cannot stop the schedule for the
--- others until their clocks catch up. The unique index still keeps a
+-- others until their clocks catch up. The unique table still keeps a
 -- row whose tick was enqueued before the record existed. $2 correlation_id,
 -- $3 label, $4 msg_text, $5 msg_headers (JSON text), $6 unique_id, $7 notify
 -- channel. Returns how many rows were inserted (0 or 1).
@@ -81,7 +81,6 @@ WITH due AS (
                          msg_headers, unique_id)
     SELECT $1, $1, $2, $3, $4, $5::jsonb, $6
     WHERE EXISTS (SELECT 1 FROM due)
-    ON CONFLICT (unique_id) DO NOTHING
     RETURNING 1
 )
 SELECT count(*) AS inserted, pg_notify($7, $1) FROM ins;

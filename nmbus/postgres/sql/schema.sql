@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS {schema}.subscriptions (
 );
 {outbox_table}
 {periodic_due_table}
+{segment_function}
 
 -- outbox_table --
 -- Fragment of create_schema and migrate_6_routes: the outbox (docs/routes.md),
@@ -92,16 +93,18 @@ INSERT INTO {schema}.schema_version (version) VALUES ($1) ON CONFLICT DO NOTHING
 SELECT to_regclass(format('%I.schema_version', $1::text)) IS NOT NULL;
 
 -- create_queue --
--- Create one queue table with its indexes (idempotent).
--- fillfactor 50 leaves room on each page for the claim's UPDATE to stay HOT (it
--- changes no indexed column; see docs/storage.md); the autovacuum settings keep
--- dead tuples from piling up under a busy queue.
+-- Create one queue table with its indexes (idempotent): a table partitioned by
+-- ranges of id into segments (docs/storage.md, "Segments"; create_segment makes
+-- them), each of which is dropped whole by retention once all its rows are done.
+-- The indexes are declared once here and built on every segment. A unique_id
+-- is kept unique by the queue's unique table (queue_unique_table), which a
+-- trigger writes for every row inserted, whatever the statement.
 CREATE TABLE IF NOT EXISTS {queue} (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {id_seq})
         CONSTRAINT {pkey} PRIMARY KEY,
     from_endpoint text NOT NULL,
     to_endpoint text NOT NULL,
-    subqueue char(1) NOT NULL DEFAULT 'I' CHECK (subqueue IN ('I', 'R', 'X', 'F')),
+    subqueue char(1) NOT NULL DEFAULT 'I' CONSTRAINT {subqueue_check} CHECK (subqueue IN ('I', 'R', 'X', 'F')),
     insert_time timestamptz NOT NULL DEFAULT now(),
     last_processed timestamptz,
     retry_count integer NOT NULL DEFAULT 0,
@@ -118,19 +121,79 @@ CREATE TABLE IF NOT EXISTS {queue} (
     priority smallint NOT NULL DEFAULT 0,
     sequence_key text,
     expires_at timestamptz
-) WITH (
-    fillfactor = 50,
-    autovacuum_vacuum_scale_factor = 0.02,
-    autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0.05,
-    autovacuum_analyze_scale_factor = 0.02,
-    autovacuum_vacuum_cost_delay = 1
-);
+) PARTITION BY RANGE (id);
+{queue_indexes}
+{queue_unique_table}
+-- The first segment, and the next one ready for the first roll.
+SELECT {schema}.nmbus_create_segment(n.nspname, c.relname, s.n)
+FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace,
+     generate_series(0, 1) AS s(n)
+WHERE c.oid = (SELECT typrelid FROM pg_type WHERE oid = pg_typeof(NULL::{queue})::oid);
+
+-- queue_indexes --
+-- Fragment of create_queue and migrate_10_segments: the indexes of a queue
+-- table, declared on the partitioned table, so every segment has them.
 CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, id)
     WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
-{queue_unique_index}
 {queue_sequence_index}
 {queue_done_index}
+
+-- queue_unique_table --
+-- Fragment of create_queue and migrate_10_segments: the queue's unique_ids, one
+-- row each, with the id of the row that holds it. A partitioned table cannot have
+-- a unique index that leaves out its partition key, so the one that keeps a
+-- unique_id unique across segments is on this table: the trigger inserts each
+-- new row's unique_id here and drops the row (as ON CONFLICT DO NOTHING would)
+-- when it is already there; concurrent inserts of one unique_id wait on its
+-- index entry like on any unique index. Retention deletes the entries of the
+-- segments it drops (their id range, through the id index).
+CREATE TABLE IF NOT EXISTS {unique_table} (
+    unique_id text CONSTRAINT {unique_pkey} PRIMARY KEY,
+    id bigint NOT NULL
+);
+CREATE INDEX IF NOT EXISTS {unique_ids} ON {unique_table} (id);
+CREATE OR REPLACE FUNCTION {unique_table}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    INSERT INTO {unique_table} (unique_id, id) VALUES (NEW.unique_id, NEW.id)
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN NEW;
+END
+$fn$;
+CREATE OR REPLACE TRIGGER "nmbus$unique" BEFORE INSERT ON {queue}
+    FOR EACH ROW EXECUTE FUNCTION {unique_table}();
+
+-- segment_function --
+-- Fragment of create_schema and migrate_10_function: nmbus_create_segment(schema,
+-- queue, n) creates segment n of a queue table unless it exists: the table
+-- "<queue>$s<n>" for the ids from n * 2^36 (segment 0: from the lowest bigint) up
+-- to (n + 1) * 2^36 (nmbus.postgres.segments), with the queue table's indexes.
+-- fillfactor 50 leaves room on each page for the claim's UPDATE to stay HOT (it
+-- changes no indexed column; see docs/storage.md); the autovacuum settings keep
+-- dead tuples from piling up under a busy segment.
+CREATE OR REPLACE FUNCTION {schema}.nmbus_create_segment(
+    p_schema text, p_queue text, p_number bigint
+) RETURNS void LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF p_number < 0 THEN
+        RAISE EXCEPTION 'no segment %', p_number;
+    END IF;
+    EXECUTE format(
+        'CREATE TABLE IF NOT EXISTS %I.%I PARTITION OF %I.%I FOR VALUES FROM (%s) TO (%s) '
+        'WITH (fillfactor = 50, autovacuum_vacuum_scale_factor = 0.02, '
+        'autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_insert_scale_factor = 0.05, '
+        'autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 1)',
+        p_schema, p_queue || '$s' || p_number, p_schema, p_queue,
+        CASE WHEN p_number = 0 THEN 'MINVALUE' ELSE (p_number * 68719476736)::text END,
+        (p_number + 1) * 68719476736);
+END
+$fn$;
+
+-- create_segment --
+-- Create segment $3 of queue $2 of schema $1 unless it exists (names unquoted).
+SELECT {schema}.nmbus_create_segment($1, $2, $3);
 
 -- queue_unique_index --
 -- Fragment of create_queue and migrate_3_queue: one row per unique_id.

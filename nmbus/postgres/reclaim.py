@@ -1,0 +1,234 @@
+"""Reclaim old segments whole: move what still waits, archive, drop.
+
+Retention's pass over a segmented queue (docs/storage.md, "Segments"). For
+each segment older than the one being written, lowest first:
+
+1. if it holds an X row processed less than ``max_age`` ago, it stays;
+2. rows that wait for something other than time are moved to the segment
+   being written, with a new id and every other column kept: F rows younger
+   than ``failed_max_age`` (all of them when it is None) and I/R rows no live
+   lease holds. So an old failed row waits for its operator without keeping
+   its segment's processed rows alive. Sequence members never move (their id
+   is their place in the sequence); they keep their segment until they are
+   done, and so does a row a worker holds;
+3. with an archive folder, every row is written to Parquet as hidden pending
+   files (retention's protocol, nmbus.postgres.retention);
+4. in one short transaction the queue table is locked (waiting at most
+   LOCK_TIMEOUT, so workers wait at most that long behind it), the segment
+   is checked again by index probes and dropped: its files go back to the
+   operating system, and no row is deleted one by one;
+5. the pending files are published, and the segment's entries in the unique
+   table are deleted (narrow rows, in batches).
+
+A crash anywhere leaves nothing lost and nothing archived twice: pending
+files are settled by retention's recovery (the segment is gone: publish; its
+rows are all there: discard), and unique entries of a dropped segment are
+deleted by the next run (they only keep a unique_id taken a little longer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import structlog
+
+from nmbus.errors import RetentionError
+from nmbus.operations import ProgressCallback, RetentionPolicy, RetentionResult
+from nmbus.postgres.archive import publish, write_pending
+from nmbus.postgres.segments import (
+    LOCK_TIMEOUT,
+    Segment,
+    current_segment,
+    segments,
+)
+from nmbus.postgres.sql import SEGMENT_SPAN, render, render_segment
+
+log = structlog.get_logger("nmbus.retention")
+
+#: Rows per archive file written from one segment (bounded memory per file).
+ARCHIVE_CHUNK = 50_000
+_MIN_ID = -(2**63)
+
+
+async def reclaim_segments(
+    conn: Any,
+    schema: str,
+    queue: str,
+    policy: RetentionPolicy,
+    result: RetentionResult,
+    on_batch: ProgressCallback | None = None,
+) -> None:
+    """Drop the segments of ``queue`` whose rows are all done and old enough."""
+    current = await current_segment(conn, schema, queue)
+    present = await segments(conn, schema, queue)
+    for segment in present:
+        if segment.number >= current:
+            break
+        started = time.perf_counter()
+        dropped = await _reclaim(conn, schema, queue, segment, policy, result)
+        if dropped is None:
+            continue
+        elapsed = time.perf_counter() - started
+        result.segments_dropped += 1
+        result.deleted["X"] += dropped
+        result.batches += 1
+        result.longest_batch_seconds = max(result.longest_batch_seconds, elapsed)
+        if on_batch is not None:
+            on_batch(queue, dropped)
+    await forget_unique(conn, schema, queue, policy.batch_size)
+
+
+async def _reclaim(
+    conn: Any,
+    schema: str,
+    queue: str,
+    segment: Segment,
+    policy: RetentionPolicy,
+    result: RetentionResult,
+) -> int | None:
+    """Drop one segment if nothing keeps it; returns the rows it held, None if kept."""
+    n = segment.number
+    if await _pins(conn, schema, queue, n, policy, recent_only=True):
+        return None
+    result.rows_moved += await _move_waiting(conn, schema, queue, n, policy)
+    if await _pins(conn, schema, queue, n, policy):
+        result.segments_pinned += 1
+        return None
+    pending: list[Path] = []
+    rows = 0
+    try:
+        if policy.archive_dir is not None:
+            pending, rows = await _archive(conn, schema, queue, n, policy)
+        else:
+            # Counted before the lock (an index-only read of the done index):
+            # rows only leave an old segment, and a drop with any other row left is refused.
+            rows = int(await conn.fetchval(render_segment("segment_count", schema, queue, n)))
+        try:
+            async with conn.transaction():
+                await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                await conn.execute(
+                    render("advisory_lock", schema), f"nmbus.segments.{schema}.{queue}"
+                )
+                await conn.execute(render("segment_lock_queue", schema, queue))
+                if await _pins(conn, schema, queue, n, policy):
+                    raise _Kept
+                await conn.execute(render_segment("segment_drop", schema, queue, n))
+        except (_Kept, asyncpg.LockNotAvailableError) as exc:
+            for path in pending:
+                path.unlink(missing_ok=True)
+            if isinstance(exc, asyncpg.LockNotAvailableError):
+                log.info("segment_drop_deferred", queue=queue, segment=n, reason="queue busy")
+            return None
+    except BaseException:
+        # Before the drop committed: its files are discarded (here, or by recovery).
+        for path in pending:
+            path.unlink(missing_ok=True)
+        raise
+    result.files.extend(await asyncio.to_thread(publish, pending))
+    log.info("segment_dropped", queue=queue, segment=n, rows=rows, files=len(pending))
+    return rows
+
+
+class _Kept(Exception):
+    """The segment gained a row that keeps it between the archive and the drop."""
+
+
+async def _pins(
+    conn: Any, schema: str, queue: str, n: int, policy: RetentionPolicy, recent_only: bool = False
+) -> bool:
+    row = await conn.fetchrow(
+        render_segment("segment_pins", schema, queue, n), policy.max_age, policy.failed_max_age
+    )
+    if recent_only:
+        return bool(row["recent"])
+    return any(row.values())
+
+
+async def _move_waiting(conn: Any, schema: str, queue: str, n: int, policy: RetentionPolicy) -> int:
+    moved = 0
+    while True:
+        async with conn.transaction():
+            rows = await conn.fetch(
+                render_segment("segment_movable", schema, queue, n),
+                policy.failed_max_age,
+                policy.batch_size,
+            )
+            if not rows:
+                return moved
+            await conn.execute(
+                render("segment_release_unique", schema, queue), [r["unique_id"] for r in rows]
+            )
+            count = await conn.fetchval(
+                render("segment_move", schema, queue), [r["id"] for r in rows]
+            )
+            if count != len(rows):
+                raise RetentionError(
+                    f"{queue}: moving {len(rows)} waiting rows out of segment {n} "
+                    f"stored {count}; nothing moved"
+                )
+        moved += int(count)
+        log.info("segment_rows_moved", queue=queue, segment=n, rows=count)
+        if len(rows) < policy.batch_size:
+            return moved
+
+
+async def _archive(
+    conn: Any, schema: str, queue: str, n: int, policy: RetentionPolicy
+) -> tuple[list[Path], int]:
+    """Write every row of segment ``n`` to pending files; refuse a row that must stay."""
+    assert policy.archive_dir is not None
+    now = await conn.fetchval("SELECT now()")
+    x_cut = now - policy.max_age
+    f_cut = None if policy.failed_max_age is None else now - policy.failed_max_age
+    pending: list[Path] = []
+    rows = 0
+    try:
+        async with conn.transaction(isolation="repeatable_read", readonly=True):
+            cursor = await conn.cursor(render_segment("segment_rows", schema, queue, n))
+            while chunk := await cursor.fetch(ARCHIVE_CHUNK):
+                for row in chunk:
+                    done = row["subqueue"] == "X" and row["last_processed"] < x_cut
+                    failed = (
+                        row["subqueue"] == "F"
+                        and f_cut is not None
+                        and row["last_processed"] < f_cut
+                    )
+                    if not (done or failed):
+                        raise _Kept
+                pending.extend(
+                    await asyncio.to_thread(write_pending, policy.archive_dir, queue, chunk)
+                )
+                rows += len(chunk)
+    except BaseException:
+        for path in pending:
+            path.unlink(missing_ok=True)
+        raise
+    return pending, rows
+
+
+async def forget_unique(conn: Any, schema: str, queue: str, batch_size: int) -> int:
+    """Delete unique-table entries of ids in no segment (dropped ones); returns how many."""
+    present = await segments(conn, schema, queue)
+    if not present:
+        return 0
+    gaps: list[tuple[int, int]] = []
+    low = _MIN_ID
+    for segment in present:
+        lower = _MIN_ID if segment.number == 0 else segment.number * SEGMENT_SPAN
+        if lower > low:
+            gaps.append((low, lower))
+        low = segment.upper
+    gone = 0
+    for lo, hi in gaps:
+        while True:
+            count = await conn.fetchval(
+                render("segment_forget_unique", schema, queue), lo, hi, batch_size
+            )
+            gone += count
+            if count < batch_size:
+                break
+    return gone

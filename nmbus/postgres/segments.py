@@ -1,0 +1,148 @@
+"""Segments: a queue table's partitions by ranges of id, rolled ahead and dropped whole.
+
+Seed 002's store frees a segment once every message in it is consumed; nmbus
+does the same with PostgreSQL's declarative partitions (docs/storage.md,
+"Segments"). Segment n of a queue holds the ids from ``n * SEGMENT_SPAN`` up
+to ``(n + 1) * SEGMENT_SPAN``; rows never move between segments by an update
+(a finish changes no id), so a claim never meets a row moved away under it.
+
+Who writes where:
+
+* every insert takes the next value of the queue's identity sequence, so it
+  goes to the segment that value falls in: the segment being written;
+* :func:`roll` (run by retention) makes sure the segment after it exists,
+  and once the segment being written holds a row older than
+  ``segment_seconds`` it moves the sequence to the next segment's first id.
+  The next segment is always created, and committed, before the sequence
+  moves into it, so no insert ever lacks a segment; a queue whose retention
+  never runs simply keeps writing into one segment.
+
+Retention then drops old segments whole (nmbus.postgres.retention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import asyncpg
+import structlog
+
+from nmbus.postgres.sql import SEGMENT_SPAN, quote_ident, render, render_segment, segment_name
+
+log = structlog.get_logger("nmbus.segments")
+
+#: The longest a roll or a drop waits for the queue table's lock before it gives
+#: up until the next run; workers wait at most this long behind it.
+LOCK_TIMEOUT = "200ms"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment of a queue: its number, table name and id range."""
+
+    number: int
+    name: str
+
+    @property
+    def lower(self) -> int | None:
+        """The lowest id it holds (None: the lowest bigint)."""
+        return None if self.number == 0 else self.number * SEGMENT_SPAN
+
+    @property
+    def upper(self) -> int:
+        return (self.number + 1) * SEGMENT_SPAN
+
+
+def segment_of(row_id: int) -> int:
+    """The number of the segment an id falls in."""
+    return max(0, int(row_id) // SEGMENT_SPAN)
+
+
+def queue_regclass(schema: str, queue: str) -> str:
+    return f"{quote_ident(schema)}.{quote_ident(queue)}"
+
+
+async def create_segment(conn: Any, schema: str, queue: str, number: int) -> None:
+    """Create segment ``number`` of ``queue`` unless it exists (in the caller's transaction)."""
+    await conn.execute(render("create_segment", schema), schema, queue, int(number))
+
+
+async def segments(conn: Any, schema: str, queue: str) -> list[Segment]:
+    """The segments of ``queue``, lowest first (none for a table not partitioned)."""
+    rows = await conn.fetch(render("segment_list", schema), queue_regclass(schema, queue))
+    return [Segment(int(r["number"]), r["name"]) for r in rows]
+
+
+async def current_segment(conn: Any, schema: str, queue: str) -> int:
+    """The number of the segment being written: the one the next id falls in."""
+    return segment_of(await conn.fetchval(render("segment_next_id", schema, queue)))
+
+
+async def roll(conn: Any, schema: str, queue: str, segment_seconds: float) -> int | None:
+    """Keep a segment ready ahead of the one being written; move on when it is full of time.
+
+    The segment being written is full of time once its first row is
+    ``segment_seconds`` old. Returns the number of the segment now written if
+    the roll moved to it, else None. ``conn`` must not be inside a
+    transaction. A roll that cannot get the queue's lock within LOCK_TIMEOUT
+    tries again on the next run.
+    """
+    return await advance(conn, schema, queue, older_than=segment_seconds)
+
+
+async def advance(
+    conn: Any, schema: str, queue: str, older_than: float | None = None
+) -> int | None:
+    """Move the queue's new rows to the next segment (only if the one being written
+    has a row ``older_than`` seconds, when given). Returns the new segment's number,
+    or None when it did not move (nothing old enough, or the queue's lock was busy).
+    """
+    try:
+        return await _advance(conn, schema, queue, older_than)
+    except asyncpg.LockNotAvailableError:
+        log.info("segment_roll_deferred", queue=queue, reason="queue table busy")
+        return None
+
+
+async def _ahead(conn: Any, schema: str, queue: str) -> int:
+    """Create the segment after the one being written, under the queue's segment lock."""
+    async with conn.transaction():
+        await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
+        await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+        current = await current_segment(conn, schema, queue)
+        await create_segment(conn, schema, queue, current + 1)
+    return current
+
+
+async def _advance(conn: Any, schema: str, queue: str, older_than: float | None) -> int | None:
+    # The next segment first, committed before any id can fall in it.
+    await _ahead(conn, schema, queue)
+    async with conn.transaction():
+        await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
+        current = await current_segment(conn, schema, queue)
+        if older_than is not None:
+            oldest: datetime | None = await conn.fetchval(
+                render_segment("segment_oldest", schema, queue, current)
+            )
+            now = await conn.fetchval("SELECT now()")
+            if oldest is None or now - oldest < timedelta(seconds=older_than):
+                return None
+        if not await conn.fetchval(
+            render("queue_exists", schema), schema, segment_name(queue, current + 1)
+        ):
+            return None  # dropped by hand since: the next run creates it again
+        # Forward only: under the lock, from the segment the sequence is in now.
+        await conn.fetchval(
+            render("segment_advance", schema),
+            (current + 1) * SEGMENT_SPAN,
+            queue_regclass(schema, queue),
+        )
+    await _ahead(conn, schema, queue)
+    log.debug("segment_rolled", queue=queue, segment=current + 1)
+    return current + 1
+
+
+def lock_key(schema: str, queue: str) -> str:
+    return f"nmbus.segments.{schema}.{queue}"

@@ -1,0 +1,119 @@
+-- Segments (nmbus/postgres/segments.py, docs/storage.md "Segments"): the
+-- partitions of a queue table by ranges of id. Segment n holds ids from
+-- n * 2^36 up to (n + 1) * 2^36; {segment}, {lower} and {upper} are filled in by
+-- nmbus.postgres.sql.render_segment. New rows go to the segment of the next
+-- value of the queue's identity sequence: the roll moves that value to the next
+-- segment's lower bound once the next segment exists, so an insert never lacks
+-- a segment.
+
+-- segment_list --
+-- The segments of queue table $1 (schema-qualified and quoted, as regclass text):
+-- name and number, lowest first; a plain (unsegmented) table is not listed.
+SELECT c.relname AS name,
+       substr(c.relname, length(p.relname) + 3)::bigint AS number
+FROM pg_inherits AS i
+JOIN pg_class AS c ON c.oid = i.inhrelid
+JOIN pg_class AS p ON p.oid = i.inhparent
+WHERE i.inhparent = to_regclass($1)
+  AND c.relname = p.relname || '$s' || substr(c.relname, length(p.relname) + 3)
+  AND substr(c.relname, length(p.relname) + 3) ~ '^[0-9]+$'
+ORDER BY 2;
+
+-- segment_next_id --
+-- The id the next insert into the queue gets (or a later one).
+SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END FROM {id_seq};
+
+-- segment_oldest --
+-- When the first row of the segment was inserted (NULL: the segment is empty).
+SELECT insert_time FROM {segment} ORDER BY id LIMIT 1;
+
+-- segment_advance --
+-- Move the queue's identity to the first id of the segment: later inserts go
+-- there. Run only under the queue's segment lock (advisory_lock), after the segment was created, and only
+-- forward (the caller checks), so no id is ever handed out twice. $1: that id.
+SELECT setval(pg_get_serial_sequence($2, 'id'), $1, false);
+
+-- segment_pins --
+-- What keeps the segment from being dropped, by four index probes (none reads
+-- the X rows): an X row processed less than $1 (interval) ago; an I/R row in the
+-- ready index; a sequence member not in X; an F row processed less than $2 ago
+-- ($2 NULL: any F row).
+SELECT EXISTS (SELECT 1 FROM {segment} WHERE subqueue = 'X'
+               AND (last_processed >= now() - $1::interval OR last_processed IS NULL))
+           AS recent,
+       EXISTS (SELECT 1 FROM {segment} WHERE subqueue IN ('I', 'R')
+               AND retry_time < 'infinity') AS ready,
+       EXISTS (SELECT 1 FROM {segment} WHERE sequence_key IS NOT NULL
+               AND subqueue <> 'X') AS sequenced,
+       EXISTS (SELECT 1 FROM {segment} WHERE subqueue = 'F'
+               AND ($2::interval IS NULL OR last_processed >= now() - $2::interval))
+           AS failed;
+
+-- segment_movable --
+-- Lock the rows of the segment that wait for something other than time and may
+-- move to the segment being written, so they do not keep an old segment alive: F rows
+-- processed less than $1 (interval) ago ($1 NULL: every F row), and I/R rows no
+-- live lease holds; never a sequence member (its id is its place in the sequence).
+-- Returns their ids and unique_ids, at most $2.
+SELECT id, unique_id FROM {segment}
+WHERE sequence_key IS NULL
+  AND ((subqueue = 'F' AND ($1::interval IS NULL OR last_processed >= now() - $1::interval))
+       OR (subqueue IN ('I', 'R') AND (lease_expires IS NULL OR lease_expires < now())))
+ORDER BY id
+LIMIT $2
+FOR UPDATE SKIP LOCKED;
+
+-- segment_release_unique --
+-- Free the unique_ids $1 of rows about to move (segment_move inserts them again).
+DELETE FROM {unique_table} WHERE unique_id = ANY($1::text[]);
+
+-- segment_move --
+-- Move the rows $1 (locked by segment_movable) to the segment being written: the
+-- same row with a new id, every other column kept. Returns how many moved.
+WITH gone AS (
+    DELETE FROM {queue} WHERE id = ANY($1::bigint[]) RETURNING *
+), moved AS (
+    INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
+                         retry_count, retry_time, error_info, correlation_id, label, msg_text,
+                         msg_headers, unique_id, handling_client_id, lease_expires, isolated,
+                         priority, sequence_key, expires_at)
+    SELECT from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count,
+           retry_time, error_info, correlation_id, label, msg_text, msg_headers, unique_id,
+           handling_client_id, lease_expires, isolated, priority, sequence_key, expires_at
+    FROM gone ORDER BY id
+    RETURNING 1
+)
+SELECT count(*) FROM moved;
+
+-- segment_rows --
+-- Every row of the segment, lowest id first, headers as JSON text: what the
+-- archive holds.
+SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count,
+       retry_time, error_info, correlation_id, label, msg_text, msg_headers::text AS msg_headers,
+       unique_id, handling_client_id, lease_expires, isolated, priority, sequence_key, expires_at
+FROM {segment} ORDER BY id;
+
+-- segment_count --
+-- How many rows the segment holds, once nothing but X and F rows is left in it
+-- (an index-only read of its done index; the X rows themselves are not read).
+SELECT count(*) FROM {segment} WHERE subqueue IN ('X', 'F');
+
+-- segment_lock_queue --
+-- Take the queue table for the drop of a segment (DROP takes the same lock: taken
+-- first, the wait for it is bounded by the caller's lock_timeout).
+LOCK TABLE {queue} IN ACCESS EXCLUSIVE MODE;
+
+-- segment_drop --
+-- Drop the segment, its rows and its indexes: the space goes back to the system.
+DROP TABLE {segment};
+
+-- segment_forget_unique --
+-- Delete up to $3 entries of the unique table with ids from $1 up to (not
+-- including) $2: those of dropped segments. Returns how many.
+WITH gone AS (
+    DELETE FROM {unique_table}
+    WHERE unique_id IN (SELECT unique_id FROM {unique_table}
+                        WHERE id >= $1 AND id < $2 LIMIT $3)
+    RETURNING 1
+)
+SELECT count(*) FROM gone;

@@ -47,6 +47,7 @@ from nmbus.operations import (
     RetentionPolicy,
     RetentionResult,
     RouteStatus,
+    SegmentInfo,
     Subscription,
     WindowStats,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "RetentionPolicy",
     "RetentionResult",
     "RouteStatus",
+    "SegmentInfo",
     "Subscription",
     "WindowStats",
     "schema_ddl",
@@ -198,6 +200,18 @@ class Admin:
         queues their depths, and one the exact X count of the small ones.
         """
         return await self._ops.queue_depths(_limits())
+
+    async def queue_segments(self, queues: Sequence[str] | None = None) -> list[SegmentInfo]:
+        """The segments of every queue (or of ``queues``), by queue, then oldest first.
+
+        A queue table that is not partitioned (an older schema, the in-memory
+        store) is one segment, number 0. One read of the catalogue for every
+        queue, then one statement per queue that probes its primary key and
+        counts its rows not in X through the partial indexes: never a scan of
+        its X rows. ``rows`` is an estimate; ``pending`` is exact.
+        """
+        checked = None if queues is None else [validate_queue_name(n) for n in queues]
+        return await self._ops.queue_segments(checked)
 
     async def outbox_backlog(self) -> list[OutboxBacklog]:
         """What waits in this database's outbox, per destination queue (one scan)."""

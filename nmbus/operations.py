@@ -122,6 +122,20 @@ class QueueDepth:
 
 
 @dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """One segment (partition) of a queue table; a table not partitioned is one, number 0."""
+
+    queue: str
+    name: str  # its table: "<queue>$s<n>", or the queue table itself when not partitioned
+    number: int  # n: newer segments have higher numbers
+    rows: int  # estimated (the planner's or the statistics system's count), never counted
+    pending: int  # rows not in X, counted exactly through the partial indexes
+    oldest: datetime | None  # insert_time of its lowest id (None: empty)
+    newest: datetime | None  # insert_time of its highest id
+    size_bytes: int  # table, indexes and TOAST (0 in memory)
+
+
+@dataclass(frozen=True, slots=True)
 class FailedCount:
     """How many failed messages of a queue matched, and what binds a change to them.
 
@@ -395,6 +409,10 @@ class Operations(Protocol):
 
     async def queue_depths(self, limits: ReadLimits) -> list[QueueDepth]:
         """Every queue's depths, by name."""
+        ...
+
+    async def queue_segments(self, queues: Sequence[str] | None) -> list[SegmentInfo]:
+        """Each queue's segments (by queue, then number), never a scan of X rows."""
         ...
 
     async def queue_history(

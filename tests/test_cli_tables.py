@@ -296,7 +296,10 @@ async def test_status_window_is_an_age_and_bad_values_are_usage_errors(
 ) -> None:
     result = await invoke(200, "status", "--window", "1h", "--dsn", dsn)
     assert "(recent = last 1h)" in result.stdout and "failed 1h" in result.stdout
-    assert re.search(r"^billing .* 3\s*$", result.stdout, re.MULTILINE), result.stdout
+    # failed 1h, then the segments: how many, the oldest row, their size
+    assert re.search(r"^billing .* 3 +\d+ +\S+( \S+)? +[\d.]+ KiB$", result.stdout, re.MULTILINE), (
+        result.stdout
+    )
     env = {"COLUMNS": "80", "NMBUS_DSN": None}
     for argv in (
         ["status", "--window", "-5"],

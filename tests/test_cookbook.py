@@ -34,6 +34,7 @@ TESTED = {
     "subscriptions.sql",
     "inject_message.sql",
     "blocked_sequences.sql",
+    "segments.sql",  # on a partitioned queue table: tests/test_segments.py
 }
 
 

@@ -89,6 +89,7 @@ def _register() -> None:
     from nmbus.cli import forward as _forward  # noqa: F401
     from nmbus.cli import queues as _queues  # noqa: F401
     from nmbus.cli import report as _report  # noqa: F401
+    from nmbus.cli import segments as _segments  # noqa: F401
     from nmbus.cli import status as _status  # noqa: F401
     from nmbus.cli import subscriptions as _subscriptions  # noqa: F401
     from nmbus.cli import version as _version  # noqa: F401

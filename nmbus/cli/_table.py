@@ -105,6 +105,17 @@ def age_text(seconds: float | timedelta | None) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+_SIZES = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def size_text(size_bytes: int) -> str:
+    """A size on disk in binary units: ``512 B``, ``40.0 KiB``, ``56.6 MiB``, ``1.2 GiB``."""
+    for unit, size in _SIZES:
+        if size_bytes >= size:
+            return f"{size_bytes / size:,.1f} {unit}"
+    return f"{size_bytes} B"
+
+
 def cell_text(value: Any) -> Text:
     """A value as the text of a cell (never parsed as markup)."""
     if isinstance(value, Text):

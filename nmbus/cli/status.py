@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Annotated
 
 import typer
 
-from nmbus.admin import QueueStatus, RouteStatus
+from nmbus.admin import Admin, QueueStatus, RouteStatus, SegmentInfo
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -19,7 +22,21 @@ from nmbus.cli._common import (
     settings,
     table,
 )
-from nmbus.cli._table import Column, age_text
+from nmbus.cli._table import Column, age_text, size_text
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What a queue's segments add up to: how many, its oldest row's insert_time, size."""
+
+    segments: int
+    oldest_insert_time: datetime | None  # of the oldest segment that holds rows
+    size_bytes: int
+
+    @classmethod
+    def of(cls, found: Sequence[SegmentInfo]) -> Stored:
+        oldest = next((s.oldest for s in found if s.oldest is not None), None)
+        return cls(len(found), oldest, sum(s.size_bytes for s in found))
 
 
 @app.command()
@@ -43,11 +60,12 @@ def status(
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Every queue: rows per subqueue, oldest ready age, recent latency and failures.
+    """Every queue: rows per subqueue, oldest ready age, recent latency and failures,
+    and its segments (how many, the oldest row's insert time, size on disk).
 
     I, R and F are exact; X ("~" before it) is estimated on tables over 16 MiB
     from PostgreSQL's live-row count, so this stays fast with millions of
-    processed rows (--exact counts them).
+    processed rows (--exact counts them). `nmbus segments` lists each segment.
     """
     seconds = parse_age(window, "--window").total_seconds()
     if not 0 < seconds <= 366 * 86400:
@@ -56,7 +74,17 @@ def status(
             param_hint="--window",
         )
     cfg = settings(dsn, schema)
-    queues = operate(cfg, lambda admin: admin.queue_status(seconds, exact=exact))
+
+    async def read(admin: Admin) -> tuple[list[QueueStatus], dict[str, Stored]]:
+        found = await admin.queue_status(seconds, exact=exact)
+        by_queue: dict[str, list[SegmentInfo]] = {}
+        for segment in await admin.queue_segments():
+            by_queue.setdefault(segment.queue, []).append(segment)
+        return found, {name: Stored.of(s) for name, s in by_queue.items()}
+
+    queues, by_name = operate(cfg, read)
+    # A queue created after its segments were read has none (yet).
+    stored = [by_name.get(q.queue, Stored(0, None, 0)) for q in queues]
     routes = operate(cfg, lambda admin: admin.route_status(cfg.route_dsns()))
     if as_json:
         emit_json(
@@ -66,17 +94,18 @@ def status(
                     {
                         **{k: v for k, v in plain(q).items() if k != "windows"},
                         "note": q.created_by_send_note,
+                        **plain(d),
                     }
-                    for q in queues
+                    for q, d in zip(queues, stored, strict=True)
                 ],
                 "routes": [plain(r) for r in routes],
             }
         )
         return
     minutes = age_text(seconds)
-    # At 80 columns this is two tables, each with the queue names: the subqueues,
-    # then the recent window.
-    rows, recent = "rows", "recent"
+    # At 80 columns this is three tables, each with the queue names: the subqueues,
+    # the recent window, then the segments.
+    rows, recent, disk = "rows", "recent", "segments"
     table(
         f"nmbus queues in schema {cfg.schema_name!r} (recent = last {minutes})",
         [
@@ -91,6 +120,9 @@ def status(
             Column("avg ms", align="right", group=recent),
             Column("p99 ms", align="right", group=recent),
             Column(f"failed {minutes}", group=recent),
+            Column("segments", group=disk),
+            Column("oldest row", align="right", group=disk),
+            Column("size", align="right", group=disk),
         ],
         [
             [
@@ -105,8 +137,11 @@ def status(
                 q.recent_avg_ms,
                 q.recent_p99_ms,
                 q.recent_failed,
+                d.segments,
+                d.oldest_insert_time,
+                size_text(d.size_bytes),
             ]
-            for q in queues
+            for q, d in zip(queues, stored, strict=True)
         ],
         empty=f"no queues yet in schema {cfg.schema_name!r}",
     )

@@ -34,7 +34,15 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from nmbus.admin import WINDOW_ROWS, Admin, FailedCount, FailedPage, QueueDepth, QueueStatus
+from nmbus.admin import (
+    WINDOW_ROWS,
+    Admin,
+    FailedCount,
+    FailedPage,
+    QueueDepth,
+    QueueStatus,
+    SegmentInfo,
+)
 from nmbus.dashboard import charts, display, forms, guard
 from nmbus.dashboard.guard import DashboardOptions
 from nmbus.dashboard.hosts import is_loopback
@@ -49,6 +57,9 @@ __all__ = ["DashboardOptions", "create_app", "is_loopback", "overview"]
 PAGE_SIZE = 50
 # Queues per page of the queues page.
 QUEUES_PER_PAGE = 50
+# A queue's page lists this many of its segments, newest first, and says how
+# many older ones it leaves out (`nmbus segments QUEUE` lists every one).
+SEGMENTS_SHOWN = 50
 # A message's error, body and headers are shown up to this many characters
 # each; the rest is a link away (the whole text, served as plain text).
 TEXT_SHOWN = 64 * 1024
@@ -72,6 +83,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         ms=display.ms,
         utc=display.utc,
         size=display.size,
+        disk=display.disk,
         text_shown=f"{TEXT_SHOWN:,}",
         text_limit=TEXT_SHOWN,
         per_page=QUEUES_PER_PAGE,
@@ -140,7 +152,13 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
     async def queue_context(name: str) -> dict[str, Any]:
         status = await admin.queue_detail(name, (300.0, 3600.0))
         history = await admin.queue_history(name, bucket_seconds=60.0, buckets=60)
-        return {"q": status, "chart": charts.history_chart(history), "title": name}
+        segments = await admin.queue_segments([name])
+        return {
+            "q": status,
+            "chart": charts.history_chart(history),
+            "title": name,
+            "segments": segments_summary(segments),
+        }
 
     async def queue_page(request: Request) -> Response:
         return await page(request, "queue.html", await queue_context(request.path_params["name"]))
@@ -368,6 +386,22 @@ async def overview(
     status = {q.queue: q for found in read for q in found}
     sparks = await asyncio.gather(*(history(name) for name in names))
     return [(status[n], spark) for n, spark in zip(names, sparks, strict=True) if n in status]
+
+
+def segments_summary(segments: Sequence[SegmentInfo]) -> dict[str, Any]:
+    """What a queue's page shows of its segments (oldest first, as read): how many, its
+    oldest row's insert_time, their size, and at most SEGMENTS_SHOWN of them, newest first,
+    the one being written (the newest that holds rows) marked."""
+    holding = [s for s in segments if s.oldest is not None]
+    newest_first = list(reversed(segments))
+    return {
+        "count": len(segments),
+        "oldest": holding[0].oldest if holding else None,
+        "size_bytes": sum(s.size_bytes for s in segments),
+        "shown": newest_first[:SEGMENTS_SHOWN],
+        "more": max(len(segments) - SEGMENTS_SHOWN, 0),
+        "writing": holding[-1].name if holding else None,
+    }
 
 
 def _attention(q: QueueDepth) -> tuple[bool, float, str]:

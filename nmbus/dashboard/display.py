@@ -44,3 +44,14 @@ def utc(value: datetime | None, empty: str = "–") -> str:
 
 def size(chars: int) -> str:
     return f"{chars:,} characters"
+
+
+_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def disk(size_bytes: int) -> str:
+    """A size on disk in binary units (``40.0 KiB``, ``56.6 MiB``)."""
+    for unit, scale in _UNITS:
+        if size_bytes >= scale:
+            return f"{size_bytes / scale:,.1f} {unit}"
+    return f"{size_bytes:,} B"

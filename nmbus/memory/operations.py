@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from nmbus.errors import ConfigurationError, QueueNotFound
+from nmbus.memory.segments import whole_table
 from nmbus.names import validate_queue_name
 from nmbus.operations import (
     BlockedSequence,
@@ -33,6 +34,7 @@ from nmbus.operations import (
     RetentionDue,
     RetentionPolicy,
     RetentionResult,
+    SegmentInfo,
     Subscription,
     WindowStats,
     window_stats,
@@ -182,6 +184,9 @@ class MemoryOperations:
             blocked = min(len(_blocked(self.tables[name], now)), limits.blocked_shown)
             found.append(QueueDepth(name, blocked=blocked, **depth))
         return found
+
+    async def queue_segments(self, queues: Sequence[str] | None) -> list[SegmentInfo]:
+        return [whole_table(name, self.tables[name]) for name in self._known(queues)]
 
     async def queue_history(
         self, queue: str, bucket_seconds: float, buckets: int, cap: int

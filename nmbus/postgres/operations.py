@@ -35,6 +35,7 @@ from nmbus.operations import (
     RetentionDue,
     RetentionPolicy,
     RetentionResult,
+    SegmentInfo,
     Subscription,
 )
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
@@ -42,7 +43,7 @@ from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.schema import CREATED_BY_SEND
 from nmbus.postgres.sql import render
-from nmbus.postgres.status import created_by_send, each_queue, status_of
+from nmbus.postgres.status import created_by_send, each_queue, segments_of, status_of
 from nmbus.postgres.store import PostgresStore
 from nmbus.store import SCHEMA_VERSION
 
@@ -160,6 +161,11 @@ class PostgresOperations:
                 )
             )
         return found
+
+    async def queue_segments(self, queues: Sequence[str] | None) -> list[SegmentInfo]:
+        """One read of the catalogue for every queue, then one statement per queue."""
+        async with self._session("list segments", read_only=True) as conn:
+            return await segments_of(conn, self.schema, await self._queues(conn, queues))
 
     async def queue_history(
         self, queue: str, bucket_seconds: float, buckets: int, cap: int

@@ -1,4 +1,4 @@
-"""How busy a queue is, read from PostgreSQL: the status, depth and window reads.
+"""How busy a queue is, read from PostgreSQL: the status, depth, window and segment reads.
 
 Functions over a connection inside the caller's read-only transaction
 (:class:`nmbus.postgres.operations.PostgresOperations` opens it). The SQL is
@@ -17,6 +17,7 @@ from nmbus.operations import (
     BlockedSequence,
     QueueStatus,
     ReadLimits,
+    SegmentInfo,
     WindowStats,
     window_stats,
 )
@@ -25,6 +26,11 @@ from nmbus.postgres.sql import own_name, render
 
 #: Lists the queues that have a table now (to read again without a dropped one).
 Lister = Callable[[], Awaitable[list[str]]]
+
+# Ids are bigints: a segment's probe runs from its first id to its last, both inclusive.
+_FIRST_ID, _LAST_ID = -(2**63), 2**63 - 1
+# Ids a segment covers (DESIGN.md section 10: segment n from n * 2^36, up to (n+1) * 2^36).
+_SEGMENT_IDS = 2**36
 
 
 async def each_queue(
@@ -129,3 +135,55 @@ async def saga_count(
     if pages is not None and pages <= exact_pages:
         return int(await conn.fetchval(render("ops_saga_count", schema, name))), False
     return int(live or 0), True
+
+
+async def segments_of(conn: Any, schema: str, names: Sequence[str]) -> list[SegmentInfo]:
+    """The segments of the queues ``names``: one read of the catalogue for all of them, then
+    one statement per queue (ops_segment_probe) for what only its rows can say."""
+    listed = await conn.fetch(render("ops_queue_segments", schema), schema, list(names))
+    by_queue: dict[str, list[Any]] = {}
+    for row in listed:
+        by_queue.setdefault(row["queue"], []).append(row)
+    found: list[SegmentInfo] = []
+    for name in names:
+        rows = by_queue.get(name, [])
+        if not rows:
+            continue  # dropped since it was listed, or partitioned with no segment yet
+        firsts, lasts = zip(*(_id_range(r) for r in rows), strict=True)
+        sql = render("ops_segment_probe", schema, name)
+        try:
+            async with conn.transaction():  # a savepoint: a queue dropped meanwhile is skipped
+                probes = await conn.fetch(sql, [r["oid"] for r in rows], firsts, lasts)
+        except asyncpg.UndefinedTableError:
+            continue
+        segments = [
+            SegmentInfo(
+                name,
+                row["name"],
+                _number(name, row["name"], row["low_id"]),
+                int(row["rows"]),
+                int(probe["pending"]),
+                probe["oldest"],
+                probe["newest"],
+                int(row["size_bytes"]),
+            )
+            for row, probe in zip(rows, probes, strict=True)
+        ]
+        found.extend(sorted(segments, key=lambda s: (s.number, s.name)))
+    return found
+
+
+def _id_range(row: Any) -> tuple[int, int]:
+    """The first and last id segment ``row`` may hold (an empty range: not a range partition)."""
+    if not row["ranged"]:
+        return 0, -1
+    low, high = row["low_id"], row["high_id"]
+    return (_FIRST_ID if low is None else low), (_LAST_ID if high is None else high - 1)
+
+
+def _number(queue: str, table: str, low_id: int | None) -> int:
+    """n of a segment: from its name ``<queue>$s<n>``, else from its first id (2^36 a segment)."""
+    suffix = table.removeprefix(f"{queue}$s")
+    if suffix != table and suffix.isascii() and suffix.isdigit():
+        return int(suffix)
+    return 0 if low_id is None else max(low_id, 0) // _SEGMENT_IDS

@@ -295,3 +295,54 @@ SELECT publisher_endpoint, subscriber_endpoint, message_type, created_date, expi
 FROM {schema}.subscriptions
 WHERE $1::text IS NULL OR publisher_endpoint = $1
 ORDER BY publisher_endpoint, message_type, subscriber_endpoint;
+
+-- ops_queue_segments --
+-- The segments of the queue tables $2 (names[]) of schema $1 (both unquoted), from the catalogue alone: a partitioned queue table's partitions (pg_inherits), or the table itself when it is not partitioned. Per segment: its queue, table name and oid, its bounds (low_id inclusive, high_id exclusive; NULL: MINVALUE or MAXVALUE, or a table not partitioned), whether it is a range partition (or the whole table), its rows estimated as ops_rows_estimate does, and its size with indexes and TOAST (0 once dropped).
+WITH t AS (
+    SELECT c.oid, c.relname, c.relkind
+    FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE n.nspname = $1 AND c.relname = ANY($2::text[]) AND c.relkind IN ('r', 'p')
+), s AS (
+    SELECT t.relname AS queue, p.oid, p.relname AS name, pg_get_expr(p.relpartbound, p.oid) AS bound
+    FROM t
+    JOIN pg_inherits AS i ON i.inhparent = t.oid
+    JOIN pg_class AS p ON p.oid = i.inhrelid
+    WHERE t.relkind = 'p'
+    UNION ALL
+    SELECT t.relname, t.oid, t.relname, NULL FROM t WHERE t.relkind = 'r'
+)
+SELECT s.queue, s.name, s.oid,
+       (regexp_match(s.bound, 'FROM \(''?(-?[0-9]+)''?\)'))[1]::bigint AS low_id,
+       (regexp_match(s.bound, 'TO \(''?(-?[0-9]+)''?\)'))[1]::bigint AS high_id,
+       s.bound IS NULL OR s.bound LIKE 'FOR VALUES FROM %' AS ranged,
+       greatest(coalesce(st.n_live_tup, 0), c.reltuples::bigint, 0) AS rows,
+       coalesce(pg_total_relation_size(s.oid), 0) AS size_bytes
+FROM s
+JOIN pg_class AS c ON c.oid = s.oid
+LEFT JOIN pg_stat_user_tables AS st ON st.relid = s.oid
+ORDER BY s.queue, s.name;
+
+-- ops_segment_probe --
+-- What the catalogue cannot say of a queue's segments, never a scan of X rows. $1 oids[] of the segments (ops_queue_segments), $2 and $3 the first and last id each may hold (inclusive; a segment not ranged gets an empty range). Per segment, by its position k in $1 (from 1): the insert_time of its lowest and highest id (one probe of the primary key each, in that segment alone: partition pruning), and pending, its rows not in X, exactly: I and R through the ready index (and the sequence index for members parked at retry_time 'infinity'), F through the done index, counted per segment by tableoid.
+WITH pending AS (
+    SELECT p.tableoid, count(*) AS n FROM (
+        SELECT tableoid FROM {queue} WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity'
+        UNION ALL
+        SELECT tableoid FROM {queue}
+        WHERE sequence_key IS NOT NULL AND subqueue <> 'X' AND retry_time = 'infinity'
+          AND subqueue IN ('I', 'R')
+        UNION ALL
+        SELECT tableoid FROM {queue} WHERE subqueue = 'F'
+    ) AS p
+    GROUP BY p.tableoid
+)
+SELECT s.k, o.insert_time AS oldest, w.insert_time AS newest, coalesce(p.n, 0) AS pending
+FROM unnest($1::oid[], $2::bigint[], $3::bigint[]) WITH ORDINALITY AS s(oid, low, high, k)
+LEFT JOIN LATERAL (
+    SELECT insert_time FROM {queue} WHERE id >= s.low AND id <= s.high ORDER BY id LIMIT 1
+) AS o ON true
+LEFT JOIN LATERAL (
+    SELECT insert_time FROM {queue} WHERE id >= s.low AND id <= s.high ORDER BY id DESC LIMIT 1
+) AS w ON true
+LEFT JOIN pending AS p ON p.tableoid = s.oid
+ORDER BY s.k;

@@ -14,16 +14,19 @@ QueueNotFound. Methods that write say so in their name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Protocol
 
+# Re-exported: the operator's layer speaks of retention too.
+from nmbus.retention import ProgressCallback as ProgressCallback
+from nmbus.retention import RetentionPolicy as RetentionPolicy
+from nmbus.retention import RetentionResult as RetentionResult
 from nmbus.rows import QueueRow
 
 if TYPE_CHECKING:
-    from nmbus.settings import Settings
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,65 +298,6 @@ class FailedFilter:
     error_contains: str | None = None
     max_id: int | None = None
     failed_by: datetime | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RetentionPolicy:
-    """What to remove and how: ages, batch size, and where to archive (None: don't)."""
-
-    max_age: timedelta = timedelta(days=7)
-    failed_max_age: timedelta | None = None
-    batch_size: int = 5000
-    archive_dir: Path | None = None
-    #: The span of time one segment covers (docs/storage.md, "Segments").
-    segment_seconds: float = 3600.0
-
-    def __post_init__(self) -> None:
-        if not 1.0 <= self.segment_seconds <= 31 * 86400:
-            raise ValueError("segment_seconds must be from 1 second to 31 days")
-        if self.max_age < timedelta(0):
-            raise ValueError("max_age must not be negative")
-        if self.failed_max_age is not None and self.failed_max_age < timedelta(0):
-            raise ValueError("failed_max_age must not be negative")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> RetentionPolicy:
-        archive = settings.retention_archive_dir
-        return cls(
-            max_age=settings.retention_max_age,
-            failed_max_age=settings.retention_failed_max_age,
-            batch_size=settings.retention_batch_size,
-            archive_dir=Path(archive) if archive else None,
-            segment_seconds=settings.segment_seconds,
-        )
-
-
-@dataclass(slots=True)
-class RetentionResult:
-    """What one run did to one queue."""
-
-    queue: str
-    deleted: dict[str, int] = field(default_factory=lambda: {"X": 0, "F": 0})
-    files: list[Path] = field(default_factory=list)
-    batches: int = 0
-    longest_batch_seconds: float = 0.0
-    recovered_files: int = 0
-    skipped: bool = False
-    #: Segments dropped whole, rows moved out of old segments to the one being
-    #: written (waiting F/I/R rows), and segments kept because of what they hold.
-    segments_dropped: int = 0
-    rows_moved: int = 0
-    segments_pinned: int = 0
-
-    @property
-    def total(self) -> int:
-        return sum(self.deleted.values())
-
-
-#: Called as ``on_batch(queue, rows)`` after every committed batch of a change.
-ProgressCallback = Callable[[str, int], None]
 
 
 class Operations(Protocol):

@@ -22,15 +22,13 @@ from nmbus.operations import (
     window_stats,
 )
 from nmbus.postgres.schema import CREATED_BY_SEND
-from nmbus.postgres.sql import own_name, render
+from nmbus.postgres.sql import SEGMENT_SPAN, own_name, render
 
 #: Lists the queues that have a table now (to read again without a dropped one).
 Lister = Callable[[], Awaitable[list[str]]]
 
 # Ids are bigints: a segment's probe runs from its first id to its last, both inclusive.
 _FIRST_ID, _LAST_ID = -(2**63), 2**63 - 1
-# Ids a segment covers (DESIGN.md section 10: segment n from n * 2^36, up to (n+1) * 2^36).
-_SEGMENT_IDS = 2**36
 
 
 async def each_queue(
@@ -186,4 +184,4 @@ def _number(queue: str, table: str, low_id: int | None) -> int:
     suffix = table.removeprefix(f"{queue}$s")
     if suffix != table and suffix.isascii() and suffix.isdigit():
         return int(suffix)
-    return 0 if low_id is None else max(low_id, 0) // _SEGMENT_IDS
+    return 0 if low_id is None else max(low_id, 0) // SEGMENT_SPAN

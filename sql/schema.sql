@@ -55,12 +55,18 @@ BEGIN
     IF p_number < 0 THEN
         RAISE EXCEPTION 'no segment %', p_number;
     END IF;
+    IF to_regclass(format('%I.%I', p_schema, p_queue || '$s' || p_number)) IS NOT NULL THEN
+        RETURN;
+    END IF;
     EXECUTE format(
-        'CREATE TABLE IF NOT EXISTS %I.%I PARTITION OF %I.%I FOR VALUES FROM (%s) TO (%s) '
+        'CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS) '
         'WITH (fillfactor = 50, autovacuum_vacuum_scale_factor = 0.02, '
         'autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_insert_scale_factor = 0.05, '
         'autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 1)',
-        p_schema, p_queue || '$s' || p_number, p_schema, p_queue,
+        p_schema, p_queue || '$s' || p_number, p_schema, p_queue);
+    EXECUTE format(
+        'ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%s) TO (%s)',
+        p_schema, p_queue, p_schema, p_queue || '$s' || p_number,
         CASE WHEN p_number = 0 THEN 'MINVALUE' ELSE (p_number * 68719476736)::text END,
         (p_number + 1) * 68719476736);
 END

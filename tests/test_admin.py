@@ -27,7 +27,7 @@ from nmbus.errors import (
 )
 from nmbus.postgres.sql import render
 from nmbus.settings import Settings
-from tests.ops_data import CHARGE_ERROR, Facts, count, notifications
+from tests.ops_data import CHARGE_ERROR, Facts, count, notifications, split_segments
 from tests.waits import wait_until
 
 OLD = RetentionPolicy(max_age=timedelta(hours=12))
@@ -257,7 +257,10 @@ async def test_subscriptions(admin: Admin, facts: Facts) -> None:
     assert [s.message_type for s in await admin.subscriptions("payments")] == ["payments.Refunded"]
 
 
-async def test_retention_due(admin: Admin, facts: Facts) -> None:
+async def test_retention_due(admin: Admin, facts: Facts, db: asyncpg.Connection) -> None:
+    # Segments: the X rows older than 7 days, then those older than 12 hours, then the rest.
+    await split_segments(db, "subqueue = 'X' AND last_processed < now() - interval '7 days'")
+    await split_segments(db, "subqueue = 'X' AND last_processed < now() - interval '12 hours'")
     assert await admin.retention_due(OLD) == [
         RetentionDue("billing", processed=65, failed=0),
         RetentionDue("shipping", processed=0, failed=0),
@@ -336,18 +339,22 @@ async def test_failed_writes_go_in_batches(admin: Admin, db: asyncpg.Connection)
 async def test_run_retention(
     admin: Admin, facts: Facts, db: asyncpg.Connection, tmp_path: Path
 ) -> None:
+    # The 65 old X rows in a segment of their own; the rest in the next one.
+    await split_segments(db, "subqueue = 'X' AND last_processed < now() - interval '12 hours'")
     policy = RetentionPolicy(max_age=timedelta(hours=12), batch_size=10, archive_dir=tmp_path)
     batches: list[int] = []
     (result,) = await admin.run_retention(policy, ["billing"], lambda _q, n: batches.append(n))
     assert result.queue == "billing" and result.deleted == {"X": 65, "F": 0}
-    assert result.batches == 7 and sum(batches) == 65 and len(batches) == 7
+    assert result.batches == 1 and batches == [65]  # one segment, dropped whole
     assert all(f.is_relative_to(tmp_path / "queue=billing") for f in result.files)
     assert await count(db, "subqueue = 'X'") == 100
     everything = RetentionPolicy(max_age=timedelta(0), failed_max_age=timedelta(minutes=35))
     results = await admin.run_retention(everything)
-    assert [(r.queue, r.deleted) for r in results] == [
-        ("billing", {"X": 100, "F": 2}),
-        ("shipping", {"X": 0, "F": 0}),
+    # The other segment keeps its 100 X rows: a live lease holds one of its rows.
+    # The two F rows past 35 minutes go one by one.
+    assert [(r.queue, r.deleted, r.segments_pinned) for r in results] == [
+        ("billing", {"X": 0, "F": 2}, 1),
+        ("shipping", {"X": 0, "F": 0}, 0),
     ]
     with pytest.raises(QueueNotFound, match=r"no such queue\(s\): nosuch"):
         await admin.run_retention(everything, ["nosuch"])
@@ -356,6 +363,7 @@ async def test_run_retention(
 async def test_an_archive_that_cannot_be_written_is_a_file_error(
     admin: Admin, facts: Facts, db: asyncpg.Connection, tmp_path: Path
 ) -> None:
+    await split_segments(db, "subqueue = 'X' AND last_processed < now() - interval '12 hours'")
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
     policy = RetentionPolicy(max_age=timedelta(hours=12), archive_dir=blocked)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from nmbus.admin import Admin
@@ -23,6 +24,7 @@ from nmbus.messages import Envelope
 from nmbus.operations import MessageRow, RetentionPolicy
 from nmbus.postgres import PostgresStore
 from nmbus.postgres.operations import PostgresOperations
+from nmbus.postgres.segments import advance
 from nmbus.rows import COLUMNS
 from nmbus.store import SCHEMA_VERSION, Outcomes, Store
 from nmbus.testing import MemoryStore
@@ -36,6 +38,16 @@ class Both:
 
     store: Store
     admin: Admin
+    dsn: str | None = None
+
+    async def close_segment(self, queue: str) -> None:
+        """Start a new segment of ``queue`` (the memory store keeps one: nothing to do)."""
+        if self.dsn is not None:
+            conn = await asyncpg.connect(self.dsn)
+            try:
+                await advance(conn, "nmbus", queue)
+            finally:
+                await conn.close()
 
 
 @pytest.fixture(params=["memory", "postgres"])
@@ -49,7 +61,7 @@ async def both(request: pytest.FixtureRequest) -> AsyncIterator[Both]:
     await pg.open()
     try:
         async with Admin.over(PostgresOperations(dsn)) as admin:
-            yield Both(pg, admin)
+            yield Both(pg, admin, dsn)
     finally:
         await pg.close()
 
@@ -153,8 +165,9 @@ async def test_segments_hold_every_row_and_count_what_is_pending(both: Both) -> 
     assert first is not None and last is not None
     assert (holding[0].oldest, holding[-1].newest) == (first.insert_time, last.insert_time)
     assert all(s.rows >= 0 and s.size_bytes >= 0 for s in found)
-    (shipping,) = await admin.queue_segments(["shipping"])
-    assert (shipping.queue, shipping.pending) == ("shipping", 1)
+    shipping = await admin.queue_segments(["shipping"])  # one, or one and the next
+    assert {s.queue for s in shipping} == {"shipping"}
+    assert sum(s.pending for s in shipping) == 1
     with pytest.raises(QueueNotFound, match="no such queue"):
         await admin.queue_segments(["nosuch"])
     with pytest.raises(InvalidQueueName):
@@ -332,6 +345,7 @@ async def test_retention_removes_old_rows_and_expired_ones_nobody_took(both: Bot
     await store.insert("q", "shop", [envelope(n) for n in range(4)])
     await store.insert("q", "shop", [envelope(9, expires_at=long_ago)])
     await settle(store, "q", ["X", "X", "F"])
+    await both.close_segment("q")  # on PostgreSQL, processed rows go with their segment
     now = RetentionPolicy(max_age=timedelta(0), batch_size=1)
     (due,) = await admin.retention_due(now)
     assert (due.queue, due.processed, due.failed) == ("q", 2, 0)

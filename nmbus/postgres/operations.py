@@ -40,8 +40,10 @@ from nmbus.operations import (
 )
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.listen import notify_channel
+from nmbus.postgres.reclaim import due
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.schema import CREATED_BY_SEND
+from nmbus.postgres.segments import segments
 from nmbus.postgres.sql import render
 from nmbus.postgres.status import created_by_send, each_queue, segments_of, status_of
 from nmbus.postgres.store import PostgresStore
@@ -265,9 +267,13 @@ class PostgresOperations:
         async with self._session("count old rows", read_only=True) as conn:
             found = []
             for name in await self._queues(conn, queues):
-                sql = render("retention_count", self.schema, name)
-                row = await conn.fetchrow(sql, policy.max_age, policy.failed_max_age)
-                found.append(RetentionDue(name, processed=int(row[0]), failed=int(row[1])))
+                if await segments(conn, self.schema, name):
+                    processed, failed = await due(conn, self.schema, name, policy)
+                else:
+                    sql = render("retention_count", self.schema, name)
+                    row = await conn.fetchrow(sql, policy.max_age, policy.failed_max_age)
+                    processed, failed = int(row[0]), int(row[1])
+                found.append(RetentionDue(name, processed=processed, failed=failed))
             return found
 
     # -- writes ----------------------------------------------------------------------------

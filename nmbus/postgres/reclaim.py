@@ -210,6 +210,32 @@ async def _archive(
     return pending, rows
 
 
+async def due(conn: Any, schema: str, queue: str, policy: RetentionPolicy) -> tuple[int, int]:
+    """What a run would remove now: (X rows of the segments it would drop, F rows past
+    ``failed_max_age``). Read only; a segment counts unless a recent X row or a
+    sequence member not done keeps it (what a run moves first is not counted)."""
+    current = await current_segment(conn, schema, queue)
+    processed = 0
+    for segment in await segments(conn, schema, queue):
+        if segment.number >= current:
+            break
+        pins = await conn.fetchrow(
+            render_segment("segment_pins", schema, queue, segment.number),
+            policy.max_age,
+            policy.failed_max_age,
+        )
+        if not (pins["recent"] or pins["sequenced"]):
+            processed += int(
+                await conn.fetchval(
+                    render_segment("segment_count_processed", schema, queue, segment.number)
+                )
+            )
+    row = await conn.fetchrow(
+        render("retention_count", schema, queue), policy.max_age, policy.failed_max_age
+    )
+    return processed, int(row[1])
+
+
 async def forget_unique(conn: Any, schema: str, queue: str, batch_size: int) -> int:
     """Delete unique-table entries of ids in no segment (dropped ones); returns how many."""
     present = await segments(conn, schema, queue)

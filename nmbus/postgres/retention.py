@@ -179,8 +179,13 @@ async def _walk(
             result.longest_batch_seconds = max(result.longest_batch_seconds, elapsed)
             if on_batch is not None:
                 on_batch(queue, count)
-        # A full batch may have left more rows in this window; otherwise move on.
-        last = int(top) if count == policy.batch_size else upper
+        # A full batch may have left more rows in this window; otherwise move on,
+        # over the gaps between segments (ids jump by 2^36 from one to the next).
+        if count == policy.batch_size:
+            last = int(top)
+        else:
+            following = await conn.fetchval(render("retention_next_id", schema, queue), upper)
+            last = high if following is None else max(upper, int(following) - 1)
 
 
 async def _archive_batch(

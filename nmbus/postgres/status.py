@@ -88,7 +88,7 @@ async def status_of(
         estimated = False
     else:
         counts = dict(await conn.fetchrow(render("ops_queue_counts", schema, name), schema, name))
-        live, pages = int(counts.pop("live_rows")), int(counts.pop("pages"))
+        live, pages = (int(v) for v in counts.pop("tree"))
         if pages <= limits.exact_count_pages:
             processed = int(await conn.fetchval(render("ops_count_processed", schema, name)))
             estimated = False

@@ -39,11 +39,20 @@ ORDER BY to_endpoint;
 -- ops_queue_counts --
 -- The cheap figures of a queue, never a scan of its X rows. $1: schema, $2: queue name (both unquoted). I and R rows are read through the ready index (and the sequence index for members parked at retry_time 'infinity'), so their cost follows the backlog; F rows through the done index. live_rows is the statistics system's count of live rows (pg_stat_user_tables.n_live_tup, kept up to date by every insert and delete, not by a scan) and pages the table's current size, from which X is estimated.
 {ops_open_counts},
-       (SELECT coalesce(max(n_live_tup), 0) FROM pg_stat_user_tables
-        WHERE schemaname = $1 AND relname = $2) AS live_rows,
-       (pg_relation_size(format('%I.%I', $1::text, $2::text)::regclass)
-        / current_setting('block_size')::bigint) AS pages
+       (SELECT array[t.live_rows, t.pages]
+        FROM to_regclass(format('%I.%I', $1::text, $2::text)) AS r,
+             LATERAL ({tree_size(table => r)}) AS t) AS tree
 FROM open;
+
+-- tree_size --
+-- Fragment of ops_queue_counts, ops_queue_sizes and ops_table_rows: the live rows
+-- (pg_stat_user_tables.n_live_tup) and pages of table {:table} with every segment
+-- of it (pg_partition_tree; a plain table is its own tree).
+SELECT coalesce(sum(s.n_live_tup), 0)::bigint AS live_rows,
+       (coalesce(sum(pg_relation_size(p.relid)), 0)
+        / current_setting('block_size')::bigint)::bigint AS pages
+FROM pg_partition_tree({:table}) AS p
+LEFT JOIN pg_stat_user_tables AS s ON s.relid = p.relid
 
 -- ops_open_counts --
 -- Fragment of ops_queue_counts and ops_queue_depth, which add columns to it:
@@ -70,13 +79,11 @@ SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
 
 -- ops_queue_sizes --
 -- Every registered queue that has a table, by name: the statistics system's live-row count (as in ops_queue_counts), its size in pages and its table's comment (the mark of a queue a send created, see mark_created_by_send). $1: schema (unquoted).
-SELECT q.name, coalesce(s.n_live_tup, 0) AS live_rows,
-       pg_relation_size(c.oid) / current_setting('block_size')::bigint AS pages,
-       obj_description(c.oid, 'pg_class') AS note
+SELECT q.name, t.live_rows, t.pages, obj_description(c.oid, 'pg_class') AS note
 FROM {schema}.queues AS q
 JOIN pg_namespace AS n ON n.nspname = $1
-JOIN pg_class AS c ON c.relnamespace = n.oid AND c.relname = q.name AND c.relkind IN ('r', 'p')
-LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid
+JOIN pg_class AS c ON c.relnamespace = n.oid AND c.relname = q.name AND c.relkind IN ('r', 'p'),
+LATERAL ({tree_size(table => c.oid)}) AS t
 ORDER BY q.name;
 
 -- ops_marked_queues --
@@ -105,10 +112,13 @@ FROM open;
 
 -- ops_rows_estimate --
 -- Rows of the given queue tables together, estimated without a scan: per table the larger of the statistics system's live rows (pg_stat_user_tables.n_live_tup: current on a primary, but zero after a crash, a stats reset, or on a standby) and the planner's row count (pg_class.reltuples: as of the last vacuum or analyze, replicated, -1 before the first). The larger one errs towards a big run. $1: schema, $2: queue names (both unquoted).
-SELECT coalesce(sum(greatest(coalesce(s.n_live_tup, 0), c.reltuples::bigint, 0)), 0)::bigint
+-- A segmented table counts as its segments together.
+SELECT coalesce(sum(greatest(coalesce(s.n_live_tup, 0), l.reltuples::bigint, 0)), 0)::bigint
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
-LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+CROSS JOIN LATERAL pg_partition_tree(c.oid) AS p
+JOIN pg_class l ON l.oid = p.relid AND p.isleaf
+LEFT JOIN pg_stat_user_tables s ON s.relid = l.oid
 WHERE n.nspname = $1 AND c.relname = ANY($2::text[]) AND c.relkind IN ('r', 'p');
 
 -- ops_count_processed --
@@ -174,9 +184,9 @@ ORDER BY b.start;
 
 -- ops_table_rows --
 -- Rows of table $2 in schema $1 (both unquoted): the statistics system's live-row count and the table's size in pages; NULLs when there is no such table.
-SELECT (SELECT n_live_tup FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2),
-       pg_relation_size(t) / current_setting('block_size')::bigint
-FROM to_regclass(format('%I.%I', $1::text, $2::text)) AS t
+SELECT z.live_rows, z.pages
+FROM to_regclass(format('%I.%I', $1::text, $2::text)) AS t,
+     LATERAL ({tree_size(table => t)}) AS z
 WHERE t IS NOT NULL;
 
 -- ops_saga_count --

@@ -45,6 +45,10 @@ FROM {queue};
 -- Lowest and highest id of a queue, so retention walks it in id windows.
 SELECT min(id), max(id) FROM {queue};
 
+-- retention_next_id --
+-- The lowest id above $1 (a probe of the primary key), or NULL.
+SELECT min(id) FROM {queue} WHERE id > $1;
+
 -- retention_pick --
 -- Lock the next retention batch: rows of subqueue $1[] last processed more than $2 (interval) ago, ids in ($3, $4], lowest first, at most $5; every column, headers as JSON text.
 SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, retry_count,

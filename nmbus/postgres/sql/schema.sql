@@ -169,7 +169,11 @@ CREATE OR REPLACE TRIGGER "nmbus$unique" BEFORE INSERT ON {queue}
 -- Fragment of create_schema and migrate_10_function: nmbus_create_segment(schema,
 -- queue, n) creates segment n of a queue table unless it exists: the table
 -- "<queue>$s<n>" for the ids from n * 2^36 (segment 0: from the lowest bigint) up
--- to (n + 1) * 2^36 (nmbus.postgres.segments), with the queue table's indexes.
+-- to (n + 1) * 2^36 (nmbus.postgres.segments). It is made empty on its own and
+-- then attached, which takes the queue table in SHARE UPDATE EXCLUSIVE mode:
+-- claims, finishes and inserts go on meanwhile (CREATE TABLE ... PARTITION OF
+-- would wait for every open transaction on the queue and block them all). The
+-- attach builds the queue table's indexes on it and gives it its trigger.
 -- fillfactor 50 leaves room on each page for the claim's UPDATE to stay HOT (it
 -- changes no indexed column; see docs/storage.md); the autovacuum settings keep
 -- dead tuples from piling up under a busy segment.
@@ -180,12 +184,18 @@ BEGIN
     IF p_number < 0 THEN
         RAISE EXCEPTION 'no segment %', p_number;
     END IF;
+    IF to_regclass(format('%I.%I', p_schema, p_queue || '$s' || p_number)) IS NOT NULL THEN
+        RETURN;
+    END IF;
     EXECUTE format(
-        'CREATE TABLE IF NOT EXISTS %I.%I PARTITION OF %I.%I FOR VALUES FROM (%s) TO (%s) '
+        'CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS) '
         'WITH (fillfactor = 50, autovacuum_vacuum_scale_factor = 0.02, '
         'autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_insert_scale_factor = 0.05, '
         'autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 1)',
-        p_schema, p_queue || '$s' || p_number, p_schema, p_queue,
+        p_schema, p_queue || '$s' || p_number, p_schema, p_queue);
+    EXECUTE format(
+        'ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%s) TO (%s)',
+        p_schema, p_queue, p_schema, p_queue || '$s' || p_number,
         CASE WHEN p_number = 0 THEN 'MINVALUE' ELSE (p_number * 68719476736)::text END,
         (p_number + 1) * 68719476736);
 END

@@ -93,6 +93,10 @@ SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, re
        unique_id, handling_client_id, lease_expires, isolated, priority, sequence_key, expires_at
 FROM {segment} ORDER BY id;
 
+-- segment_count_processed --
+-- How many X rows the segment holds (an index-only read of its done index).
+SELECT count(*) FROM {segment} WHERE subqueue = 'X';
+
 -- segment_count --
 -- How many rows the segment holds, once nothing but X and F rows is left in it
 -- (an index-only read of its done index; the X rows themselves are not read).

@@ -71,4 +71,5 @@ async def make_v9(db: asyncpg.Connection, schema: str, queues: list[str]) -> Non
             f"DROP TABLE IF EXISTS {quote_ident(schema)}.{quote_ident(own_name(queue, 'unique'))}"
         )
         await create_v9_queue(db, schema, queue)
-    await db.execute(f"DELETE FROM {quote_ident(schema)}.schema_version WHERE version > 9")
+    await db.execute(f"DELETE FROM {quote_ident(schema)}.schema_version")
+    await db.execute(f"INSERT INTO {quote_ident(schema)}.schema_version (version) VALUES (9)")

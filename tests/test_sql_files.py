@@ -12,6 +12,7 @@ import re
 import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -176,7 +177,7 @@ def test_every_block_is_run_by_python_or_put_in_by_another() -> None:
 def test_every_statement_renders_with_every_name_filled() -> None:
     for name in QUERIES:
         if "{segment}" in QUERIES[name]:
-            text = render_segment(name, "s", "q", 3)
+            text = render_segment(name, "s", "q", 3, datetime(2026, 1, 1, tzinfo=UTC))
         else:
             text = render(name, "s", "q")
         assert not re.search(r"\{:?[a-z_]+[(}]", text), (name, text)

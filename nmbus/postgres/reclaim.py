@@ -43,6 +43,7 @@ from nmbus.postgres.segments import (
     LOCK_TIMEOUT,
     Segment,
     current_segment,
+    lock_key,
     segments,
 )
 from nmbus.postgres.sql import SEGMENT_SPAN, render, render_segment
@@ -74,11 +75,12 @@ async def reclaim_segments(
             continue
         elapsed = time.perf_counter() - started
         result.segments_dropped += 1
-        result.deleted["X"] += dropped
+        for subqueue, count in dropped.items():
+            result.deleted[subqueue] += count
         result.batches += 1
         result.longest_batch_seconds = max(result.longest_batch_seconds, elapsed)
         if on_batch is not None:
-            on_batch(queue, dropped)
+            on_batch(queue, sum(dropped.values()))
     await forget_unique(conn, schema, queue, policy.batch_size)
 
 
@@ -89,8 +91,8 @@ async def _reclaim(
     segment: Segment,
     policy: RetentionPolicy,
     result: RetentionResult,
-) -> int | None:
-    """Drop one segment if nothing keeps it; returns the rows it held, None if kept."""
+) -> dict[str, int] | None:
+    """Drop one segment if nothing keeps it; returns its X and F rows, None if kept."""
     n = segment.number
     if await _pins(conn, schema, queue, n, policy, recent_only=True):
         return None
@@ -99,20 +101,23 @@ async def _reclaim(
         result.segments_pinned += 1
         return None
     pending: list[Path] = []
-    rows = 0
+    rows: dict[str, int] = {"X": 0, "F": 0}
     try:
         if policy.archive_dir is not None:
-            pending, rows = await _archive(conn, schema, queue, n, policy)
+            try:
+                pending, rows = await _archive(conn, schema, queue, n, policy)
+            except _Kept:  # a row came back to life since the probes: next run
+                result.segments_pinned += 1
+                return None
         else:
             # Counted before the lock (an index-only read of the done index):
             # rows only leave an old segment, and a drop with any other row left is refused.
-            rows = int(await conn.fetchval(render_segment("segment_count", schema, queue, n)))
+            counted = await conn.fetchrow(render_segment("segment_count", schema, queue, n))
+            rows = {"X": int(counted["x"]), "F": int(counted["f"])}
         try:
             async with conn.transaction():
                 await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-                await conn.execute(
-                    render("advisory_lock", schema), f"nmbus.segments.{schema}.{queue}"
-                )
+                await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
                 await conn.execute(render("segment_lock_queue", schema, queue))
                 if await _pins(conn, schema, queue, n, policy):
                     raise _Kept
@@ -178,14 +183,14 @@ async def _move_waiting(conn: Any, schema: str, queue: str, n: int, policy: Rete
 
 async def _archive(
     conn: Any, schema: str, queue: str, n: int, policy: RetentionPolicy
-) -> tuple[list[Path], int]:
+) -> tuple[list[Path], dict[str, int]]:
     """Write every row of segment ``n`` to pending files; refuse a row that must stay."""
     assert policy.archive_dir is not None
     now = await conn.fetchval("SELECT now()")
     x_cut = now - policy.max_age
     f_cut = None if policy.failed_max_age is None else now - policy.failed_max_age
     pending: list[Path] = []
-    rows = 0
+    rows = {"X": 0, "F": 0}
     try:
         async with conn.transaction(isolation="repeatable_read", readonly=True):
             cursor = await conn.cursor(render_segment("segment_rows", schema, queue, n))
@@ -199,10 +204,10 @@ async def _archive(
                     )
                     if not (done or failed):
                         raise _Kept
+                    rows[row["subqueue"]] += 1
                 pending.extend(
                     await asyncio.to_thread(write_pending, policy.archive_dir, queue, chunk)
                 )
-                rows += len(chunk)
     except BaseException:
         for path in pending:
             path.unlink(missing_ok=True)

@@ -29,7 +29,14 @@ from typing import Any
 import asyncpg
 import structlog
 
-from nmbus.postgres.sql import SEGMENT_SPAN, quote_ident, render, render_segment, segment_name
+from nmbus.postgres.sql import (
+    OPENED_NOTE,
+    SEGMENT_SPAN,
+    quote_ident,
+    render,
+    render_segment,
+    segment_name,
+)
 
 log = structlog.get_logger("nmbus.segments")
 
@@ -44,6 +51,7 @@ class Segment:
 
     number: int
     name: str
+    note: str | None = None
 
     @property
     def lower(self) -> int | None:
@@ -72,7 +80,7 @@ async def create_segment(conn: Any, schema: str, queue: str, number: int) -> Non
 async def segments(conn: Any, schema: str, queue: str) -> list[Segment]:
     """The segments of ``queue``, lowest first (none for a table not partitioned)."""
     rows = await conn.fetch(render("segment_list", schema), queue_regclass(schema, queue))
-    return [Segment(int(r["number"]), r["name"]) for r in rows]
+    return [Segment(int(r["number"]), r["name"], r["note"]) for r in rows]
 
 
 async def current_segment(conn: Any, schema: str, queue: str) -> int:
@@ -122,12 +130,10 @@ async def _advance(conn: Any, schema: str, queue: str, older_than: float | None)
     async with conn.transaction():
         await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
         current = await current_segment(conn, schema, queue)
+        now: datetime = await conn.fetchval("SELECT now()")
         if older_than is not None:
-            oldest: datetime | None = await conn.fetchval(
-                render_segment("segment_oldest", schema, queue, current)
-            )
-            now = await conn.fetchval("SELECT now()")
-            if oldest is None or now - oldest < timedelta(seconds=older_than):
+            start = await _started(conn, schema, queue, current)
+            if start is None or now - start < timedelta(seconds=older_than):
                 return None
         if not await conn.fetchval(
             render("queue_exists", schema), schema, segment_name(queue, current + 1)
@@ -139,9 +145,29 @@ async def _advance(conn: Any, schema: str, queue: str, older_than: float | None)
             (current + 1) * SEGMENT_SPAN,
             queue_regclass(schema, queue),
         )
+        await conn.execute(render_segment("segment_opened", schema, queue, current + 1, now))
     await _ahead(conn, schema, queue)
     log.debug("segment_rolled", queue=queue, segment=current + 1)
     return current + 1
+
+
+async def _started(conn: Any, schema: str, queue: str, number: int) -> datetime | None:
+    """Since when segment ``number`` holds rows: its first row's insert_time, or, if
+    later, when new rows started to go to it (rows moved into it keep an older
+    insert_time). None while it is empty."""
+    first: datetime | None = await conn.fetchval(
+        render_segment("segment_oldest", schema, queue, number)
+    )
+    if first is None:
+        return None
+    for segment in await segments(conn, schema, queue):
+        if segment.number == number and segment.note and segment.note.startswith(OPENED_NOTE):
+            try:
+                opened = datetime.fromisoformat(segment.note.removeprefix(OPENED_NOTE))
+            except ValueError:
+                break  # a note changed by hand: the first row's time will do
+            return max(first, opened)
+    return first
 
 
 def lock_key(schema: str, queue: str) -> str:

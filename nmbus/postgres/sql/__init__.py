@@ -42,6 +42,7 @@ import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 
@@ -71,6 +72,7 @@ IDENTIFIERS = frozenset(
         "segment",
         "lower",
         "upper",
+        "opened",
     }
 )
 
@@ -228,16 +230,23 @@ def fill(sql: str, schema: str, queue: str | None = None) -> str:
 SEGMENT_SPAN = 2**36
 
 
+#: How a segment's comment says since when new rows go to it (segment_opened).
+OPENED_NOTE = "nmbus: written from "
+
+
 def segment_name(queue: str, number: int) -> str:
     """The table name of segment ``number`` of ``queue``: ``<queue>$s<number>``."""
     return own_name(queue, f"s{int(number)}")
 
 
 @functools.lru_cache(maxsize=4096)
-def render_segment(name: str, schema: str, queue: str, number: int) -> str:
+def render_segment(
+    name: str, schema: str, queue: str, number: int, opened: datetime | None = None
+) -> str:
     """The query ``name`` for segment ``number`` of ``queue``: {segment}, {lower}, {upper}.
 
-    The bounds are integers computed here, never text from outside.
+    The bounds are integers computed here, and {opened} the literal of a
+    timestamp formatted here (segment_opened), never text from outside.
     """
     number = int(number)
     if number < 0:
@@ -248,6 +257,8 @@ def render_segment(name: str, schema: str, queue: str, number: int) -> str:
         "lower": "MINVALUE" if number == 0 else str(number * SEGMENT_SPAN),
         "upper": str((number + 1) * SEGMENT_SPAN),
     }
+    if opened is not None:
+        values["opened"] = f"'{OPENED_NOTE}{opened.isoformat()}'"
     for key, value in values.items():
         sql = sql.replace("{" + key + "}", value)
     return fill(sql, schema, queue)

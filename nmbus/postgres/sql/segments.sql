@@ -8,9 +8,11 @@
 
 -- segment_list --
 -- The segments of queue table $1 (schema-qualified and quoted, as regclass text):
--- name and number, lowest first; a plain (unsegmented) table is not listed.
+-- name, number and comment (segment_opened), lowest first; a plain (unsegmented)
+-- table is not listed.
 SELECT c.relname AS name,
-       substr(c.relname, length(p.relname) + 3)::bigint AS number
+       substr(c.relname, length(p.relname) + 3)::bigint AS number,
+       obj_description(c.oid, 'pg_class') AS note
 FROM pg_inherits AS i
 JOIN pg_class AS c ON c.oid = i.inhrelid
 JOIN pg_class AS p ON p.oid = i.inhparent
@@ -22,6 +24,12 @@ ORDER BY 2;
 -- segment_next_id --
 -- The id the next insert into the queue gets (or a later one).
 SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END FROM {id_seq};
+
+-- segment_opened --
+-- Note on the segment when new rows start to go to it (psql's \dt+ shows it):
+-- rows moved into it later keep their own, older, insert_time, so the roll
+-- counts the segment's time from here. {opened} is a timestamp nmbus formats.
+COMMENT ON TABLE {segment} IS {opened};
 
 -- segment_oldest --
 -- When the first row of the segment was inserted (NULL: the segment is empty).
@@ -98,9 +106,10 @@ FROM {segment} ORDER BY id;
 SELECT count(*) FROM {segment} WHERE subqueue = 'X';
 
 -- segment_count --
--- How many rows the segment holds, once nothing but X and F rows is left in it
--- (an index-only read of its done index; the X rows themselves are not read).
-SELECT count(*) FROM {segment} WHERE subqueue IN ('X', 'F');
+-- How many X and F rows the segment holds, once nothing else is left in it (an
+-- index-only read of its done index; the X rows themselves are not read).
+SELECT count(*) FILTER (WHERE subqueue = 'X') AS x, count(*) FILTER (WHERE subqueue = 'F') AS f
+FROM {segment} WHERE subqueue IN ('X', 'F');
 
 -- segment_lock_queue --
 -- Take the queue table for the drop of a segment (DROP takes the same lock: taken

@@ -1,0 +1,389 @@
+"""Segments (DESIGN.md section 10, docs/storage.md): a queue's rows in partitions by
+ranges of id, rolled ahead and dropped whole by retention."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import asyncpg
+import pyarrow.dataset as ds
+import pytest
+
+from nmbus import Bus, Context
+from nmbus.errors import InvalidSetting
+from nmbus.operations import RetentionPolicy
+from nmbus.postgres import PostgresStore, install_schema
+from nmbus.postgres.retention import clean_queue
+from nmbus.postgres.segments import advance, current_segment, roll, segments
+from nmbus.postgres.sql import SEGMENT_SPAN, render
+from nmbus.settings import Settings
+from tests.legacy import make_v9
+from tests.messages import Ping
+from tests.procs import Proc
+from tests.waits import wait_until
+
+SEGMENTS_OF = (
+    "SELECT array_agg(relid::regclass::text ORDER BY relid::regclass::text) "
+    "FROM pg_partition_tree('nmbus.billing') WHERE isleaf"
+)
+KIND = "SELECT relkind FROM pg_class WHERE oid = 'nmbus.billing'::regclass"
+PLAIN = "INSERT INTO nmbus.billing (from_endpoint, to_endpoint, unique_id) VALUES ('a', 'b', $1)"
+DAY = RetentionPolicy(max_age=timedelta(days=1))
+
+
+async def make_queue(dsn: str, queue: str = "billing") -> None:
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        await store.ensure_queue(queue)
+    finally:
+        await store.close()
+
+
+async def add(
+    db: asyncpg.Connection, n: int, subqueue: str = "X", ago: str = "2 days", prefix: str = "r"
+) -> None:
+    """``n`` rows of ``subqueue``, inserted and (for X/F) processed ``ago``."""
+    await db.execute(
+        """INSERT INTO nmbus.billing (from_endpoint, to_endpoint, subqueue, insert_time,
+                   last_processed, retry_time, label, msg_text, unique_id, error_info)
+            SELECT 'shop', 'billing', $1::text, now() - $2::text::interval - interval '1 second',
+                   CASE WHEN $1::text IN ('X', 'F') THEN now() - $2::text::interval END,
+                   now() - $2::text::interval - interval '1 second', 'test.Ping',
+                   '{"n": ' || g || ', "pad": "' || repeat('x', 200) || '"}',
+                   $3 || g, CASE WHEN $1::text = 'F' THEN 'ValueError: no' END
+            FROM generate_series(1, $4::int) AS g""",
+        subqueue,
+        ago,
+        f"{prefix}-{subqueue}-",
+        n,
+    )
+
+
+async def numbers(db: asyncpg.Connection) -> list[int]:
+    return [int(s.number) for s in await segments(db, "nmbus", "billing")]
+
+
+# -- the layout and the roll -------------------------------------------------------------
+
+
+async def test_a_queue_is_segments_and_rolls_ahead(dsn: str, db: asyncpg.Connection) -> None:
+    await make_queue(dsn)
+    assert await db.fetchval(KIND) == b"p"
+    assert await numbers(db) == [0, 1]
+    assert await roll(db, "nmbus", "billing", 1.0) is None  # empty: nothing to roll
+    await add(db, 3, "I", ago="0 seconds")
+    assert await roll(db, "nmbus", "billing", 2.0) is None  # not 2 seconds old yet
+    await asyncio.sleep(2.1)
+    assert await roll(db, "nmbus", "billing", 2.0) == 1  # a 2-second width works
+    assert await numbers(db) == [0, 1, 2]  # one more made ahead
+    await add(db, 1, "I", ago="0 seconds", prefix="later")
+    new = await db.fetchval("SELECT max(id) FROM nmbus.billing")
+    assert new >= SEGMENT_SPAN and await current_segment(db, "nmbus", "billing") == 1
+    # Rows never move: the earlier rows are where they were, every one claimable.
+    assert await db.fetchval('SELECT count(*) FROM nmbus."billing$s0"') == 3
+    assert len(await db.fetch(render("claim", "nmbus", "billing"), 10, "w", 30.0)) == 4
+
+
+async def test_a_new_segment_does_not_wait_for_open_transactions(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await make_queue(dsn)
+    await add(db, 1, "I")
+    other = await asyncpg.connect(dsn)
+    try:
+        async with other.transaction():  # holds the queue table as every writer does
+            await other.execute(
+                "INSERT INTO nmbus.billing (from_endpoint, to_endpoint) VALUES ('a', 'b')"
+            )
+            started = time.perf_counter()
+            assert await advance(db, "nmbus", "billing") == 1
+            assert time.perf_counter() - started < 1.0
+    finally:
+        await other.close()
+    assert await numbers(db) == [0, 1, 2]
+
+
+def test_segment_seconds_is_checked() -> None:
+    assert Settings(segment_seconds=2).segment_seconds == 2.0
+    for bad in (0, 0.5, float("inf"), float("nan"), 40 * 86400):
+        with pytest.raises((InvalidSetting, ValueError)):
+            Settings(segment_seconds=bad)
+    with pytest.raises(ValueError, match="segment_seconds"):
+        RetentionPolicy(segment_seconds=0.1)
+
+
+# -- unique_id across segments -----------------------------------------------------------
+
+
+async def test_a_unique_id_stays_unique_across_segments_until_its_segment_goes(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    async with Bus("shop", dsn=dsn, concurrency=0) as bus:
+        await make_queue(dsn)
+        await bus.send(Ping(n=1), to="billing", unique_id="k")
+        assert await advance(db, "nmbus", "billing") == 1
+        await bus.send(Ping(n=2), to="billing", unique_id="k")  # in segment 1: skipped
+        assert await db.execute(PLAIN, "k") == "INSERT 0 0"
+        assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE unique_id = 'k'") == 1
+
+        # Two inserts of one unique_id at once, on either side of a roll: one is stored.
+        first = await asyncpg.connect(dsn)
+        second = await asyncpg.connect(dsn)
+        try:
+            tx = first.transaction()
+            await tx.start()
+            await first.execute(PLAIN, "race")  # segment 1, not committed
+            assert await advance(db, "nmbus", "billing") == 2
+            later = asyncio.create_task(second.execute(PLAIN, "race"))
+            await asyncio.sleep(0.3)
+            assert not later.done()  # it waits on the unique table's entry
+            await tx.commit()
+            assert await later == "INSERT 0 0"
+        finally:
+            await first.close()
+            await second.close()
+        assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE unique_id = 'race'") == 1
+
+        # Once the row's segment is dropped, its unique_id may be used again.
+        await db.execute(
+            "UPDATE nmbus.billing SET subqueue = 'X', last_processed = now() - interval '2 days' "
+            "WHERE unique_id = 'k'"
+        )
+        result = await clean_queue(
+            db, "nmbus", "billing", RetentionPolicy(max_age=timedelta(days=1))
+        )
+        assert result.deleted["X"] == 1 and result.segments_dropped >= 1
+        assert (
+            await db.fetchval(
+                'SELECT count(*) FROM nmbus."billing$unique" WHERE unique_id = $1', "k"
+            )
+            == 0
+        )
+        await bus.send(Ping(n=3), to="billing", unique_id="k")
+        assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE unique_id = 'k'") == 1
+
+
+# -- retention by segments ---------------------------------------------------------------
+
+
+async def queue_bytes(db: asyncpg.Connection) -> int:
+    return int(
+        await db.fetchval(
+            "SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree('nmbus.billing')"
+        )
+    )
+
+
+async def test_retention_gives_the_space_back_without_vacuum(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await make_queue(dsn)
+    await add(db, 20_000, "X")
+    assert await advance(db, "nmbus", "billing") == 1
+    await add(db, 50, "I", ago="0 seconds", prefix="new")
+    before = await queue_bytes(db)
+    result = await clean_queue(db, "nmbus", "billing", DAY)
+    assert result.deleted == {"X": 20_000, "F": 0} and result.segments_dropped == 1
+    after = await queue_bytes(db)
+    # The removed rows were 20,000 of 20,050: their share of the files is gone, no VACUUM.
+    assert after < before * 0.1, (before, after)
+    assert await numbers(db) == [1, 2]
+    dead = await db.fetchval(
+        "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables "
+        "WHERE relid IN (SELECT relid FROM pg_partition_tree('nmbus.billing'))"
+    )
+    assert dead == 0
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'I'") == 50
+
+
+async def test_waiting_rows_move_and_sequence_members_keep_their_segment(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await make_queue(dsn)
+    await add(db, 100, "X")
+    await add(db, 2, "F", ago="1 hour")
+    await add(db, 1, "F", ago="3 hours", prefix="stale")
+    await add(db, 1, "R", ago="-3 days")  # scheduled three days ahead
+    before = {
+        r["unique_id"]: dict(r)
+        for r in await db.fetch("SELECT * FROM nmbus.billing WHERE subqueue <> 'X'")
+    }
+    assert await advance(db, "nmbus", "billing") == 1
+    policy = RetentionPolicy(max_age=timedelta(days=1), failed_max_age=timedelta(hours=2))
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    # The two recent F rows and the R row moved on, with a new id and nothing else
+    # changed; the F row past failed_max_age went with the segment (as F).
+    assert result.rows_moved == 3 and result.segments_dropped == 1
+    assert result.deleted == {"X": 100, "F": 1}
+    after = {r["unique_id"]: dict(r) for r in await db.fetch("SELECT * FROM nmbus.billing")}
+    assert set(after) == set(before) - {"stale-F-1"}
+    for key, row in after.items():
+        assert row["id"] >= SEGMENT_SPAN and dict(row, id=0) == dict(before[key], id=0)
+    # A moved F row is requeued like any other, with the seed's own statement.
+    moved = after["r-F-1"]["id"]
+    assert await db.execute(f"update nmbus.billing set subqueue='I' where id={moved}") == "UPDATE 1"
+
+    # A sequence member not done keeps its segment (its id is its place in the sequence).
+    await db.execute(
+        "UPDATE nmbus.billing SET sequence_key = 'acct-1', subqueue = 'F' WHERE id = $1", moved
+    )
+    await add(db, 10, "X", prefix="more")
+    assert await advance(db, "nmbus", "billing") == 2
+    result = await clean_queue(db, "nmbus", "billing", DAY)
+    assert (result.segments_dropped, result.segments_pinned, result.deleted["X"]) == (0, 1, 0)
+    assert await db.fetchval("SELECT id FROM nmbus.billing WHERE sequence_key = 'acct-1'") == moved
+
+
+async def test_a_worker_loses_nothing_while_retention_drops_segments(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    handled: list[int] = []
+    bus = Bus("billing", dsn=dsn, poll_interval=0.2, batch_size=20)
+
+    @bus.handler(Ping)
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        handled.append(msg.n)
+
+    total = 3000
+    dropped = 0
+    async with bus:
+        sender = Bus("shop", dsn=dsn, concurrency=0)
+        async with sender:
+
+            async def send_all() -> None:
+                for n in range(total):
+                    await sender.send(Ping(n=n), to="billing")
+
+            sending = asyncio.create_task(send_all())
+            policy = RetentionPolicy(max_age=timedelta(0))
+            while not sending.done() or len(handled) < total:
+                if sending.done() and sending.exception() is not None:
+                    raise AssertionError("the sender failed") from sending.exception()
+                await advance(db, "nmbus", "billing")
+                dropped += (await clean_queue(db, "nmbus", "billing", policy)).segments_dropped
+                await asyncio.sleep(0.05)
+            await sending
+    assert sorted(handled) == list(range(total))  # each one once: none lost, none twice
+    assert dropped >= 3
+
+
+async def test_a_run_killed_between_archive_and_drop_archives_each_row_once(
+    dsn: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    await make_queue(dsn)
+    await add(db, 500, "X")
+    assert await advance(db, "nmbus", "billing") == 1
+    await add(db, 300, "X", prefix="second")
+    assert await advance(db, "nmbus", "billing") == 2
+    expected = [r[0] for r in await db.fetch("SELECT id FROM nmbus.billing ORDER BY id")]
+    for point in ("before-drop", "before-publish"):
+        proc = Proc("tests.segment_kill", dsn, str(tmp_path), str(86400), point)
+        try:
+            await proc.wait_for("stuck")
+        finally:
+            proc.kill()
+        await wait_until(
+            lambda: db.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+                "database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            ),
+            until=lambda n: n == 0,
+        )
+    policy = RetentionPolicy(max_age=timedelta(days=1), archive_dir=tmp_path)
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert result.recovered_files >= 1
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing") == 0
+    archived = ds.dataset(tmp_path, format="parquet", partitioning="hive").to_table()
+    ids = sorted(archived.column("id").to_pylist())
+    assert ids == expected  # every row, each exactly once
+    assert not await asyncio.to_thread(lambda: list(tmp_path.rglob(".pending-*")))
+
+
+# -- the seed's SQL, and the upgrade ---------------------------------------------------------
+
+
+async def test_the_seed_sql_runs_verbatim_over_segments(dsn: str, db: asyncpg.Connection) -> None:
+    await make_queue(dsn)
+    await add(db, 5, "X", ago="1 minute")
+    await add(db, 2, "F", ago="1 minute")
+    assert await advance(db, "nmbus", "billing") == 1
+    await add(db, 3, "I", ago="0 seconds", prefix="new")
+    await add(db, 4, "X", ago="1 minute", prefix="new")
+    await db.execute("SET search_path = nmbus")
+    assert await db.fetchval("select COUNT(*) from billing where subqueue='I'") == 3
+    failed = await db.fetch("select * from billing where subqueue='F' order by id")
+    assert len(failed) == 2 and failed[0]["id"] < SEGMENT_SPAN
+    assert (
+        await db.execute(f"update billing set subqueue='I' where id={failed[0]['id']}")
+        == "UPDATE 1"
+    )
+    assert await db.fetchval("select COUNT(*) from billing where subqueue='X'") == 9
+    avg = await db.fetchval(
+        "select avg(extract(epoch from last_processed - retry_time) * 1000) from billing "
+        "where subqueue='X' and last_processed > now() - interval '10 minutes'"
+    )
+    assert avg == pytest.approx(1000, abs=50)
+
+
+async def test_a_schema_9_queue_is_upgraded_while_a_worker_runs(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await make_queue(dsn)
+    await make_v9(db, "nmbus", ["billing"])
+    await add(db, 3000, "I", ago="0 seconds")
+    await add(db, 200, "X")
+    await add(db, 5, "F")
+    await add(db, 5, "R", ago="-1 day")
+    ready = {r[0] for r in await db.fetch("SELECT id FROM nmbus.billing WHERE subqueue = 'I'")}
+    old_file = await db.fetchval("SELECT pg_relation_filenode('nmbus.billing')")
+    handled: list[int] = []
+    worker = await asyncpg.connect(dsn)
+
+    async def work() -> None:
+        # The claim and a finish to X, as a running worker does them, through the upgrade.
+        while True:
+            try:
+                rows = await worker.fetch(render("claim", "nmbus", "billing"), 50, "old", 30.0)
+                ids = [r["id"] for r in rows]
+                await worker.execute(
+                    "UPDATE nmbus.billing SET subqueue = 'X', last_processed = now(), "
+                    "handling_client_id = NULL, lease_expires = NULL WHERE id = ANY($1)",
+                    ids,
+                )
+            except asyncpg.InvalidCachedStatementError:
+                continue
+            handled.extend(ids)
+            if not ids:
+                await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(work())
+    try:
+        await wait_until(lambda: len(handled), until=lambda n: n >= 300)
+        await install_schema(db, "nmbus")
+        await wait_until(lambda: len(handled), until=lambda n: n >= len(ready))
+    finally:
+        task.cancel()
+        await worker.close()
+    assert sorted(handled) == sorted(ready)  # each once, none lost
+    assert await db.fetchval(KIND) == b"p"
+    # The old table is segment 0, its file the same: no row was rewritten.
+    assert await db.fetchval("""SELECT pg_relation_filenode('nmbus."billing$s0"')""") == old_file
+    counts = dict(await db.fetch("SELECT subqueue, count(*) FROM nmbus.billing GROUP BY 1"))
+    assert counts == {"X": 3200, "F": 5, "R": 5}
+    # Old unique_ids are known to the new unique table; new rows go to a new segment.
+    async with Bus("shop", dsn=dsn, concurrency=0) as bus:
+        await bus.send(Ping(n=1), to="billing", unique_id="r-F-1")
+        await bus.send(Ping(n=2), to="billing", unique_id="fresh")
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE unique_id = 'r-F-1'") == 1
+    assert (
+        await db.fetchval("SELECT id FROM nmbus.billing WHERE unique_id = 'fresh'") >= SEGMENT_SPAN
+    )
+    assert await db.fetchval(SEGMENTS_OF) == [
+        'nmbus."billing$s0"',
+        'nmbus."billing$s1"',
+        'nmbus."billing$s2"',
+    ]

@@ -99,3 +99,13 @@ class Databases:
             yield with_database(self.server, name)
         finally:
             _run(_admin(self.server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+async def index_parts(db: asyncpg.Connection, index: str) -> set[str]:
+    """The names of the segments' parts of a partitioned index (``schema."name"``)."""
+    rows = await db.fetch(
+        "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = $1::regclass",
+        index,
+    )
+    return {r[0] for r in rows}

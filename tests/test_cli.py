@@ -16,7 +16,7 @@ import structlog
 from typer.testing import CliRunner, Result
 
 from nmbus.cli import app
-from tests.ops_data import CHARGE_ERROR, Facts, count, notifications
+from tests.ops_data import CHARGE_ERROR, Facts, count, notifications, split_segments
 
 runner = CliRunner()
 
@@ -265,6 +265,7 @@ async def test_subscriptions(cli: Cli, facts: Facts) -> None:
 
 
 async def test_cleanup(cli: Cli, facts: Facts, db: asyncpg.Connection, tmp_path: Path) -> None:
+    await split_segments(db, "subqueue = 'X' AND last_processed < now() - interval '12 hours'")
     dry = await cli.json("cleanup", "--older-than", "12h", "--dry-run")
     assert dry["queues"] == {"billing": {"X": 65, "F": 0}, "shipping": {"X": 0, "F": 0}}
     assert "65" in (await cli("cleanup", "--older-than", "12h", "--dry-run")).stdout
@@ -277,7 +278,7 @@ async def test_cleanup(cli: Cli, facts: Facts, db: asyncpg.Connection, tmp_path:
     )  # fmt: skip
     (result,) = got["queues"]
     assert result["deleted_processed"] == 65 and result["deleted_failed"] == 0
-    assert result["batches"] == 7  # 65 rows in batches of 10
+    assert result["batches"] == 1 and result["segments_dropped"] == 1  # one segment, whole
     assert len({Path(f).parent.name for f in result["files"]}) == 4  # 1, 2, 3 and 30 days ago
     assert all(Path(f).is_relative_to(tmp_path / "queue=billing") for f in result["files"])
     assert await count(db, "subqueue = 'X'") == 100

@@ -23,7 +23,7 @@ from typer.testing import CliRunner, Result
 from nmbus.cli import app
 from nmbus.cli._common import seconds_text
 from nmbus.cli._table import Column, Grid, age_text, short_time
-from tests.ops_data import Facts, create_queue, insert, row
+from tests.ops_data import Facts, create_queue, insert, row, split_segments
 
 runner = CliRunner()
 WIDTHS = (80, 200)
@@ -229,7 +229,10 @@ async def test_failed_list(dsn: str, facts: Facts, width: int) -> None:
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-async def test_subscriptions_queues_and_cleanup(dsn: str, facts: Facts, width: int) -> None:
+async def test_subscriptions_queues_and_cleanup(
+    dsn: str, db: asyncpg.Connection, facts: Facts, width: int
+) -> None:
+    await split_segments(db, "subqueue = 'X' AND last_processed < now() - interval '12 hours'")
     text = (await invoke(width, "subscriptions", "list", "--dsn", dsn)).stdout
     check_fits(text, width, ["orders.OrderCancelled", "payments.Refunded", "shipping", "expired"])
     narrow = (await invoke(50, "subscriptions", "list", "--dsn", dsn)).stdout

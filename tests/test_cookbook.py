@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
 from collections import Counter
 from datetime import UTC, timedelta
 from pathlib import Path
@@ -15,12 +13,12 @@ from nmbus import Bus, Context
 from nmbus.admin import schema_ddl
 from nmbus.postgres import install_schema
 from nmbus.store import SCHEMA_VERSION
+from tests.cookbook_run import COOKBOOK, psql
 from tests.messages import Ping
 from tests.ops_data import CHARGE_ERROR, REFUND_ERROR, Facts
 from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-COOKBOOK = ROOT / "sql" / "cookbook"
 TESTED = {
     "queue_depth.sql",
     "all_queues.sql",
@@ -36,21 +34,6 @@ TESTED = {
     "blocked_sequences.sql",
     "segments.sql",  # on a partitioned queue table: tests/test_segments.py
 }
-
-
-async def psql(dsn: str, file: str | Path, **variables: object) -> list[dict[str, str]]:
-    """Run one cookbook file exactly as an operator would, and parse its CSV output."""
-    args = ["psql", dsn, "-X", "-q", "--csv", "-v", "ON_ERROR_STOP=1"]
-    for name, value in variables.items():
-        args += ["-v", f"{name}={value}"]
-    path = file if isinstance(file, Path) else COOKBOOK / file
-    proc = await asyncio.create_subprocess_exec(
-        *args, "-f", str(path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
-    assert not err.strip(), err.decode()
-    return list(csv.DictReader(io.StringIO(out.decode())))
 
 
 def test_every_cookbook_file_is_tested() -> None:

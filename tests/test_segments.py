@@ -26,9 +26,9 @@ from nmbus.admin import Admin
 from nmbus.cli import app
 from nmbus.postgres.sql import render
 from nmbus.testing import MemoryStore
+from tests.cookbook_run import psql
+from tests.dashboard_server import start
 from tests.ops_data import COLUMNS, create_queue, row
-from tests.test_cookbook import psql
-from tests.test_dashboard import start
 
 SPAN = 2**36  # ids a segment covers
 runner = CliRunner()

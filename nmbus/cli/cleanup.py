@@ -81,6 +81,9 @@ def _clean(
             "longest_batch_seconds": round(result.longest_batch_seconds, 4),
             "files": [str(p) for p in result.files],
             "recovered_files": result.recovered_files,
+            "segments_dropped": result.segments_dropped,
+            "rows_moved": result.rows_moved,
+            "segments_pinned": result.segments_pinned,
             "skipped": result.skipped,
         }
         for result in results
@@ -124,6 +127,7 @@ def cleanup(
         failed_max_age=failed_age,
         batch_size=base.batch_size if batch_size is None else batch_size,
         archive_dir=archive_dir or base.archive_dir,
+        segment_seconds=base.segment_seconds,
     )
     names = [queue_name(q) for q in queues or []]
     counts = _counts(cfg, names, policy)

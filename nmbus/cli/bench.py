@@ -18,7 +18,8 @@ command = typer.Typer(add_completion=False)
 
 MODES_HELP = (
     "ceiling, peers, drain, transactional, latency, fanout, scaling, xrows, saga, delivery, "
-    "routed, reply, or all (every one but scaling, xrows, saga, delivery, routed and reply)"
+    "routed, reply, retention, or all (every one but scaling, xrows, saga, delivery, routed, "
+    "reply and retention)"
 )
 
 
@@ -59,9 +60,12 @@ def bench(
     fanout_batch: Annotated[
         int, typer.Option(min=1, help="fanout: messages per publish_many call")
     ] = 500,
-    x_rows: Annotated[int, typer.Option(min=0, help="xrows: processed rows pre-loaded")] = (
-        5_000_000
-    ),
+    x_rows: Annotated[
+        int, typer.Option(min=0, help="xrows, retention: processed rows pre-loaded")
+    ] = (5_000_000),
+    segments: Annotated[
+        int, typer.Option(min=1, max=10_000, help="xrows, retention: segments the X rows fill")
+    ] = 30,
     sequences: Annotated[int, typer.Option(min=1, help="delivery: sequences")] = 50,
     sequence_members: Annotated[
         int, typer.Option(min=1, help="delivery: members of each sequence")
@@ -105,6 +109,7 @@ def bench(
         fanout_messages=fanout_messages,
         fanout_batch=fanout_batch,
         x_rows=x_rows,
+        segments=segments,
         sequences=sequences,
         sequence_members=sequence_members,
         repeat=repeat,

@@ -81,7 +81,7 @@ async def reclaim_segments(
         result.longest_batch_seconds = max(result.longest_batch_seconds, elapsed)
         if on_batch is not None:
             on_batch(queue, sum(dropped.values()))
-    await forget_unique(conn, schema, queue, policy.batch_size)
+    await forget_unique(conn, schema, queue)
 
 
 async def _reclaim(
@@ -241,7 +241,7 @@ async def due(conn: Any, schema: str, queue: str, policy: RetentionPolicy) -> tu
     return processed, int(row[1])
 
 
-async def forget_unique(conn: Any, schema: str, queue: str, batch_size: int) -> int:
+async def forget_unique(conn: Any, schema: str, queue: str) -> int:
     """Delete unique-table entries of ids in no segment (dropped ones); returns how many."""
     present = await segments(conn, schema, queue)
     if not present:
@@ -255,11 +255,5 @@ async def forget_unique(conn: Any, schema: str, queue: str, batch_size: int) -> 
         low = segment.upper
     gone = 0
     for lo, hi in gaps:
-        while True:
-            count = await conn.fetchval(
-                render("segment_forget_unique", schema, queue), lo, hi, batch_size
-            )
-            gone += count
-            if count < batch_size:
-                break
+        gone += int(await conn.fetchval(render("segment_forget_unique", schema, queue), lo, hi))
     return gone

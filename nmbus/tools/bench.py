@@ -30,7 +30,12 @@ medians, with the settings they ran under. The modes:
                    batches, to 3 subscribers; published
                    messages and stored rows per second.
 ``xrows``          drain on an empty table, then with millions of X rows in the
-                   same table, and ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
+                   same table, spread over ``segments`` segments, and
+                   ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim.
+``retention``      ``x_rows`` old X rows in ``segments`` segments removed by the
+                   batched DELETE (and its VACUUM), then by dropping segments:
+                   time, WAL, dead tuples, size, a claim's worst wait
+                   (``bench_retention.py``).
 ``saga``           drain through a saga that updates its state on every message,
                    against the same handler without a saga; then ``processes``
                    processes of ``concurrency`` loops on ``sagas`` sagas: wall
@@ -92,6 +97,7 @@ MODES = (
     "delivery",
     "routed",
     "reply",
+    "retention",
 )
 ALL_MODES = ("ceiling", "peers", "drain", "transactional", "latency", "fanout")
 
@@ -302,6 +308,16 @@ async def run(
             res.add("ratio_loaded_to_empty", loaded / empty, "x")
             res.notes = [f"EXPLAIN (ANALYZE, BUFFERS) of the claim with {options.x_rows} X rows:"]
             res.notes.append(plan)
+        if "retention" in results:
+            from nmbus.tools.bench_retention import measure_retention
+
+            figures = await measure_retention(
+                options, lambda body: _scratch_run(dsn, body), progress
+            )
+            units = (("_seconds", "s"), ("_mb", "MiB"), ("_ms", "ms"))
+            for name, value in figures.items():
+                unit = next((u for end, u in units if name.endswith(end)), "")
+                results["retention"].add(name, value, unit)
         if "delivery" in results:
             from nmbus.tools.bench_delivery import measure_delivery
 
@@ -381,4 +397,4 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
             "publishers": o.publishers,
             "publish_many_batch": o.fanout_batch,
         }
-    return {**base, "messages": o.messages, "x_rows": o.x_rows}
+    return {**base, "messages": o.messages, "x_rows": o.x_rows, "segments": o.segments}

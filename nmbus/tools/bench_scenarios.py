@@ -145,7 +145,10 @@ async def measure_drain(
     """
     total = options.messages if count is None else count
     await scratch.create_queue()
-    await scratch.preload(x_rows, "X")
+    if x_rows:
+        from nmbus.tools.bench_retention import load_segments
+
+        await load_segments(scratch, x_rows, options.segments)
     if transactional:
         await scratch.c.execute(render("bench_create_effects", scratch.schema))
     await scratch.preload(total)

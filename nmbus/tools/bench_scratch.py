@@ -50,6 +50,7 @@ class BenchOptions:
     fanout_messages: int = 10_000
     fanout_batch: int = 500
     x_rows: int = 5_000_000
+    segments: int = 30
     sequences: int = 50
     sequence_members: int = 1_000
     repeat: int = 1

@@ -286,3 +286,24 @@ FROM generate_series(1, $3::int) AS g;
 -- dashbench_analyze --
 -- Statistics of every table of the many-queues benchmark's schema, as autovacuum leaves them.
 ANALYZE;
+
+-- bench_age_rows --
+-- Make the X rows of the queue 30 days old (bench retention): processed and inserted then.
+UPDATE {queue} SET last_processed = now() - interval '30 days',
+                   insert_time = now() - interval '30 days 1 second'
+WHERE subqueue = 'X';
+
+-- bench_vacuum_only --
+-- VACUUM the queue (every segment) and its unique table, as must follow a DELETE.
+VACUUM {queue}, {unique_table};
+
+-- bench_retention_state --
+-- The queue's size on disk (segments and unique table, with indexes), the dead
+-- tuples the statistics system counts in them, and the WAL position (bytes).
+-- $1: the queue table, $2: its unique table (quoted, schema-qualified names).
+SELECT (SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree($1::regclass))
+           + pg_total_relation_size($2::regclass) AS bytes,
+       (SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables
+        WHERE relid IN (SELECT relid FROM pg_partition_tree($1::regclass))
+           OR relid = $2::regclass) AS dead,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0') AS lsn;

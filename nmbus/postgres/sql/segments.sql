@@ -121,12 +121,10 @@ LOCK TABLE {queue} IN ACCESS EXCLUSIVE MODE;
 DROP TABLE {segment};
 
 -- segment_forget_unique --
--- Delete up to $3 entries of the unique table with ids from $1 up to (not
--- including) $2: those of dropped segments. Returns how many.
+-- Delete the entries of the unique table with ids from $1 up to (not including)
+-- $2: those of dropped segments (a range of the id index; the one per-row work
+-- left to retention, on rows of two columns). Returns how many.
 WITH gone AS (
-    DELETE FROM {unique_table}
-    WHERE unique_id IN (SELECT unique_id FROM {unique_table}
-                        WHERE id >= $1 AND id < $2 LIMIT $3)
-    RETURNING 1
+    DELETE FROM {unique_table} WHERE id >= $1 AND id < $2 RETURNING 1
 )
 SELECT count(*) FROM gone;

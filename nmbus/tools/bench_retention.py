@@ -30,19 +30,31 @@ from nmbus.postgres import sql as core_sql
 from nmbus.postgres.retention import _walk, clean_queue
 from nmbus.postgres.segments import advance
 from nmbus.postgres.sql import own_name, quote_ident
-from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch
+from nmbus.tools.bench_scratch import QUEUE, TICK, BenchOptions, Scratch
 from nmbus.tools.sql import render
 
 ScratchRun = Callable[[Callable[[Scratch], Awaitable[Any]]], Awaitable[Any]]
 MiB = 1024 * 1024
 
 
-async def load_segments(scratch: Scratch, rows: int, segments: int, subqueue: str = "X") -> None:
-    """``rows`` rows of ``subqueue`` in ``segments`` segments, then a new one to write to."""
+async def load_segments(
+    scratch: Scratch, rows: int, segments: int, age: timedelta | None = None
+) -> None:
+    """``rows`` X rows in ``segments`` segments (processed ``age`` ago, or now), then a
+    new segment to write to."""
     per = max(1, rows // max(1, segments))
     left = rows
     while left > 0:
-        await scratch.preload(min(per, left), subqueue)
+        if age is None:
+            await scratch.preload(min(per, left), "X")
+        else:
+            await scratch.c.execute(
+                render("bench_preload_aged", scratch.schema, QUEUE),
+                min(per, left),
+                age,
+                TICK,
+                f"X{left}-",
+            )
         left -= per
         await advance(scratch.c, scratch.schema, QUEUE)
 
@@ -88,8 +100,7 @@ async def measure_retention(
         async def body(scratch: Scratch, method: str = method) -> None:
             await scratch.create_queue()
             progress(f"retention ({method}): loading {options.x_rows} X rows")
-            await load_segments(scratch, options.x_rows, options.segments)
-            await scratch.c.execute(render("bench_age_rows", scratch.schema, QUEUE))
+            await load_segments(scratch, options.x_rows, options.segments, timedelta(days=30))
             await scratch.preload(1000)
             await scratch.c.execute(render("bench_vacuum", scratch.schema, QUEUE))
             await scratch.checkpoint()

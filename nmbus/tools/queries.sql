@@ -287,11 +287,15 @@ FROM generate_series(1, $3::int) AS g;
 -- Statistics of every table of the many-queues benchmark's schema, as autovacuum leaves them.
 ANALYZE;
 
--- bench_age_rows --
--- Make the X rows of the queue 30 days old (bench retention): processed and inserted then.
-UPDATE {queue} SET last_processed = now() - interval '30 days',
-                   insert_time = now() - interval '30 days 1 second'
-WHERE subqueue = 'X';
+-- bench_preload_aged --
+-- Insert $1 X rows processed $2 (interval) ago, of type $3, unique ids $4 || k
+-- (bench retention: rows past any max age without an UPDATE of them all).
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, last_processed,
+                     retry_time, label, msg_text, unique_id)
+SELECT 'bench', 'bench', 'X', now() - $2::interval - interval '1 second',
+       now() - $2::interval, now() - $2::interval - interval '1 second', $3::text,
+       '{{"n":' || g || '}}', $4::text || g
+FROM generate_series(1, $1::int) AS g;
 
 -- bench_vacuum_only --
 -- VACUUM the queue (every segment) and its unique table, as must follow a DELETE.

@@ -173,7 +173,8 @@ class Settings(BaseSettings):
         default=3600.0,
         ge=1.0,
         le=31 * 86400,
-        description="the span of time one segment of a queue table covers (docs/storage.md)",
+        description="the span of time one segment of a queue table covers, at most 48 "
+        "segments kept (docs/storage.md)",
     )
     retention_batch_size: int = Field(
         default=5000, ge=1, le=100_000, description="rows deleted per short transaction"

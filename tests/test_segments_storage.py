@@ -387,3 +387,69 @@ async def test_a_schema_9_queue_is_upgraded_while_a_worker_runs(
         'nmbus."billing$s1"',
         'nmbus."billing$s2"',
     ]
+
+
+# -- edges found by trying to break it ----------------------------------------------------
+
+INSERT_ONE = "INSERT INTO nmbus.billing (from_endpoint, to_endpoint) VALUES ('a', 'b') RETURNING id"
+
+
+async def test_new_rows_never_go_where_an_open_transaction_cannot_see(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    """A transaction keeps the partitions it first saw: the roll waits for it."""
+    await make_queue(dsn)
+    other = await asyncpg.connect(dsn)
+    try:
+        tx = other.transaction()
+        await tx.start()
+        assert await other.fetchval(INSERT_ONE) < SEGMENT_SPAN
+        assert await advance(db, "nmbus", "billing") == 1  # segment 1 was made before it
+        assert await numbers(db) == [0, 1, 2]  # segment 2 made while it is open
+        assert await advance(db, "nmbus", "billing") is None  # so no rows go there yet
+        assert SEGMENT_SPAN <= await other.fetchval(INSERT_ONE) < 2 * SEGMENT_SPAN
+        await tx.commit()
+    finally:
+        await other.close()
+    assert await advance(db, "nmbus", "billing") == 2
+
+
+async def test_a_deleted_row_frees_its_unique_id(dsn: str, db: asyncpg.Connection) -> None:
+    await make_queue(dsn)
+    assert await db.execute(PLAIN, "once") == "INSERT 0 1"
+    assert await db.execute("DELETE FROM nmbus.billing WHERE unique_id = 'once'") == "DELETE 1"
+    assert await db.execute(PLAIN, "once") == "INSERT 0 1"  # as with a unique index
+
+
+async def test_a_failed_row_processed_at_no_known_time_is_kept(
+    dsn: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    await make_queue(dsn)
+    await add(db, 10, "X")
+    await db.execute(PLAIN, "by-hand")
+    await db.execute("UPDATE nmbus.billing SET subqueue = 'F' WHERE unique_id = 'by-hand'")
+    assert await advance(db, "nmbus", "billing") == 1
+    policy = RetentionPolicy(
+        max_age=timedelta(days=1), failed_max_age=timedelta(hours=1), archive_dir=tmp_path
+    )
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert result.rows_moved == 1 and result.deleted == {"X": 10, "F": 0}
+    assert (
+        await db.fetchval("SELECT subqueue FROM nmbus.billing WHERE unique_id = 'by-hand'") == "F"
+    )
+
+
+async def test_the_roll_stops_at_the_most_segments_a_queue_keeps(
+    dsn: str, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("nmbus.postgres.segments.MAX_LIVE_SEGMENTS", 3)
+    await make_queue(dsn)
+    for expected in (1, 2):
+        await add(db, 1, "X", prefix=f"s{expected}")
+        await asyncio.sleep(1.1)  # a segment's time counts from when it was opened
+        assert await roll(db, "nmbus", "billing", 1.0) == expected
+    await add(db, 1, "X", prefix="s3")
+    await asyncio.sleep(1.1)
+    assert await roll(db, "nmbus", "billing", 1.0) is None  # 3 live: the third stays open
+    await add(db, 1, "X", prefix="s4")
+    assert await current_segment(db, "nmbus", "billing") == 2

@@ -196,12 +196,10 @@ async def _archive(
             cursor = await conn.cursor(render_segment("segment_rows", schema, queue, n))
             while chunk := await cursor.fetch(ARCHIVE_CHUNK):
                 for row in chunk:
-                    done = row["subqueue"] == "X" and row["last_processed"] < x_cut
-                    failed = (
-                        row["subqueue"] == "F"
-                        and f_cut is not None
-                        and row["last_processed"] < f_cut
-                    )
+                    when = row["last_processed"]  # NULL: processed at an unknown time
+                    done = row["subqueue"] == "X" and when is not None and when < x_cut
+                    failed = row["subqueue"] == "F" and f_cut is not None
+                    failed = failed and when is not None and when < f_cut
                     if not (done or failed):
                         raise _Kept
                     rows[row["subqueue"]] += 1

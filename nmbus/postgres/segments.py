@@ -35,10 +35,17 @@ from nmbus.postgres.sql import (
     quote_ident,
     render,
     render_segment,
-    segment_name,
 )
 
 log = structlog.get_logger("nmbus.segments")
+
+#: The most segments a queue keeps below the one being written plus it: each live
+#: segment adds about 5 relations to every lock a worker's statement takes (its
+#: table and 4 indexes), and PostgreSQL's lock table is shared by the server.
+#: Beyond it the roll waits (the segment being written grows past segment_seconds).
+MAX_LIVE_SEGMENTS = 48
+#: How the comment of a segment made ahead says when it was attached.
+MADE_NOTE = "nmbus: made "
 
 #: The longest a roll or a drop waits for the queue table's lock before it gives
 #: up until the next run; workers wait at most this long behind it.
@@ -131,14 +138,36 @@ async def _advance(conn: Any, schema: str, queue: str, older_than: float | None)
         await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
         current = await current_segment(conn, schema, queue)
         now: datetime = await conn.fetchval("SELECT now()")
+        present = await segments(conn, schema, queue)
         if older_than is not None:
             start = await _started(conn, schema, queue, current)
             if start is None or now - start < timedelta(seconds=older_than):
                 return None
-        if not await conn.fetchval(
-            render("queue_exists", schema), schema, segment_name(queue, current + 1)
-        ):
+            live = sum(1 for s in present if s.number <= current)
+            if live >= MAX_LIVE_SEGMENTS:
+                log.warning(
+                    "segments_capped",
+                    queue=queue,
+                    segments=live,
+                    reason="the segment being written stays open: retention_max_age / "
+                    "segment_seconds is more than the segments a queue keeps",
+                )
+                return None
+        following = next((s for s in present if s.number == current + 1), None)
+        if following is None:
             return None  # dropped by hand since: the next run creates it again
+        # A transaction that began before the next segment was attached may
+        # not see it (its partitions are read once): new rows go there only
+        # once no such transaction is open, never into a segment one cannot find.
+        made = _noted(following.note, MADE_NOTE)
+        oldest = await conn.fetchval(render("segment_oldest_transaction", schema))
+        if made is not None and oldest is not None and oldest <= made:
+            log.info(
+                "segment_roll_waits",
+                queue=queue,
+                reason="a transaction older than the next segment is open",
+            )
+            return None
         # Forward only: under the lock, from the segment the sequence is in now.
         await conn.fetchval(
             render("segment_advance", schema),
@@ -161,13 +190,21 @@ async def _started(conn: Any, schema: str, queue: str, number: int) -> datetime 
     if first is None:
         return None
     for segment in await segments(conn, schema, queue):
-        if segment.number == number and segment.note and segment.note.startswith(OPENED_NOTE):
-            try:
-                opened = datetime.fromisoformat(segment.note.removeprefix(OPENED_NOTE))
-            except ValueError:
-                break  # a note changed by hand: the first row's time will do
-            return max(first, opened)
+        if segment.number == number:
+            opened = _noted(segment.note, OPENED_NOTE)
+            return first if opened is None else max(first, opened)
     return first
+
+
+def _noted(note: str | None, prefix: str) -> datetime | None:
+    """The time a segment's comment notes after ``prefix``; None if it notes none
+    (no comment, another one, or one changed by hand)."""
+    if not note or not note.startswith(prefix):
+        return None
+    try:
+        return datetime.fromisoformat(note.removeprefix(prefix))
+    except ValueError:
+        return None
 
 
 def lock_key(schema: str, queue: str) -> str:

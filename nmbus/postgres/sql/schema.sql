@@ -145,8 +145,9 @@ CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, 
 -- unique_id unique across segments is on this table: the trigger inserts each
 -- new row's unique_id here and drops the row (as ON CONFLICT DO NOTHING would)
 -- when it is already there; concurrent inserts of one unique_id wait on its
--- index entry like on any unique index. Retention deletes the entries of the
--- segments it drops (their id range, through the id index).
+-- index entry like on any unique index. A row deleted (a purge, retention's F
+-- rows) frees its unique_id; retention deletes the entries of the segments it
+-- drops (their id range, through the id index: DROP fires no trigger).
 CREATE TABLE IF NOT EXISTS {unique_table} (
     unique_id text CONSTRAINT {unique_pkey} PRIMARY KEY,
     id bigint NOT NULL
@@ -154,6 +155,12 @@ CREATE TABLE IF NOT EXISTS {unique_table} (
 CREATE INDEX IF NOT EXISTS {unique_ids} ON {unique_table} (id);
 CREATE OR REPLACE FUNCTION {unique_table}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
+    IF TG_OP = 'DELETE' THEN
+        -- A deleted row frees its unique_id (only its own entry: a row moved
+        -- to a newer segment has a new one already).
+        DELETE FROM {unique_table} WHERE unique_id = OLD.unique_id AND id = OLD.id;
+        RETURN OLD;
+    END IF;
     INSERT INTO {unique_table} (unique_id, id) VALUES (NEW.unique_id, NEW.id)
     ON CONFLICT DO NOTHING;
     IF NOT FOUND THEN
@@ -163,6 +170,8 @@ BEGIN
 END
 $fn$;
 CREATE OR REPLACE TRIGGER "nmbus$unique" BEFORE INSERT ON {queue}
+    FOR EACH ROW EXECUTE FUNCTION {unique_table}();
+CREATE OR REPLACE TRIGGER "nmbus$unique$free" AFTER DELETE ON {queue}
     FOR EACH ROW EXECUTE FUNCTION {unique_table}();
 
 -- segment_function --
@@ -198,6 +207,11 @@ BEGIN
         p_schema, p_queue, p_schema, p_queue || '$s' || p_number,
         CASE WHEN p_number = 0 THEN 'MINVALUE' ELSE (p_number * 68719476736)::text END,
         (p_number + 1) * 68719476736);
+    -- When it was attached: a transaction older than that may not see it (the
+    -- roll waits for those before new rows go to it).
+    EXECUTE format('COMMENT ON TABLE %I.%I IS %L', p_schema, p_queue || '$s' || p_number,
+                   'nmbus: made ' || to_char(clock_timestamp() AT TIME ZONE 'UTC',
+                                             'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'));
 END
 $fn$;
 

@@ -31,6 +31,12 @@ SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END FROM {id_seq}
 -- counts the segment's time from here. {opened} is a timestamp nmbus formats.
 COMMENT ON TABLE {segment} IS {opened};
 
+-- segment_oldest_transaction --
+-- When the oldest transaction open in this database (other than this session's)
+-- began; NULL when there is none.
+SELECT min(xact_start) FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND xact_start IS NOT NULL;
+
 -- segment_oldest --
 -- When the first row of the segment was inserted (NULL: the segment is empty).
 SELECT insert_time FROM {segment} ORDER BY id LIMIT 1;
@@ -45,7 +51,7 @@ SELECT setval(pg_get_serial_sequence($2, 'id'), $1, false);
 -- What keeps the segment from being dropped, by four index probes (none reads
 -- the X rows): an X row processed less than $1 (interval) ago; an I/R row in the
 -- ready index; a sequence member not in X; an F row processed less than $2 ago
--- ($2 NULL: any F row).
+-- or at an unknown time ($2 NULL: any F row).
 SELECT EXISTS (SELECT 1 FROM {segment} WHERE subqueue = 'X'
                AND (last_processed >= now() - $1::interval OR last_processed IS NULL))
            AS recent,
@@ -54,18 +60,21 @@ SELECT EXISTS (SELECT 1 FROM {segment} WHERE subqueue = 'X'
        EXISTS (SELECT 1 FROM {segment} WHERE sequence_key IS NOT NULL
                AND subqueue <> 'X') AS sequenced,
        EXISTS (SELECT 1 FROM {segment} WHERE subqueue = 'F'
-               AND ($2::interval IS NULL OR last_processed >= now() - $2::interval))
+               AND ($2::interval IS NULL OR last_processed IS NULL
+                    OR last_processed >= now() - $2::interval))
            AS failed;
 
 -- segment_movable --
 -- Lock the rows of the segment that wait for something other than time and may
 -- move to the segment being written, so they do not keep an old segment alive: F rows
--- processed less than $1 (interval) ago ($1 NULL: every F row), and I/R rows no
+-- processed less than $1 (interval) ago or at an unknown time ($1 NULL: every F
+-- row), and I/R rows no
 -- live lease holds; never a sequence member (its id is its place in the sequence).
 -- Returns their ids and unique_ids, at most $2.
 SELECT id, unique_id FROM {segment}
 WHERE sequence_key IS NULL
-  AND ((subqueue = 'F' AND ($1::interval IS NULL OR last_processed >= now() - $1::interval))
+  AND ((subqueue = 'F' AND ($1::interval IS NULL OR last_processed IS NULL
+                            OR last_processed >= now() - $1::interval))
        OR (subqueue IN ('I', 'R') AND (lease_expires IS NULL OR lease_expires < now())))
 ORDER BY id
 LIMIT $2

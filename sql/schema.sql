@@ -69,6 +69,11 @@ BEGIN
         p_schema, p_queue, p_schema, p_queue || '$s' || p_number,
         CASE WHEN p_number = 0 THEN 'MINVALUE' ELSE (p_number * 68719476736)::text END,
         (p_number + 1) * 68719476736);
+    -- When it was attached: a transaction older than that may not see it (the
+    -- roll waits for those before new rows go to it).
+    EXECUTE format('COMMENT ON TABLE %I.%I IS %L', p_schema, p_queue || '$s' || p_number,
+                   'nmbus: made ' || to_char(clock_timestamp() AT TIME ZONE 'UTC',
+                                             'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'));
 END
 $fn$;
 
@@ -110,6 +115,12 @@ CREATE TABLE IF NOT EXISTS "nmbus"."billing$unique" (
 CREATE INDEX IF NOT EXISTS "billing$unique$id" ON "nmbus"."billing$unique" (id);
 CREATE OR REPLACE FUNCTION "nmbus"."billing$unique"() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
+    IF TG_OP = 'DELETE' THEN
+        -- A deleted row frees its unique_id (only its own entry: a row moved
+        -- to a newer segment has a new one already).
+        DELETE FROM "nmbus"."billing$unique" WHERE unique_id = OLD.unique_id AND id = OLD.id;
+        RETURN OLD;
+    END IF;
     INSERT INTO "nmbus"."billing$unique" (unique_id, id) VALUES (NEW.unique_id, NEW.id)
     ON CONFLICT DO NOTHING;
     IF NOT FOUND THEN
@@ -119,6 +130,8 @@ BEGIN
 END
 $fn$;
 CREATE OR REPLACE TRIGGER "nmbus$unique" BEFORE INSERT ON "nmbus"."billing"
+    FOR EACH ROW EXECUTE FUNCTION "nmbus"."billing$unique"();
+CREATE OR REPLACE TRIGGER "nmbus$unique$free" AFTER DELETE ON "nmbus"."billing"
     FOR EACH ROW EXECUTE FUNCTION "nmbus"."billing$unique"();
 SELECT "nmbus".nmbus_create_segment(n.nspname, c.relname, s.n)
 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace,

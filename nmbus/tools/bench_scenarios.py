@@ -16,6 +16,7 @@ import asyncpg
 from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.postgres import sql as core_sql
+from nmbus.postgres.store import WORKER_SERVER_SETTINGS
 from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
 
@@ -83,7 +84,11 @@ async def measure_ceiling(
         sql = render("bench_ceiling", scratch.schema, QUEUE)
         statements = [sql]
     count = options.concurrency if loops is None else loops
-    conns = [await asyncpg.connect(options.dsn) for _ in range(count)]
+    # The server settings of a worker connection (its plans), as nmbus's own workers.
+    conns = [
+        await asyncpg.connect(options.dsn, server_settings=WORKER_SERVER_SETTINGS)
+        for _ in range(count)
+    ]
     batch, lease, client = options.batch_size, 60.0, "bench-ceiling"
     try:
         for conn in conns:  # prepare outside the timed part, as asyncpg's cache would

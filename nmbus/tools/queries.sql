@@ -50,16 +50,18 @@ CHECKPOINT;
 
 -- bench_ceiling --
 -- The bare loop nmbus is measured against: claim up to $1 ready rows with
--- SKIP LOCKED and mark them X, in one autocommitted statement.
+-- SKIP LOCKED and mark them X, in one autocommitted statement (the ids as an
+-- array, as the claim takes them: over segments a generic plan keeps to the
+-- primary key).
 UPDATE {queue} AS q
 SET subqueue = 'X', last_processed = clock_timestamp()
-WHERE q.id IN (
+WHERE q.id = ANY (ARRAY(
     SELECT id FROM {queue}
     WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
     ORDER BY priority DESC, retry_time, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
-)
+))
 RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
           q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id;
 

@@ -145,6 +145,9 @@ SET retry_count = least(q.retry_count, 2147483646) + 1,
     lease_expires = now() + make_interval(secs => {:lease})
 FROM ready
 WHERE q.id = ready.id
+  -- The same rows as an array too: over segments, a generic plan would join
+  -- `ready` by reading every segment whole; this keeps it on the primary key.
+  AND q.id = ANY (ARRAY(SELECT id FROM ready))
 RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
           q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
           ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired

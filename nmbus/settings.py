@@ -173,7 +173,7 @@ class Settings(BaseSettings):
         default=3600.0,
         ge=1.0,
         le=31 * 86400,
-        description="the span of time one segment of a queue table covers, at most 48 "
+        description="the span of time one segment of a queue table covers, at most 16 "
         "segments kept (docs/storage.md)",
     )
     retention_batch_size: int = Field(

@@ -63,8 +63,9 @@ async def create_v9_queue(db: asyncpg.Connection, schema: str, queue: str) -> No
     )
 
 
-async def make_v9(db: asyncpg.Connection, schema: str, queues: list[str]) -> None:
-    """Turn ``schema`` (made by this nmbus) into a version-9 one with plain ``queues``."""
+async def make_v9(db: asyncpg.Connection, schema: str, queues: list[str], version: int = 9) -> None:
+    """Turn ``schema`` (made by this nmbus) into a version-9 one with plain ``queues``
+    (or an older ``version``, from 7: their queue tables were the same)."""
     for queue in queues:
         await db.execute(f"DROP TABLE IF EXISTS {quote_ident(schema)}.{quote_ident(queue)} CASCADE")
         await db.execute(
@@ -72,4 +73,8 @@ async def make_v9(db: asyncpg.Connection, schema: str, queues: list[str]) -> Non
         )
         await create_v9_queue(db, schema, queue)
     await db.execute(f"DELETE FROM {quote_ident(schema)}.schema_version")
-    await db.execute(f"INSERT INTO {quote_ident(schema)}.schema_version (version) VALUES (9)")
+    await db.execute(
+        f"INSERT INTO {quote_ident(schema)}.schema_version (version) VALUES ($1)", version
+    )
+    if version < 9:  # schema 9 brought the periodic due times
+        await db.execute(f'DROP TABLE {quote_ident(schema)}."periodic$due"')

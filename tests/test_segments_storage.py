@@ -19,6 +19,7 @@ from nmbus.postgres import PostgresStore, install_schema
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.segments import advance, current_segment, roll, segments
 from nmbus.postgres.sql import SEGMENT_SPAN, render
+from nmbus.postgres.store import WORKER_SERVER_SETTINGS
 from nmbus.settings import Settings
 from tests.legacy import make_v9
 from tests.messages import Ping
@@ -329,11 +330,11 @@ async def test_the_seed_sql_runs_verbatim_over_segments(dsn: str, db: asyncpg.Co
     assert avg == pytest.approx(1000, abs=50)
 
 
-async def test_a_schema_9_queue_is_upgraded_while_a_worker_runs(
+async def test_a_schema_7_queue_is_upgraded_while_a_worker_runs(
     dsn: str, db: asyncpg.Connection
 ) -> None:
     await make_queue(dsn)
-    await make_v9(db, "nmbus", ["billing"])
+    await make_v9(db, "nmbus", ["billing"], version=7)
     await add(db, 3000, "I", ago="0 seconds")
     await add(db, 200, "X")
     await add(db, 5, "F")
@@ -453,3 +454,30 @@ async def test_the_roll_stops_at_the_most_segments_a_queue_keeps(
     assert await roll(db, "nmbus", "billing", 1.0) is None  # 3 live: the third stays open
     await add(db, 1, "X", prefix="s4")
     assert await current_segment(db, "nmbus", "billing") == 2
+
+
+async def test_the_worker_s_generic_plans_keep_to_the_indexes(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await make_queue(dsn)
+    await add(db, 20_000, "I", ago="0 seconds")
+    assert await advance(db, "nmbus", "billing") == 1
+    await add(db, 20_000, "X", prefix="done")
+    await db.execute("ANALYZE nmbus.billing")
+    worker = await asyncpg.connect(dsn, server_settings=WORKER_SERVER_SETTINGS)
+    try:
+        claimed = [
+            r[0] for r in await worker.fetch(render("claim", "nmbus", "billing"), 100, "w", 30.0)
+        ]
+        for name, args in (
+            ("claim", "100, 'w', 30.0"),
+            ("finish_claim_processed", f"ARRAY{claimed}::bigint[], 'w', 100, 30.0"),
+        ):
+            await worker.execute(f"PREPARE {name} AS {render(name, 'nmbus', 'billing')}")
+            plan = "\n".join(
+                r[0] for r in await worker.fetch(f"EXPLAIN (ANALYZE) EXECUTE {name}({args})")
+            )
+            assert 'Seq Scan on "billing$s0"' not in plan, plan
+            assert 'Seq Scan on "billing$s1"' not in plan, plan
+    finally:
+        await worker.close()

@@ -43,7 +43,7 @@ log = structlog.get_logger("nmbus.segments")
 #: segment adds about 5 relations to every lock a worker's statement takes (its
 #: table and 4 indexes), and PostgreSQL's lock table is shared by the server.
 #: Beyond it the roll waits (the segment being written grows past segment_seconds).
-MAX_LIVE_SEGMENTS = 48
+MAX_LIVE_SEGMENTS = 16
 #: How the comment of a segment made ahead says when it was attached.
 MADE_NOTE = "nmbus: made "
 

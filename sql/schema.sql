@@ -69,8 +69,6 @@ BEGIN
         p_schema, p_queue, p_schema, p_queue || '$s' || p_number,
         CASE WHEN p_number = 0 THEN 'MINVALUE' ELSE (p_number * 68719476736)::text END,
         (p_number + 1) * 68719476736);
-    -- When it was attached: a transaction older than that may not see it (the
-    -- roll waits for those before new rows go to it).
     EXECUTE format('COMMENT ON TABLE %I.%I IS %L', p_schema, p_queue || '$s' || p_number,
                    'nmbus: made ' || to_char(clock_timestamp() AT TIME ZONE 'UTC',
                                              'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'));
@@ -116,8 +114,6 @@ CREATE INDEX IF NOT EXISTS "billing$unique$id" ON "nmbus"."billing$unique" (id);
 CREATE OR REPLACE FUNCTION "nmbus"."billing$unique"() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
     IF TG_OP = 'DELETE' THEN
-        -- A deleted row frees its unique_id (only its own entry: a row moved
-        -- to a newer segment has a new one already).
         DELETE FROM "nmbus"."billing$unique" WHERE unique_id = OLD.unique_id AND id = OLD.id;
         RETURN OLD;
     END IF;

@@ -91,7 +91,10 @@ async def soak(dsn: str, seconds: float, kills: int, archive: Path) -> SoakResul
     conn = await asyncpg.connect(dsn)
     workers = [Worker(dsn), Worker(dsn)]
     retired: list[Worker] = []
-    policy = RetentionPolicy(max_age=timedelta(0), batch_size=100, archive_dir=archive)
+    # Segments a second wide, so retention drops handled ticks as it goes.
+    policy = RetentionPolicy(
+        max_age=timedelta(0), batch_size=100, archive_dir=archive, segment_seconds=1.0
+    )
     runs = archived = killed = 0
     started = time.monotonic()
     try:

@@ -169,8 +169,11 @@ async def test_hostile_queue_names_are_refused_everywhere(
         "subscriptions",
         "outbox",
         "periodic$due",
-        "orders",
-        "fine.name-1",
+        *(
+            f"{queue}{part}"
+            for queue in ("orders", "fine.name-1")
+            for part in ("", "$s0", "$s1", "$unique")
+        ),
     }
 
 

@@ -137,7 +137,9 @@ ready AS (
 -- Fragment of every claim: lease the rows of `ready` to client {:client} for
 -- {:lease} seconds and count the attempt (see claim); returns what the worker
 -- reads of a claimed row. The last column is the expired flag, which
--- claim_after_finish names (AS expired).
+-- claim_after_finish names (AS expired). The rows are named as an array of ids
+-- too: over segments, a generic plan would join `ready` by reading every segment
+-- whole; the array keeps it on the primary key.
 UPDATE {queue} AS q
 SET retry_count = least(q.retry_count, 2147483646) + 1,
     isolated = false,
@@ -145,8 +147,6 @@ SET retry_count = least(q.retry_count, 2147483646) + 1,
     lease_expires = now() + make_interval(secs => {:lease})
 FROM ready
 WHERE q.id = ready.id
-  -- The same rows as an array too: over segments, a generic plan would join
-  -- `ready` by reading every segment whole; this keeps it on the primary key.
   AND q.id = ANY (ARRAY(SELECT id FROM ready))
 RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
           q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,

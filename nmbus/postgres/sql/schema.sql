@@ -96,7 +96,8 @@ SELECT to_regclass(format('%I.schema_version', $1::text)) IS NOT NULL;
 -- Create one queue table with its indexes (idempotent): a table partitioned by
 -- ranges of id into segments (docs/storage.md, "Segments"; create_segment makes
 -- them), each of which is dropped whole by retention once all its rows are done.
--- The indexes are declared once here and built on every segment. A unique_id
+-- The indexes are declared once here and built on every segment; the queue
+-- starts with segment 0 and segment 1, ready for the first roll. A unique_id
 -- is kept unique by the queue's unique table (queue_unique_table), which a
 -- trigger writes for every row inserted, whatever the statement.
 CREATE TABLE IF NOT EXISTS {queue} (
@@ -124,7 +125,6 @@ CREATE TABLE IF NOT EXISTS {queue} (
 ) PARTITION BY RANGE (id);
 {queue_indexes}
 {queue_unique_table}
--- The first segment, and the next one ready for the first roll.
 SELECT {schema}.nmbus_create_segment(n.nspname, c.relname, s.n)
 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace,
      generate_series(0, 1) AS s(n)
@@ -146,7 +146,8 @@ CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, 
 -- new row's unique_id here and drops the row (as ON CONFLICT DO NOTHING would)
 -- when it is already there; concurrent inserts of one unique_id wait on its
 -- index entry like on any unique index. A row deleted (a purge, retention's F
--- rows) frees its unique_id; retention deletes the entries of the segments it
+-- rows) frees its unique_id (only its own entry: a row moved to a newer segment
+-- has a new one already); retention deletes the entries of the segments it
 -- drops (their id range, through the id index: DROP fires no trigger).
 CREATE TABLE IF NOT EXISTS {unique_table} (
     unique_id text CONSTRAINT {unique_pkey} PRIMARY KEY,
@@ -156,8 +157,6 @@ CREATE INDEX IF NOT EXISTS {unique_ids} ON {unique_table} (id);
 CREATE OR REPLACE FUNCTION {unique_table}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
     IF TG_OP = 'DELETE' THEN
-        -- A deleted row frees its unique_id (only its own entry: a row moved
-        -- to a newer segment has a new one already).
         DELETE FROM {unique_table} WHERE unique_id = OLD.unique_id AND id = OLD.id;
         RETURN OLD;
     END IF;
@@ -179,7 +178,9 @@ CREATE OR REPLACE TRIGGER "nmbus$unique$free" AFTER DELETE ON {queue}
 -- queue, n) creates segment n of a queue table unless it exists: the table
 -- "<queue>$s<n>" for the ids from n * 2^36 (segment 0: from the lowest bigint) up
 -- to (n + 1) * 2^36 (nmbus.postgres.segments). It is made empty on its own and
--- then attached, which takes the queue table in SHARE UPDATE EXCLUSIVE mode:
+-- then attached, which takes the queue table in SHARE UPDATE EXCLUSIVE mode, and
+-- its comment notes when ("nmbus: made <time>": a transaction older than that
+-- may not see it, and the roll waits for those before new rows go to it):
 -- claims, finishes and inserts go on meanwhile (CREATE TABLE ... PARTITION OF
 -- would wait for every open transaction on the queue and block them all). The
 -- attach builds the queue table's indexes on it and gives it its trigger.
@@ -207,8 +208,6 @@ BEGIN
         p_schema, p_queue, p_schema, p_queue || '$s' || p_number,
         CASE WHEN p_number = 0 THEN 'MINVALUE' ELSE (p_number * 68719476736)::text END,
         (p_number + 1) * 68719476736);
-    -- When it was attached: a transaction older than that may not see it (the
-    -- roll waits for those before new rows go to it).
     EXECUTE format('COMMENT ON TABLE %I.%I IS %L', p_schema, p_queue || '$s' || p_number,
                    'nmbus: made ' || to_char(clock_timestamp() AT TIME ZONE 'UTC',
                                              'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'));

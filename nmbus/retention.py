@@ -12,6 +12,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nmbus.settings import SEGMENT_SECONDS
+
 if TYPE_CHECKING:
     from nmbus.settings import Settings
 
@@ -28,7 +30,8 @@ class RetentionPolicy:
     segment_seconds: float = 3600.0
 
     def __post_init__(self) -> None:
-        if not 1.0 <= self.segment_seconds <= 31 * 86400:
+        low, high = SEGMENT_SECONDS
+        if not low <= self.segment_seconds <= high:
             raise ValueError("segment_seconds must be from 1 second to 31 days")
         if self.max_age < timedelta(0):
             raise ValueError("max_age must not be negative")

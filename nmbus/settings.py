@@ -40,6 +40,8 @@ _SECONDS = (
     "segment_seconds",
 )
 _AGES = ("retention_max_age", "retention_failed_max_age")
+#: The shortest and longest span of time one segment may cover (docs/storage.md).
+SEGMENT_SECONDS = (1.0, 31 * 86400.0)
 # The shortest lease the design honours: it must outlast several round trips,
 # and the renewer runs every lease/3. Shorter, a live handler's message is taken
 # over by another worker and handled twice.
@@ -171,8 +173,8 @@ class Settings(BaseSettings):
     )
     segment_seconds: float = Field(
         default=3600.0,
-        ge=1.0,
-        le=31 * 86400,
+        ge=SEGMENT_SECONDS[0],
+        le=SEGMENT_SECONDS[1],
         description="the span of time one segment of a queue table covers, at most 16 "
         "segments kept (docs/storage.md)",
     )

@@ -41,18 +41,18 @@ from nmbus.operations import ProgressCallback, RetentionPolicy, RetentionResult
 from nmbus.postgres.archive import publish, write_pending
 from nmbus.postgres.segments import (
     LOCK_TIMEOUT,
+    LOWEST_ID,
     Segment,
     current_segment,
     lock_key,
     segments,
 )
-from nmbus.postgres.sql import SEGMENT_SPAN, render, render_segment
+from nmbus.postgres.sql import render, render_segment
 
 log = structlog.get_logger("nmbus.retention")
 
 #: Rows per archive file written from one segment (bounded memory per file).
 ARCHIVE_CHUNK = 50_000
-_MIN_ID = -(2**63)
 
 
 async def reclaim_segments(
@@ -228,11 +228,10 @@ async def due(conn: Any, schema: str, queue: str, policy: RetentionPolicy) -> tu
             policy.failed_max_age,
         )
         if not (pins["recent"] or pins["sequenced"]):
-            processed += int(
-                await conn.fetchval(
-                    render_segment("segment_count_processed", schema, queue, segment.number)
-                )
+            counted = await conn.fetchrow(
+                render_segment("segment_count", schema, queue, segment.number)
             )
+            processed += int(counted["x"])
     row = await conn.fetchrow(
         render("retention_count", schema, queue), policy.max_age, policy.failed_max_age
     )
@@ -245,11 +244,10 @@ async def forget_unique(conn: Any, schema: str, queue: str) -> int:
     if not present:
         return 0
     gaps: list[tuple[int, int]] = []
-    low = _MIN_ID
+    low = LOWEST_ID
     for segment in present:
-        lower = _MIN_ID if segment.number == 0 else segment.number * SEGMENT_SPAN
-        if lower > low:
-            gaps.append((low, lower))
+        if segment.lower > low:
+            gaps.append((low, segment.lower))
         low = segment.upper
     gone = 0
     for lo, hi in gaps:

@@ -52,6 +52,10 @@ MADE_NOTE = "nmbus: made "
 LOCK_TIMEOUT = "200ms"
 
 
+#: The lowest bigint: where segment 0 begins.
+LOWEST_ID = -(2**63)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One segment of a queue: its number, table name and id range."""
@@ -61,9 +65,9 @@ class Segment:
     note: str | None = None
 
     @property
-    def lower(self) -> int | None:
-        """The lowest id it holds (None: the lowest bigint)."""
-        return None if self.number == 0 else self.number * SEGMENT_SPAN
+    def lower(self) -> int:
+        """The lowest id it holds (segment 0: the lowest bigint)."""
+        return LOWEST_ID if self.number == 0 else self.number * SEGMENT_SPAN
 
     @property
     def upper(self) -> int:

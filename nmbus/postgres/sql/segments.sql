@@ -110,13 +110,10 @@ SELECT id, from_endpoint, to_endpoint, subqueue, insert_time, last_processed, re
        unique_id, handling_client_id, lease_expires, isolated, priority, sequence_key, expires_at
 FROM {segment} ORDER BY id;
 
--- segment_count_processed --
--- How many X rows the segment holds (an index-only read of its done index).
-SELECT count(*) FROM {segment} WHERE subqueue = 'X';
-
 -- segment_count --
--- How many X and F rows the segment holds, once nothing else is left in it (an
--- index-only read of its done index; the X rows themselves are not read).
+-- How many X and F rows the segment holds (an index-only read of its done index;
+-- the X rows themselves are not read): what a drop removes once nothing else is
+-- left in it, and what retention_due counts.
 SELECT count(*) FILTER (WHERE subqueue = 'X') AS x, count(*) FILTER (WHERE subqueue = 'F') AS f
 FROM {segment} WHERE subqueue IN ('X', 'F');
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Protocol
 
+from nmbus.cancellation import Cancel
 from nmbus.errors import ConfigurationError
 from nmbus.logs import scrub
 from nmbus.names import validate_queue_name, validate_schema_name
@@ -392,6 +393,13 @@ class Admin:
         """Delete failed messages for good (say which, as for requeue); returns how many."""
         chosen = _chosen("purge", queue, ids, message_type, error_contains, every, counted)
         return await self._in_batches(self._ops.purge_failed, queue, chosen, on_batch)
+
+    async def cancel(
+        self, queue: str, *, unique_id: str | None = None, correlation_id: str | None = None
+    ) -> int:
+        """What :meth:`nmbus.Bus.cancel` does, from outside any endpoint; how many."""
+        request = Cancel.of(unique_id, correlation_id)
+        return await self._ops.cancel(validate_queue_name(queue), request)
 
     async def run_retention(
         self,

@@ -244,6 +244,7 @@ class Bus(Registration, Sending):
                 )
                 self._spawn(scheduler.run, "periodic")
             self.worker.start()
+            await self.worker.declare_limits()
         elif self.routes:
             # A send-only process: what it routes waits in the outbox for a forwarder.
             log.info("outbox_needs_a_forwarder", queue=self.endpoint, routes=sorted(self.routes))

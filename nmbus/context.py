@@ -31,6 +31,7 @@ from nmbus.envelopes import (
     user_headers,
 )
 from nmbus.errors import ConfigurationError
+from nmbus.flow import GROUP_HEADER
 from nmbus.messages import Envelope, Message
 from nmbus.names import validate_queue_name
 from nmbus.tracer import NULL_TRACER, Tracer
@@ -228,6 +229,11 @@ class Context:
     @property
     def label(self) -> str | None:
         return self._row.label
+
+    @property
+    def group(self) -> str | None:
+        """The group the message was sent with (``send(..., group=...)``), or None."""
+        return self._received.headers.get(GROUP_HEADER)
 
     @property
     def headers(self) -> Mapping[str, str]:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from nmbus.context import Context
 from nmbus.errors import MAX_SECONDS, HandlerError
-from nmbus.messages import Message
+from nmbus.flow import FlowLimits, Limits
+from nmbus.messages import Message, subtypes, type_name
 from nmbus.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -39,10 +40,23 @@ class Handler:
     # False: the handler's only effects go through ctx.connection, ctx.send and
     # ctx.publish, so running it again after a rollback is invisible.
     outside_effects: bool = True
+    # Flow control (nmbus/flow.py): enforced where the messages are claimed.
+    limits: Limits | None = None
 
     @property
     def name(self) -> str:
         return f"{self.func.__module__}.{self.func.__qualname__}"
+
+    @property
+    def rated(self) -> bool:
+        """Whether it has a rate: its starts are counted (nmbus/dispatch/marks.py)."""
+        return self.limits is not None and self.limits.rate is not None
+
+    @property
+    def limit_key(self) -> str:
+        """What its limits are counted under in every process: its message type and
+        function, never its module's name (``__main__`` under ``python -m``)."""
+        return f"{type_name(self.message_type)}:{self.func.__qualname__}"
 
 
 class Registry:
@@ -67,6 +81,7 @@ class Registry:
         retry: RetryPolicy | int | None = None,
         timeout: float | None = None,
         outside_effects: bool = True,
+        limits: Limits | None = None,
     ) -> Handler:
         if not inspect.iscoroutinefunction(func):
             raise HandlerError(f"handler {func!r} must be an async function (async def)")
@@ -110,10 +125,20 @@ class Registry:
                 f"handler {func.__qualname__}: outside_effects must be True or False, "
                 f"got {outside_effects!r}"
             )
-        handler = Handler(func, message_type, policy, timeout, outside_effects)
+        handler = Handler(func, message_type, policy, timeout, outside_effects, limits)
+        if limits is not None and any(
+            h.limits is not None and h.limit_key == handler.limit_key
+            for handlers in self._by_type.values()
+            for h in handlers
+        ):
+            raise HandlerError(
+                f"two handlers with limits are both {handler.limit_key!r} (a function "
+                "registered twice, or made by a factory): give each its own name"
+            )
         self._by_type.setdefault(message_type, []).append(handler)
         self._dispatch.clear()
-        self._outside += outside_effects
+        # A rate counts each start once: its handler is never run again after a rollback.
+        self._outside += outside_effects or handler.rated
         self.version += 1
         return handler
 
@@ -132,14 +157,27 @@ class Registry:
 
     @property
     def all_replayable(self) -> bool:
-        """Whether every registered handler declared ``outside_effects=False``."""
+        """Whether every registered handler declared ``outside_effects=False`` (and no rate)."""
         return not self._outside and bool(self._by_type)
 
     def replayable(self, cls: type[Message] | None) -> bool:
         """Whether running the handlers of ``cls`` again after a rollback is invisible."""
         if cls is None or not self._outside:
             return True
-        return not any(h.outside_effects for h in self.handlers_for(cls))
+        return not any(h.outside_effects or h.rated for h in self.handlers_for(cls))
+
+    def flow_limits(self, at_once: int = 1) -> FlowLimits | None:
+        """The limits of every limited handler, with the labels each one counts;
+        ``at_once``: how many handlers a worker loop runs at once."""
+        return FlowLimits.of(
+            (
+                (h.limit_key, h.limits, [type_name(c) for c in subtypes(h.message_type)])
+                for handlers in self._by_type.values()
+                for h in handlers
+                if h.limits is not None
+            ),
+            at_once,
+        )
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_type.values())

@@ -88,6 +88,11 @@ def type_chain(cls: type[Message]) -> tuple[str, ...]:
     )
 
 
+def subtypes(cls: type[Message]) -> list[type[Message]]:
+    """``cls`` and every Message class registered in this process that derives from it."""
+    return [cls, *(t for t in _TYPES.values() if t is not cls and issubclass(t, cls))]
+
+
 def lookup_type(name: str) -> type[Message] | None:
     """The Message class registered under ``name`` in this process, if any."""
     return _TYPES.get(name)

@@ -26,7 +26,7 @@ from nmbus.retention import RetentionResult as RetentionResult
 from nmbus.rows import QueueRow
 
 if TYPE_CHECKING:
-    pass
+    from nmbus.cancellation import Cancel
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,6 +433,10 @@ class Operations(Protocol):
 
     async def purge_failed(self, queue: str, chosen: FailedFilter, limit: int) -> int:
         """Delete up to ``limit`` matching failed messages, lowest id first; how many."""
+        ...
+
+    async def cancel(self, queue: str, request: Cancel) -> int:
+        """Move the messages ``request`` names that no worker holds to F (Cancelled); how many."""
         ...
 
     async def run_retention(

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
 
 from nmbus.errors import ConfigurationError
+from nmbus.flow import Limits
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.messages import Message
 from nmbus.periodic import Schedule, Tick, TickHandler, router
@@ -50,6 +51,9 @@ class Registration:
         retry: RetryPolicy | int | None = None,
         timeout: float | None = None,
         outside_effects: bool = True,
+        concurrency: int | None = None,
+        rate: float | None = None,
+        group_concurrency: int | None = None,
     ) -> Callable[[F], F]: ...
 
     def handler(
@@ -60,6 +64,9 @@ class Registration:
         retry: RetryPolicy | int | None = None,
         timeout: float | None = None,
         outside_effects: bool = True,
+        concurrency: int | None = None,
+        rate: float | None = None,
+        group_concurrency: int | None = None,
     ) -> Any:
         """Register an async handler; the message type comes from its annotation.
 
@@ -73,14 +80,20 @@ class Registration:
         of them fails after writing, the batch is rolled back and run again
         with savepoints. The replayed handlers run twice, but nothing of their
         first run was ever visible (docs/handlers.md).
+
+        ``concurrency`` (most of its messages running at once), ``rate`` (most
+        starts per second) and ``group_concurrency`` (most running at once per
+        group of ``send(..., group=...)``) hold for every process and loop of
+        the endpoint together (docs/flow-control.md).
         """
+        limits = Limits.of(concurrency, rate, group_concurrency)
         if target is not None and not isinstance(target, type):
-            self.registry.add(target, None, retry, timeout, outside_effects)
+            self.registry.add(target, None, retry, timeout, outside_effects, limits)
             return target
         message_type = target
 
         def register(func: F) -> F:
-            self.registry.add(func, message_type, retry, timeout, outside_effects)
+            self.registry.add(func, message_type, retry, timeout, outside_effects, limits)
             return func
 
         return register

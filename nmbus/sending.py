@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from nmbus.cancellation import Cancel
 from nmbus.envelopes import (
     REPLY_BY_HEADER,
     REPLY_TO_HEADER,
@@ -32,6 +33,7 @@ from nmbus.envelopes import (
     user_headers,
 )
 from nmbus.errors import MAX_SECONDS, ConfigurationError
+from nmbus.flow import GROUP_HEADER, check_group
 from nmbus.messages import Message
 from nmbus.names import validate_queue_name
 from nmbus.replies import Replies
@@ -46,7 +48,7 @@ log = structlog.get_logger("nmbus.bus")
 
 
 class Sending:
-    """The sending side of a Bus: ``send``, ``request``, ``publish``, ``publish_many``."""
+    """The sending side of a Bus: ``send``, ``request``, ``publish(_many)``, ``cancel``."""
 
     endpoint: str
     settings: Settings
@@ -75,6 +77,7 @@ class Sending:
         sequence: str | None = None,
         ttl: float | None = None,
         expires_at: datetime | None = None,
+        group: str | None = None,
     ) -> str:
         """Store ``message`` in queue ``to``; durable when this returns.
 
@@ -91,7 +94,10 @@ class Sending:
         to (default: this one). ``priority`` (-100..100, higher first),
         ``sequence`` (members of one key are handled one at a time, in send
         order) and ``ttl`` seconds or ``expires_at`` (never handled after it)
-        are described in docs/delivery.md. Returns the message's unique id.
+        are described in docs/delivery.md. ``group`` (a key of at most 200
+        UTF-8 bytes, such as a tenant) is what the receiver's
+        ``group_concurrency`` limits count per (docs/flow-control.md); the
+        handler reads it as ``ctx.group``. Returns the message's unique id.
 
         Refused with InvalidMessage, before anything is written: headers that
         are not a mapping of str to str or that use nmbus's own names
@@ -100,12 +106,15 @@ class Sending:
         connection; MessageTooLarge when body and headers together exceed
         ``max_message_bytes``.
         """
+        headers = user_headers(headers)
+        if group is not None:
+            headers = {**(headers or {}), GROUP_HEADER: check_group(group)}
         return await self._send(
             message,
             to,
             deliver_at=deliver_at,
             delay=delay,
-            headers=user_headers(headers),
+            headers=headers,
             unique_id=unique_id,
             correlation_id=correlation_id,
             connection=connection,
@@ -291,3 +300,20 @@ class Sending:
             log.info("published_without_subscribers", queue=self.endpoint, messages=count)
         else:
             log.debug("published", queue=self.endpoint, messages=count, copies=dict(copies))
+
+    async def cancel(
+        self, queue: str, *, unique_id: str | None = None, correlation_id: str | None = None
+    ) -> int:
+        """Cancel messages in ``queue`` that have not started; returns how many.
+
+        Say which: the message of ``unique_id``, or every message of
+        ``correlation_id``. Each one waiting (I or R) that no worker holds goes
+        to F with ``error_info`` starting ``Cancelled``, in one statement, so it
+        never runs and stays visible; requeue it to run it after all. A message
+        running or done is not touched, nor counted; one claimed but not yet
+        started runs. Cancelling the same message again counts 0.
+        """
+        request = Cancel.of(unique_id, correlation_id)
+        cancelled = await self.store.cancel(validate_queue_name(queue), request)
+        log.debug("cancelled", queue=queue, messages=cancelled)
+        return cancelled

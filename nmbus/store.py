@@ -26,9 +26,11 @@ from nmbus.names import validate_queue_name as validate_queue_name
 from nmbus.names import validate_schema_name as validate_schema_name
 
 if TYPE_CHECKING:
+    from nmbus.cancellation import Cancel
+    from nmbus.flow import FlowLimits
     from nmbus.settings import Settings
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 
 class Outcomes:
@@ -247,6 +249,10 @@ class Batch(HandlerTransaction, Protocol):
 class WorkerSession(Protocol):
     """A worker loop's own connection."""
 
+    #: Seconds after which the loop claims again though nothing woke it (the last
+    #: claim held limited messages back), or None.
+    recheck: float | None
+
     async def claim(
         self, queue: str, limit: int, client_id: str, lease: float
     ) -> list[StoredMessage]: ...
@@ -352,6 +358,24 @@ class Store(Protocol):
 
     async def counts(self, queue: str) -> dict[str, int]: ...
 
+    async def declare_limits(
+        self, queue: str, flow: FlowLimits, client_id: str
+    ) -> list[tuple[str, str, str, datetime]]:
+        """Record the limits of ``queue``'s handlers; those another process declared
+        differently: (handler, its limits, that process, when)."""
+        ...
+
+    async def flow_started(
+        self, queue: str, client_id: str, starts: Sequence[tuple[str, int, int]]
+    ) -> None:
+        """Handlers with a rate have started: (handler key, message id, attempt) of
+        messages ``client_id`` claimed (nmbus/dispatch/marks.py)."""
+        ...
+
+    async def cancel(self, queue: str, request: Cancel) -> int:
+        """Move the messages ``request`` names that no worker holds to F (Cancelled)."""
+        ...
+
     async def has_ready(self, queue: str) -> bool:
         """Whether any row of ``queue`` is ready now or held by a worker."""
         ...
@@ -370,7 +394,11 @@ class Store(Protocol):
         """Free rows ``ids`` at once; ``refund`` when their attempt never started."""
         ...
 
-    def worker_session(self) -> AbstractAsyncContextManager[WorkerSession]: ...
+    def worker_session(
+        self, flow: FlowLimits | None = None
+    ) -> AbstractAsyncContextManager[WorkerSession]:
+        """A worker loop's session; its claims keep to ``flow``'s limits when given."""
+        ...
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:
         """Call ``on_wakeup(queue)`` whenever messages are inserted into ``queue``.

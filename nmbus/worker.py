@@ -43,7 +43,9 @@ import structlog
 
 from nmbus.batch import BatchRunner
 from nmbus.dispatch import Dispatcher
-from nmbus.errors import DatabaseUnavailable, StoreError
+from nmbus.dispatch.marks import StartMarks
+from nmbus.errors import ConfigurationError, DatabaseUnavailable, StoreError
+from nmbus.flow import FlowLimits
 from nmbus.logs import log_failure, per_message_logs
 from nmbus.messages import StoredMessage
 from nmbus.recovery import Gate, isolate, process_gate
@@ -95,6 +97,9 @@ class Worker:
             stopping=self._stopping,
         )
         self._gate: Gate | None = None
+        # The limits of the endpoint's handlers (nmbus/flow.py), read when it starts.
+        self.flow: FlowLimits | None = None
+        self._marks: StartMarks | None = None
 
     @property
     def in_flight(self) -> set[int]:
@@ -121,12 +126,51 @@ class Worker:
     def start(self) -> None:
         """Start ``settings.concurrency`` loops, the lease renewer and the wake-up listener."""
         self._gate = process_gate()
+        self.flow = self.dispatcher.registry.flow_limits(self.settings.handler_concurrency)
+        if self.flow is not None and not getattr(self.store, "flow_limits", True):
+            raise ConfigurationError(
+                f"endpoint {self.queue!r} declares flow limits, which PostgreSQL's claim "
+                "enforces; the in-memory store has none: test them on PostgreSQL"
+            )
+        self._mark_starts()
         for index in range(self.settings.concurrency):
             task = asyncio.create_task(self._loop(index), name=f"nmbus-worker-{self.queue}-{index}")
             self._tasks.append(task)
         reconnect = self.settings.reconnect_max_delay
         self._side.start("listener", lambda: self.store.listen(self._on_wakeup, reconnect))
         self._side.start("leases", self._renew_leases)
+
+    async def declare_limits(self) -> None:
+        """Record this endpoint's limits; warn when another process declared others.
+
+        Each claim keeps to the limits of the process that runs it, so two
+        processes of one endpoint with different limits each enforce their own
+        (a deploy that changes a limit runs both for a while): said once, here.
+        """
+        if self.flow is None:
+            return
+        for key, limits, by, at in await self.store.declare_limits(
+            self.queue, self.flow, self.client_id
+        ):
+            log.warning(
+                "flow_limits_differ",
+                queue=self.queue,
+                handler=key,
+                declared=self.flow.limits[key].describe(),
+                other=limits,
+                other_process=by,
+                other_declared_at=at.isoformat(),
+                note="each process's claims keep to its own limits",
+            )
+
+    def _mark_starts(self) -> None:
+        """With a rate limit, mark in the store when each limited handler has started."""
+        if self.flow is None or not self.flow.rated_keys:
+            self.dispatcher.on_start = None
+            return
+        if self._marks is None:
+            self._marks = StartMarks(self.store, self.queue, self.client_id)
+        self.dispatcher.on_start = self._marks.started
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -141,7 +185,9 @@ class Worker:
         another worker, as nothing renews its lease).
         """
         before = Counter(self.outcomes)
-        async with self.store.worker_session() as session:
+        self.flow = self.dispatcher.registry.flow_limits(self.settings.handler_concurrency)
+        self._mark_starts()
+        async with self.store.worker_session(self.flow) as session:
             ahead: list[StoredMessage] = []
             while True:
                 batch = ahead or await session.claim(
@@ -155,6 +201,8 @@ class Worker:
                         continue
                     break
                 ahead = await self._run_gated(session, batch)
+        if self._marks is not None:
+            await self._marks.close()
         done = self.outcomes - before
         return {subqueue: done[subqueue] for subqueue in ("X", "R", "F")}
 
@@ -204,6 +252,9 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         self._tasks.clear()
+        if self._marks is not None:
+            # Before the leases of abandoned messages end: their starts must count.
+            await self._marks.close()
         # A batch claimed ahead that a cancelled loop never reached never started either.
         batches = self.batches
         batches.unstarted |= batches.in_flight - batches.abandoned
@@ -228,7 +279,7 @@ class Worker:
         backoff = Backoff(reconnect)
 
         async def connected() -> None:
-            async with self.store.worker_session() as session:
+            async with self.store.worker_session(self.flow) as session:
                 if backoff.failures:
                     log.info("worker_reconnected", queue=self.queue, loop=index)
                 backoff.reset()
@@ -286,6 +337,8 @@ class Worker:
             due = await session.next_due(self.queue)
             if due is not None:
                 wait = max(0.0, min(wait, due))
+            if session.recheck is not None:  # limited messages wait for room
+                wait = min(wait, session.recheck)
             if wait > 0 and not self._wakeup.is_set():
                 try:
                     async with asyncio.timeout(wait):

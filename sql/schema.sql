@@ -1,4 +1,4 @@
--- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 10).
+-- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 11).
 -- nmbus creates all of this itself when a Bus starts; to run it by hand:
 --   psql -v ON_ERROR_STOP=1 -f FILE
 
@@ -74,8 +74,29 @@ BEGIN
                                              'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'));
 END
 $fn$;
+CREATE TABLE IF NOT EXISTS "nmbus"."flow$flights" (
+    queue text NOT NULL,
+    key text NOT NULL,
+    group_key text NOT NULL,
+    id bigint NOT NULL,
+    client text NOT NULL,
+    attempt integer NOT NULL,
+    claimed timestamptz NOT NULL DEFAULT clock_timestamp(),
+    started timestamptz,
+    CONSTRAINT "flow$flights$pkey" PRIMARY KEY (queue, key, id, attempt)
+);
+CREATE INDEX IF NOT EXISTS "flow$flights$claimed" ON "nmbus"."flow$flights" (queue, claimed);
+CREATE TABLE IF NOT EXISTS "nmbus"."flow$limits" (
+    queue text NOT NULL,
+    key text NOT NULL,
+    limits text NOT NULL,
+    labels text[] NOT NULL,
+    declared_by text NOT NULL,
+    declared_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT "flow$limits$pkey" PRIMARY KEY (queue, key)
+);
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('10') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('11') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")
@@ -106,6 +127,9 @@ CREATE INDEX IF NOT EXISTS "billing$seq" ON "nmbus"."billing" (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
 CREATE INDEX IF NOT EXISTS "billing$done" ON "nmbus"."billing" (subqueue, last_processed, id)
     WHERE subqueue IN ('X', 'F');
+CREATE INDEX IF NOT EXISTS "billing$group"
+    ON "nmbus"."billing" ((msg_headers ->> 'nmbus-group'), priority DESC, retry_time, id)
+    WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity' AND msg_headers ? 'nmbus-group';
 CREATE TABLE IF NOT EXISTS "nmbus"."billing$unique" (
     unique_id text CONSTRAINT "billing$unique$pkey" PRIMARY KEY,
     id bigint NOT NULL

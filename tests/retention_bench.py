@@ -32,6 +32,7 @@ import asyncpg
 
 from nmbus.operations import RetentionPolicy, RetentionResult
 from nmbus.postgres import install_schema
+from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.segments import advance
 from nmbus.postgres.sql import render
@@ -112,6 +113,7 @@ async def lock_probe(dsn: str, stop: asyncio.Event, probe: Probe, timeout: float
 async def claim_probe(dsn: str, stop: asyncio.Event, probe: Probe, timeout: float) -> None:
     conn = await asyncpg.connect(dsn)
     sql = render("claim", "nmbus", QUEUE)
+    floors = ReadyFloors("nmbus")  # read as a worker reads it
     try:
         while not stop.is_set():
             tx = conn.transaction()
@@ -120,7 +122,7 @@ async def claim_probe(dsn: str, stop: asyncio.Event, probe: Probe, timeout: floa
                 await conn.execute(f"SET LOCAL lock_timeout = '{int(timeout * 1000)}ms'")
                 started = time.perf_counter()
                 try:
-                    await conn.fetch(sql, 10, "probe", 30.0)
+                    await conn.fetch(sql, 10, "probe", 30.0, await floors.floor(conn, QUEUE))
                 except asyncpg.LockNotAvailableError:
                     probe.timeouts += 1
                 probe.waits.append(time.perf_counter() - started)

@@ -249,3 +249,18 @@ async def test_reply_times_round_trips_and_reply_lag_of_every_request(
         # The lag is a part of the round trip.
         assert lag < figures[f"{scenario}_p99_ms"]
     assert result.settings["handler_concurrency"] == 20
+
+
+async def test_flow_measures_concurrency_rate_and_the_claim_with_many_groups(dsn: str) -> None:
+    [result] = await asyncio.wait_for(run(["flow"], BenchOptions(dsn=dsn)), timeout=180)
+    figures = result.figures
+    assert figures["concurrency_most_running"] == figures["concurrency_limit"] == 5
+    assert 0 < figures["concurrency_mean_running"] <= 5
+    assert figures["rate_worst_one_second"] <= figures["rate_limit_per_s"] == 200
+    assert figures["rate_achieved_per_s"] > 0
+    assert figures["group_claim_ms"] > 0 and figures["plain_claim_ms"] > 0
+    # The groups in turn: the 10 small ones end within the first batches, not after 100,000.
+    assert 0 <= figures["fairness_big_before_last_small"] < 1_000
+    assert figures["fairness_drain_per_s"] > 0
+    assert result.settings["groups"] == 10_000
+    assert await _schemas(dsn) == []

@@ -299,3 +299,25 @@ async def test_version_and_ddl(cli: Cli) -> None:
     await cli("version", dsn=False)
     text = (await cli("queues", "ddl", "orders", "--schema", "ops", dsn=False)).stdout
     assert 'CREATE TABLE IF NOT EXISTS "ops"."orders"' in text
+
+
+async def test_cancel(cli: Cli, facts: Facts, db: asyncpg.Connection) -> None:
+    await db.execute(
+        "INSERT INTO nmbus.billing (from_endpoint, to_endpoint, label, msg_text, unique_id, "
+        "correlation_id) VALUES ('shop', 'billing', 'test.Ping', '{}', 'cancel-me', 'cart-1'), "
+        "('shop', 'billing', 'test.Ping', '{}', 'cancel-too', 'cart-1')"
+    )
+    text = (await cli("cancel", "billing", "--unique-id", "cancel-me")).stdout
+    assert "cancelled 1 message(s) in billing" in text
+    assert await cli.json("cancel", "billing", "--correlation-id", "cart-1") == {
+        "queue": "billing",
+        "cancelled": 1,
+    }
+    assert await count(db, "unique_id LIKE 'cancel-%' AND error_info LIKE 'Cancelled%'") == 2
+    assert await cli.json("cancel", "billing", "--unique-id", "cancel-me") == {
+        "queue": "billing",
+        "cancelled": 0,
+    }
+    await cli("cancel", "billing", code=2)  # say which
+    await cli("cancel", "billing", "--unique-id", "a", "--correlation-id", "b", code=2)
+    await cli("cancel", "nosuch", "--unique-id", "a", code=1)

@@ -33,6 +33,7 @@ TESTED = {
     "inject_message.sql",
     "blocked_sequences.sql",
     "segments.sql",  # on a partitioned queue table: tests/test_segments.py
+    "held_back.sql",  # with limits declared: tests/test_flow_control.py
 }
 
 

@@ -12,6 +12,7 @@ import pytest
 from nmbus import Bus
 from nmbus.errors import SchemaVersionError
 from nmbus.postgres import PostgresStore, install_schema
+from nmbus.postgres.floor import NO_FLOOR, read_floor
 from nmbus.postgres.schema import MIGRATIONS
 from nmbus.postgres.sql import QUERIES, render
 from nmbus.store import MAX_QUEUE_NAME, SCHEMA_VERSION
@@ -87,7 +88,10 @@ async def test_the_claim_uses_the_partial_index_with_many_processed_rows(
     )
     await db.execute("ANALYZE nmbus.busy")
     claim = render("claim", "nmbus", "busy")
-    plan = await db.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim, 100, "p", 30.0)
+    floor = await read_floor(db, "nmbus", "busy")
+    plan = await db.fetchval(
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim, 100, "p", 30.0, floor
+    )
     text = json.dumps(json.loads(plan))
     # Each segment's part of the partitioned ready index.
     ready_parts = {
@@ -202,7 +206,9 @@ async def own_objects(db: asyncpg.Connection, schema: str, table: str) -> dict[s
 
 def expected_objects(queue: str) -> dict[str, object]:
     return {
-        "indexes": sorted([f"{queue}$done", f"{queue}$pkey", f"{queue}$ready", f"{queue}$seq"]),
+        "indexes": sorted(
+            [f"{queue}$done", f"{queue}$group", f"{queue}$pkey", f"{queue}$ready", f"{queue}$seq"]
+        ),
         "pkey": f"{queue}$pkey",
         "sequence": f"{queue}$id_seq",
     }
@@ -323,7 +329,7 @@ async def test_a_version_2_schema_is_migrated_to_names_no_queue_can_take(
     # The indexes are used: the claim walks the ready index; inserts dedup on the unique table.
     await db.execute("ANALYZE nmbus.billing")
     plan = await db.fetchval(
-        "EXPLAIN (FORMAT JSON) " + render("claim", "nmbus", "billing"), 100, "p", 30.0
+        "EXPLAIN (FORMAT JSON) " + render("claim", "nmbus", "billing"), 100, "p", 30.0, NO_FLOOR
     )
     # The old table is segment 0, its ready index the first part of the queue's.
     assert '"Index Name": "billing$s0$ready"' in json.dumps(json.loads(plan))

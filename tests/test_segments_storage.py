@@ -15,7 +15,8 @@ import pytest
 from nmbus import Bus, Context
 from nmbus.errors import InvalidSetting
 from nmbus.operations import RetentionPolicy
-from nmbus.postgres import PostgresStore, install_schema
+from nmbus.postgres import install_schema
+from nmbus.postgres.floor import NO_FLOOR, read_floor
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.segments import advance, current_segment, roll, segments
 from nmbus.postgres.sql import SEGMENT_SPAN, render
@@ -24,6 +25,7 @@ from nmbus.settings import Settings
 from tests.legacy import make_v9
 from tests.messages import Ping
 from tests.procs import Proc
+from tests.segment_rows import add, make_queue
 from tests.waits import wait_until
 
 SEGMENTS_OF = (
@@ -33,35 +35,6 @@ SEGMENTS_OF = (
 KIND = "SELECT relkind FROM pg_class WHERE oid = 'nmbus.billing'::regclass"
 PLAIN = "INSERT INTO nmbus.billing (from_endpoint, to_endpoint, unique_id) VALUES ('a', 'b', $1)"
 DAY = RetentionPolicy(max_age=timedelta(days=1))
-
-
-async def make_queue(dsn: str, queue: str = "billing") -> None:
-    store = PostgresStore(dsn)
-    await store.open()
-    try:
-        await store.ensure_queue(queue)
-    finally:
-        await store.close()
-
-
-async def add(
-    db: asyncpg.Connection, n: int, subqueue: str = "X", ago: str = "2 days", prefix: str = "r"
-) -> None:
-    """``n`` rows of ``subqueue``, inserted and (for X/F) processed ``ago``."""
-    await db.execute(
-        """INSERT INTO nmbus.billing (from_endpoint, to_endpoint, subqueue, insert_time,
-                   last_processed, retry_time, label, msg_text, unique_id, error_info)
-            SELECT 'shop', 'billing', $1::text, now() - $2::text::interval - interval '1 second',
-                   CASE WHEN $1::text IN ('X', 'F') THEN now() - $2::text::interval END,
-                   now() - $2::text::interval - interval '1 second', 'test.Ping',
-                   '{"n": ' || g || ', "pad": "' || repeat('x', 200) || '"}',
-                   $3 || g, CASE WHEN $1::text = 'F' THEN 'ValueError: no' END
-            FROM generate_series(1, $4::int) AS g""",
-        subqueue,
-        ago,
-        f"{prefix}-{subqueue}-",
-        n,
-    )
 
 
 async def numbers(db: asyncpg.Connection) -> list[int]:
@@ -86,7 +59,8 @@ async def test_a_queue_is_segments_and_rolls_ahead(dsn: str, db: asyncpg.Connect
     assert new >= SEGMENT_SPAN and await current_segment(db, "nmbus", "billing") == 1
     # Rows never move: the earlier rows are where they were, every one claimable.
     assert await db.fetchval('SELECT count(*) FROM nmbus."billing$s0"') == 3
-    assert len(await db.fetch(render("claim", "nmbus", "billing"), 10, "w", 30.0)) == 4
+    floor = await read_floor(db, "nmbus", "billing")
+    assert len(await db.fetch(render("claim", "nmbus", "billing"), 10, "w", 30.0, floor)) == 4
 
 
 async def test_a_new_segment_does_not_wait_for_open_transactions(
@@ -348,7 +322,9 @@ async def test_a_schema_7_queue_is_upgraded_while_a_worker_runs(
         # The claim and a finish to X, as a running worker does them, through the upgrade.
         while True:
             try:
-                rows = await worker.fetch(render("claim", "nmbus", "billing"), 50, "old", 30.0)
+                rows = await worker.fetch(
+                    render("claim", "nmbus", "billing"), 50, "old", 30.0, NO_FLOOR
+                )
                 ids = [r["id"] for r in rows]
                 await worker.execute(
                     "UPDATE nmbus.billing SET subqueue = 'X', last_processed = now(), "
@@ -467,11 +443,14 @@ async def test_the_worker_s_generic_plans_keep_to_the_indexes(
     worker = await asyncpg.connect(dsn, server_settings=WORKER_SERVER_SETTINGS)
     try:
         claimed = [
-            r[0] for r in await worker.fetch(render("claim", "nmbus", "billing"), 100, "w", 30.0)
+            r[0]
+            for r in await worker.fetch(
+                render("claim", "nmbus", "billing"), 100, "w", 30.0, NO_FLOOR
+            )
         ]
         for name, args in (
-            ("claim", "100, 'w', 30.0"),
-            ("finish_claim_processed", f"ARRAY{claimed}::bigint[], 'w', 100, 30.0"),
+            ("claim", f"100, 'w', 30.0, {NO_FLOOR}"),
+            ("finish_claim_processed", f"ARRAY{claimed}::bigint[], 'w', 100, 30.0, {NO_FLOOR}"),
         ):
             await worker.execute(f"PREPARE {name} AS {render(name, 'nmbus', 'billing')}")
             plan = "\n".join(

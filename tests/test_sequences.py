@@ -17,6 +17,7 @@ from nmbus import Bus, Context, InvalidMessage, PermanentError, RetryLater
 from nmbus.admin import Admin
 from nmbus.messages import Envelope
 from nmbus.postgres import PostgresStore
+from nmbus.postgres.floor import NO_FLOOR
 from nmbus.postgres.sql import render
 from nmbus.testing import MemoryStore, drain
 from tests import procs
@@ -317,6 +318,7 @@ async def test_members_waiting_behind_a_blocked_head_cost_the_claim_nothing(
         100,
         "p",
         30.0,
+        NO_FLOOR,
     )
     text = json.dumps(json.loads(plan))
     used = set(re.findall(r'"Index Name": "([^"]+)"', text))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from nmbus.postgres.sql import QUERIES, Block, load, read, render, render_segment
+from nmbus.store import SCHEMA_VERSION
 from nmbus.tools import sql as tools_sql
 
 NMBUS = Path(__file__).resolve().parent.parent / "nmbus"
@@ -112,9 +113,11 @@ def test_every_sql_file_is_under_500_lines() -> None:
 def test_the_adapter_s_sql_is_in_files_by_purpose() -> None:
     files = {block.path for block in read("nmbus.postgres.sql").values()}
     assert {"schema.sql", "runtime.sql", "operations.sql", "retention.sql"} <= files
-    assert {"outbox.sql", "pubsub.sql", "sagas.sql", "segments.sql"} <= files
+    assert {"outbox.sql", "pubsub.sql", "sagas.sql", "segments.sql", "flow.sql"} <= files
     migrations = sorted(f for f in files if f.startswith("migrations/"))
-    assert [m.split("/")[1][:3] for m in migrations] == [f"{v:03}" for v in range(2, 11)]
+    assert [m.split("/")[1][:3] for m in migrations] == [
+        f"{v:03}" for v in range(2, SCHEMA_VERSION + 1)
+    ]
 
 
 def test_no_two_blocks_are_the_same_statement() -> None:
@@ -188,10 +191,11 @@ def test_every_statement_renders_with_every_name_filled() -> None:
 def test_the_three_claims_share_one_claim() -> None:
     # The fragment's text, put in three times, with each statement's own parameters.
     claim = render("claim", "s", "q")
-    for name in ("finish_claim", "finish_claim_processed"):
+    assert "AND id >= $4" in claim  # the ready floor
+    for name, floor in (("finish_claim", "$9"), ("finish_claim_processed", "$5")):
         both = render(name, "s", "q")
         for line in claim.splitlines()[1:13]:
-            assert line.strip() in both, (name, line)
+            assert line.strip().replace("$4", floor) in both, (name, line)
     assert "LIMIT $1" in claim and "LIMIT $7" in render("finish_claim", "s", "q")
     assert "LIMIT $3" in render("finish_claim_processed", "s", "q")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
@@ -18,7 +18,7 @@ from nmbus.dispatch.transactions import Replay, Savepoints
 from nmbus.envelopes import IN_REPLY_TO_HEADER, EnvelopeBuilder
 from nmbus.errors import AttemptsExhausted, UndecodableMessage
 from nmbus.handlers import Handler, Registry
-from nmbus.messages import Message
+from nmbus.messages import Message, StoredMessage
 from nmbus.received import Received
 from nmbus.recovery import DIED_ALONE
 from nmbus.replies import Replies
@@ -92,6 +92,9 @@ class Dispatcher:
         self.metrics = metrics
         # None unless opentelemetry is installed; spans only while it is on (start_batch).
         self.tracing = tracing
+        # Set by the worker when handlers declare a rate: called just before a
+        # handler with a rate is called (nmbus/dispatch/marks.py).
+        self.on_start: Callable[[StoredMessage, str], None] | None = None
         self.registry = registry
         self.retry = retry
         self.default_timeout = settings.handler_timeout
@@ -137,6 +140,7 @@ class Dispatcher:
             return
         handlers, message, policy = ready
         row = received.row
+        on_start = self.on_start
         tracer = self._tracer
         ctx = Context(self.queue, received, mode.transaction, self.builder, tracer)
         metrics = self.metrics
@@ -152,6 +156,8 @@ class Dispatcher:
             started = time.perf_counter() if debug or metrics is not None else 0.0
             try:
                 for handler in handlers:
+                    if on_start is not None and handler.rated:
+                        on_start(row, handler.limit_key)  # marked once it has started
                     # A handler that finishes without waiting costs no timer at all;
                     # one that waits runs the rest of its course under its timeout.
                     coro = cast("Coroutine[Any, Any, None]", handler.func(message, ctx))

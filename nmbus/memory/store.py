@@ -18,7 +18,10 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from nmbus.cancellation import Cancel
 from nmbus.errors import ConfigurationError, QueueNotFound
+from nmbus.flow import FlowLimits
+from nmbus.memory.cancel import cancel_rows
 from nmbus.memory.operations import MemoryOperations, sequence_heads
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.names import validate_queue_name
@@ -123,6 +126,8 @@ class MemoryBatch:
 
 
 class MemorySession:
+    recheck: float | None = None  # no flow limits here
+
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
 
@@ -224,6 +229,9 @@ class MemoryStore(MemoryOperations):
     It implements the storage port and the operations port
     (:class:`nmbus.memory.operations.MemoryOperations`).
     """
+
+    #: Flow limits (nmbus/flow.py) need PostgreSQL's claim: a worker refuses to start.
+    flow_limits = False
 
     def __init__(self, schema: str = "nmbus") -> None:
         self.schema = schema
@@ -440,6 +448,14 @@ class MemoryStore(MemoryOperations):
     async def apply_retention(self, queue: str, settings: Settings) -> None:
         self.clean_queue(queue, RetentionPolicy.from_settings(settings))
 
+    async def flow_started(
+        self, queue: str, client_id: str, starts: Sequence[tuple[str, int, int]]
+    ) -> None:
+        raise ConfigurationError("flow limits need PostgreSQL")  # a worker refuses to start
+
+    async def cancel(self, queue: str, request: Cancel) -> int:
+        return cancel_rows(self.tables[self._queue(queue)], request)
+
     async def counts(self, queue: str) -> dict[str, int]:
         counts = dict.fromkeys("IRXF", 0)
         for row in self._require(queue).values():
@@ -469,7 +485,12 @@ class MemoryStore(MemoryOperations):
                 )
 
     @asynccontextmanager
-    async def worker_session(self) -> AsyncIterator[MemorySession]:
+    async def worker_session(self, flow: FlowLimits | None = None) -> AsyncIterator[MemorySession]:
+        if flow is not None:
+            raise ConfigurationError(
+                "flow limits (concurrency=, rate=, group_concurrency=) are enforced by "
+                "PostgreSQL's claim; the in-memory store has none: test them on PostgreSQL"
+            )
         yield MemorySession(self)
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:

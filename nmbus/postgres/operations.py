@@ -18,6 +18,7 @@ from typing import Any
 
 import asyncpg
 
+from nmbus.cancellation import Cancel
 from nmbus.errors import QueueNotFound
 from nmbus.logs import scrub
 from nmbus.names import validate_queue_name, validate_schema_name
@@ -38,6 +39,7 @@ from nmbus.operations import (
     SegmentInfo,
     Subscription,
 )
+from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.reclaim import due
@@ -286,6 +288,10 @@ class PostgresOperations:
     async def purge_failed(self, queue: str, chosen: FailedFilter, limit: int) -> int:
         args = (_ids(chosen.ids), chosen.message_type, limit, chosen.error_contains)
         return await self._failed_batch("purge", queue, (*args, chosen.max_id, chosen.failed_by))
+
+    async def cancel(self, queue: str, request: Cancel) -> int:
+        async with self._session(f"cancel in {queue}", read_only=False) as conn:
+            return await cancel_on(conn, self.schema, await self._queue(conn, queue), request)
 
     async def run_retention(
         self,

@@ -35,6 +35,7 @@ MIGRATIONS: dict[int, list[str]] = {
     8: ["migrate_8_saga_instance"],
     9: ["migrate_9_periodic_due"],
     10: ["migrate_10_function", "migrate_10_segments", "migrate_10_publish"],
+    11: ["migrate_11_flow", "migrate_11_group_index"],
 }
 
 

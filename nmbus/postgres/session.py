@@ -16,8 +16,11 @@ from typing import Any
 import asyncpg
 from asyncpg.transaction import Transaction
 
+from nmbus.flow import FlowLimits
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.postgres.errors import wrap_errors
+from nmbus.postgres.floor import ReadyFloors
+from nmbus.postgres.flow import claim_limited, held_back
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.pubsub import publish_args, publish_on
 from nmbus.postgres.rows import claimed, envelope_arrays, insert_args
@@ -56,11 +59,15 @@ class PostgresBatch:
         schema: str,
         known: set[str],
         routed: frozenset[str] = frozenset(),
+        floors: ReadyFloors | None = None,
+        flow: FlowLimits | None = None,
     ) -> None:
         self._conn = conn
         self._schema = schema
         self._known = known
         self._routed = routed
+        self._floors = floors or ReadyFloors(schema)
+        self._flow = flow
         self._channel = notify_channel(schema)
         # asyncpg's own Transaction, so a handler may still nest conn.transaction().
         self.transaction: Transaction | None = None
@@ -139,6 +146,16 @@ class PostgresBatch:
         return await publish_on(self._conn, self._schema, args)
 
     async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
+        if self._flow is not None and self._flow.rated_keys:
+            # A start whose mark is still on its way (nmbus/dispatch/marks.py) is
+            # marked before its lease ends, so that it counts without a gap.
+            await self._conn.execute(
+                render("flow_finishing", self._schema),
+                queue,
+                client_id,
+                self._flow.rated_keys,
+                outcomes.ids,
+            )
         return int(
             await self._conn.fetchval(
                 render("finish", self._schema, queue),
@@ -154,7 +171,15 @@ class PostgresBatch:
     async def finish_and_claim(
         self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
     ) -> tuple[int, list[StoredMessage]]:
-        """``finish``, then claim up to ``limit`` more rows, in one statement."""
+        """``finish``, then claim up to ``limit`` more rows, in one statement.
+
+        With flow limits, only ``finish``: the next claim needs a transaction
+        of its own (nmbus/postgres/flow.py), which the loop's next claim runs;
+        the same when the queue's ready rows carry groups (claim_fair).
+        """
+        if self._flow is not None or self._floors.grouped(queue):
+            return await self.finish(queue, outcomes, client_id), []
+        floor = await self._floors.floor(self._conn, queue)
         if outcomes.all_processed:
             # The common case needs no per-row outcome arrays on the wire or in a join.
             rows = await self._conn.fetch(
@@ -163,6 +188,7 @@ class PostgresBatch:
                 client_id,
                 limit,
                 lease,
+                floor,
             )
         else:
             rows = await self._conn.fetch(
@@ -175,6 +201,7 @@ class PostgresBatch:
                 client_id,
                 limit,
                 lease,
+                floor,
             )
         finished = int(rows[0]["finished"]) if rows else 0
         return finished, claimed(rows)
@@ -189,20 +216,58 @@ class PostgresSession:
         schema: str,
         known: set[str],
         routed: frozenset[str] = frozenset(),
+        floors: ReadyFloors | None = None,
+        flow: FlowLimits | None = None,
     ) -> None:
         self._conn = conn
         self._schema = schema
         self._known = known
         self._routed = routed
+        self._floors = floors or ReadyFloors(schema)
+        self._flow = flow
+        #: Seconds after which to claim again though nothing woke the loop: set when
+        #: the last claim held limited messages back (nmbus/flow.py), else None.
+        self.recheck: float | None = None
+        #: Per queue, the last group this loop's fair claims walked to.
+        self._walked: dict[str, str] = {}
 
     async def claim(
         self, queue: str, limit: int, client_id: str, lease: float
     ) -> list[StoredMessage]:
         with wrap_errors(f"claim from {queue}"):
-            rows = await self._conn.fetch(
-                render("claim", self._schema, queue), limit, client_id, lease
-            )
+            floor = await self._floors.floor(self._conn, queue)
+            if self._flow is not None:
+                rows = await claim_limited(
+                    self._conn, self._schema, queue, self._flow, limit, client_id, lease, floor
+                )
+                self.recheck = None
+                if len(rows) < limit:
+                    self.recheck = await held_back(
+                        self._conn, self._schema, queue, self._flow, floor
+                    )
+            elif self._floors.grouped(queue):
+                rows = await self._claim_fair(queue, limit, client_id, lease, floor)
+            else:
+                rows = await self._conn.fetch(
+                    render("claim", self._schema, queue), limit, client_id, lease, floor
+                )
         return claimed(rows)
+
+    async def _claim_fair(
+        self, queue: str, limit: int, client_id: str, lease: float, floor: int
+    ) -> list[Any]:
+        """claim_fair from where this loop's walk of the groups stopped."""
+        rows: list[Any] = await self._conn.fetch(
+            render("claim_fair", self._schema, queue),
+            limit,
+            client_id,
+            lease,
+            floor,
+            self._walked.get(queue, ""),
+        )
+        # Rows: go on after the last group walked; none, or the end reached: start over.
+        self._walked[queue] = (rows[0]["walked"] or "") if rows else ""
+        return rows
 
     async def next_due(self, queue: str) -> float | None:
         with wrap_errors(f"next due in {queue}"):
@@ -236,7 +301,9 @@ class PostgresSession:
     @asynccontextmanager
     async def batch(self) -> AsyncIterator[PostgresBatch]:
         with wrap_errors("batch transaction"):
-            batch = PostgresBatch(self._conn, self._schema, self._known, self._routed)
+            batch = PostgresBatch(
+                self._conn, self._schema, self._known, self._routed, self._floors, self._flow
+            )
             try:
                 yield batch
             except BaseException:

@@ -18,12 +18,16 @@ from typing import Any
 import asyncpg
 import structlog
 
+from nmbus.cancellation import Cancel
 from nmbus.errors import QueueNotFound
+from nmbus.flow import FlowLimits
 from nmbus.logs import scrub
 from nmbus.messages import Envelope
 from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.operations import RetentionPolicy
+from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
+from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.listen import close_quietly as _close_quietly
 from nmbus.postgres.listen import listen_loop, notify_channel
 from nmbus.postgres.pubsub import (
@@ -83,6 +87,8 @@ class PostgresStore:
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
         self._known_queues: set[str] = set()
+        # Each queue's ready floor, shared by this store's worker loops.
+        self._floors = ReadyFloors(self.schema)
         self._queue_lock = asyncio.Lock()
         self._lease_lock = asyncio.Lock()
         self._lease_conn: asyncpg.Connection | None = None
@@ -344,6 +350,35 @@ class PostgresStore:
         async with self.pool.acquire() as conn:
             await clean_queue(conn, self.schema, queue, policy)
 
+    async def declare_limits(
+        self, queue: str, flow: FlowLimits, client_id: str
+    ) -> list[tuple[str, str, str, datetime]]:
+        described = flow.described()
+        with wrap_errors(f"declare the limits of {queue}"):
+            rows = await self.pool.fetch(
+                render("flow_declare", self.schema),
+                queue,
+                list(described),
+                list(described.values()),
+                client_id,
+                ["\n".join(flow.labels[key]) for key in described],
+            )
+        return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+    async def flow_started(
+        self, queue: str, client_id: str, starts: Sequence[tuple[str, int, int]]
+    ) -> None:
+        keys, ids, attempts = (list(column) for column in zip(*starts, strict=True))
+        with wrap_errors(f"mark starts in {queue}"):
+            await self.pool.execute(
+                render("flow_started", self.schema), queue, client_id, keys, ids, attempts
+            )
+
+    async def cancel(self, queue: str, request: Cancel) -> int:
+        async with self.pool.acquire() as conn:
+            with wrap_errors(f"cancel in {queue}"):
+                return await cancel_on(conn, self.schema, queue, request)
+
     async def counts(self, queue: str) -> dict[str, int]:
         with wrap_errors(f"count {queue}"):
             rows = await self.pool.fetch(render("subqueue_counts", self.schema, queue))
@@ -382,10 +417,14 @@ class PostgresStore:
             )
 
     @asynccontextmanager
-    async def worker_session(self) -> AsyncIterator[PostgresSession]:
+    async def worker_session(
+        self, flow: FlowLimits | None = None
+    ) -> AsyncIterator[PostgresSession]:
         conn = await self.connect()
         try:
-            yield PostgresSession(conn, self.schema, self._known_queues, self.routed)
+            yield PostgresSession(
+                conn, self.schema, self._known_queues, self.routed, self._floors, flow
+            )
         finally:
             await _close_quietly(conn)
 

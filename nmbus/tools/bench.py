@@ -36,6 +36,11 @@ medians, with the settings they ran under. The modes:
                    batched DELETE (and its VACUUM), then by dropping segments:
                    time, WAL, dead tuples, size, a claim's worst wait
                    (``bench_retention.py``).
+``flow``           flow control: concurrency=5 and rate=200 over 2 worker
+                   processes (most and mean running, achieved rate, worst
+                   second), the limited claim with 10,000 groups ready, and
+                   100,000 messages of one group then 10 of another: how many
+                   of the first before the 10 end (``bench_flow.py``).
 ``saga``           drain through a saga that updates its state on every message,
                    against the same handler without a saga; then ``processes``
                    processes of ``concurrency`` loops on ``sagas`` sagas: wall
@@ -83,6 +88,8 @@ from nmbus.tools.sql import render
 __all__ = ["ALL_MODES", "MODES", "BenchOptions", "Result", "run"]
 
 SCALING_LOOPS = (1, 2, 4)
+#: The flow mode's units, by how a figure's name ends.
+FLOW_UNITS = (("_per_s", "/s"), ("_ms", "ms"), ("_s", "s"))
 
 MODES = (
     "ceiling",
@@ -98,6 +105,7 @@ MODES = (
     "routed",
     "reply",
     "retention",
+    "flow",
 )
 ALL_MODES = ("ceiling", "peers", "drain", "transactional", "latency", "fanout")
 
@@ -308,6 +316,15 @@ async def run(
             res.add("ratio_loaded_to_empty", loaded / empty, "x")
             res.notes = [f"EXPLAIN (ANALYZE, BUFFERS) of the claim with {options.x_rows} X rows:"]
             res.notes.append(plan)
+        if "flow" in results:
+            progress(f"flow: concurrency, rate and groups, run {rep}")
+            from nmbus.tools.bench_flow import measure_fairness, measure_flow
+
+            figures = await _scratch_run(dsn, lambda s: measure_flow(options, s))
+            figures.update(await _scratch_run(dsn, lambda s: measure_fairness(options, s)))
+            for name, value in figures.items():
+                unit = next((u for end, u in FLOW_UNITS if name.endswith(end)), "")
+                results["flow"].add(name, value, unit)
         if "retention" in results:
             from nmbus.tools.bench_retention import measure_retention
 
@@ -360,6 +377,17 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
     base = {"batch_size": o.batch_size, "concurrency": o.concurrency}
     if mode in ("ceiling", "drain", "scaling"):
         return {**base, "messages": o.messages}
+    if mode == "flow":
+        from nmbus.tools import bench_flow as f
+
+        return {
+            "processes": f.PROCESSES,
+            "loops": f.LOOPS,
+            "handler_concurrency": f.AT_ONCE,
+            "concurrency": f.CONCURRENCY,
+            "rate": f.RATE,
+            "groups": f.GROUPS,
+        }
     if mode == "peers":
         found = bench_peers.version() if bench_peers.available() else "not installed"
         return {**base, "messages": o.messages, "pgqueuer": found}

@@ -17,10 +17,60 @@ import json
 import os
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
+
+
+@asynccontextmanager
+async def worker_processes(
+    dsn: str, module: list[str], count: int
+) -> AsyncIterator[list[asyncio.subprocess.Process]]:
+    """``count`` processes of ``python -m <module...>`` (the DSN in NMBUS_DSN, never in a
+    process list), each having said ``ready``; any left running is killed on the way out."""
+    env = {**os.environ, "NMBUS_DSN": dsn}
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            *module,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        for _ in range(count)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 120)
+            if line.strip() != b"ready":
+                raise RuntimeError(f"bench worker process did not start: {line!r}")
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def go_and_report(procs: list[asyncio.subprocess.Process], timeout: float) -> list[Any]:
+    """Say ``go`` to every process, then read the JSON each prints last."""
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+    reports = []
+    for proc in procs:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+        reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench worker process exited with {proc.returncode}")
+    return reports
 
 
 async def measure_processes(options: BenchOptions, scratch: Scratch, *, processes: int) -> float:
@@ -29,36 +79,9 @@ async def measure_processes(options: BenchOptions, scratch: Scratch, *, processe
     await scratch.create_queue()
     await scratch.preload(total)
     await scratch.checkpoint()
-    env = {**os.environ, "NMBUS_DSN": options.dsn}
-    args = [sys.executable, "-m", "nmbus.tools.bench_processes", scratch.schema]
-    args.append(str(options.batch_size))
-    procs = [
-        await asyncio.create_subprocess_exec(
-            *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
-        )
-        for _ in range(processes)
-    ]
-    try:
-        for proc in procs:
-            assert proc.stdout is not None
-            line = await asyncio.wait_for(proc.stdout.readline(), 120)
-            if line.strip() != b"ready":
-                raise RuntimeError(f"bench worker process did not start: {line!r}")
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(b"go\n")
-            await proc.stdin.drain()
-        reports = []
-        for proc in procs:
-            out, _ = await asyncio.wait_for(proc.communicate(), 60 + total / 200)
-            reports.append(json.loads(out.decode().strip().splitlines()[-1]))
-            if proc.returncode != 0:
-                raise RuntimeError(f"bench worker process exited with {proc.returncode}")
-    finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    module = ["nmbus.tools.bench_processes", scratch.schema, str(options.batch_size)]
+    async with worker_processes(options.dsn, module, processes) as procs:
+        reports = await go_and_report(procs, 60 + total / 200)
     handled = sum(r["handled"] for r in reports)
     processed = await scratch.count("X")
     if handled != total or processed != total:

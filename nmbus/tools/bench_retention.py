@@ -27,6 +27,7 @@ import asyncpg
 
 from nmbus.operations import RetentionPolicy, RetentionResult
 from nmbus.postgres import sql as core_sql
+from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.retention import _walk, clean_queue
 from nmbus.postgres.segments import advance
 from nmbus.postgres.sql import own_name, quote_ident
@@ -62,13 +63,15 @@ async def load_segments(
 async def _probe(dsn: str, schema: str, stop: asyncio.Event, waits: list[float]) -> None:
     conn = await asyncpg.connect(dsn)
     claim = core_sql.render("claim", schema, QUEUE)
+    floors = ReadyFloors(schema)  # read as a worker reads it
     try:
         while not stop.is_set():
             started = time.perf_counter()
             tx = conn.transaction()
             await tx.start()
             try:
-                await conn.fetch(claim, 1, "bench-probe", 30.0)
+                floor = await floors.floor(conn, QUEUE)
+                await conn.fetch(claim, 1, "bench-probe", 30.0, floor)
             finally:
                 await tx.rollback()
             waits.append(time.perf_counter() - started)

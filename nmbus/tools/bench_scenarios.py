@@ -16,6 +16,7 @@ import asyncpg
 from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.postgres import sql as core_sql
+from nmbus.postgres.floor import read_floor
 from nmbus.postgres.store import WORKER_SERVER_SETTINGS
 from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
@@ -104,11 +105,14 @@ async def measure_ceiling(
                     return
                 done += len(rows)
 
+        floor = await read_floor(scratch.c, scratch.schema, QUEUE)
+
         async def crash_safe(conn: asyncpg.Connection) -> None:
             nonlocal done
-            rows = await conn.fetch(claim, batch, client, lease)
+            rows = await conn.fetch(claim, batch, client, lease, floor)
             while rows:
-                rows = await conn.fetch(finish, [r[0] for r in rows], client, batch, lease)
+                ids = [r[0] for r in rows]
+                rows = await conn.fetch(finish, ids, client, batch, lease, floor)
                 done += rows[0][13]
                 if rows[0][0] is None:
                     return
@@ -392,7 +396,8 @@ async def explain_claim(options: BenchOptions, scratch: Scratch) -> str:
     tx = scratch.c.transaction()
     await tx.start()
     try:
-        rows = await scratch.c.fetch(sql, options.batch_size, "bench-explain", 60.0)
+        floor = await read_floor(scratch.c, scratch.schema, QUEUE)
+        rows = await scratch.c.fetch(sql, options.batch_size, "bench-explain", 60.0, floor)
     finally:
         await tx.rollback()
     return "\n".join(r[0] for r in rows)

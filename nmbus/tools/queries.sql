@@ -24,6 +24,20 @@ SELECT 'bench', 'bench', $2::char(1), now(),
        '{{"n":' || g || '}}', $4::text || g
 FROM generate_series(1, $1::int) AS g;
 
+-- bench_flow_marks --
+-- When the handlers of queue $1's rate-limited messages started, as marked.
+SELECT started FROM {schema}."flow$flights" WHERE queue = $1 AND started IS NOT NULL;
+
+-- bench_preload_grouped --
+-- Insert $1 ready rows of type $2 in group $4 (header $3, the group header), or
+-- each in a group of its own ('group-' || k) when $4 is NULL; unique ids
+-- $5 || k.
+INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, insert_time, retry_time, label,
+                     msg_text, msg_headers, unique_id)
+SELECT 'bench', 'bench', 'I', now(), now(), $2::text, '{{"n":' || g || '}}',
+       jsonb_build_object($3::text, coalesce($4::text, 'group-' || g)), $5::text || g
+FROM generate_series(1, $1::int) AS g;
+
 -- bench_preload_delivery --
 -- Insert $1 ready rows of type $2 with unique ids $3 || k; priority k*7 mod $4
 -- (0..$4-1; $4 = 1: all 0) and, when $5 > 0, sequence 'seq-' || (k mod $5), so the

@@ -169,6 +169,8 @@ async def test_hostile_queue_names_are_refused_everywhere(
         "subscriptions",
         "outbox",
         "periodic$due",
+        "flow$flights",
+        "flow$limits",
         *(
             f"{queue}{part}"
             for queue in ("orders", "fine.name-1")

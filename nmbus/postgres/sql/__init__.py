@@ -58,6 +58,7 @@ IDENTIFIERS = frozenset(
         "schema",
         "queue",
         "ready_index",
+        "group_index",
         "unique_index",
         "sequence_index",
         "done_index",
@@ -193,7 +194,7 @@ MAX_IDENTIFIER_BYTES = 63
 def own_name(table: str, role: str) -> str:
     """The name of nmbus's object ``role`` of ``table``.
 
-    Roles: ready, uid, seq, done, pkey, id_seq, saga, unique (and unique$pkey,
+    Roles: ready, group, uid, seq, done, pkey, id_seq, saga, unique (and unique$pkey,
     unique$id), s<n> (segment n).
     """
     name = f"{table}${role}"
@@ -208,6 +209,7 @@ def fill(sql: str, schema: str, queue: str | None = None) -> str:
     if queue is not None:
         values["queue"] = f"{quote_ident(schema)}.{quote_ident(queue)}"
         values["ready_index"] = quote_ident(own_name(queue, "ready"))
+        values["group_index"] = quote_ident(own_name(queue, "group"))
         values["unique_index"] = quote_ident(own_name(queue, "uid"))
         values["sequence_index"] = quote_ident(own_name(queue, "seq"))
         values["done_index"] = quote_ident(own_name(queue, "done"))

@@ -356,3 +356,35 @@ LEFT JOIN LATERAL (
 ) AS w ON true
 LEFT JOIN pending AS p ON p.tableoid = s.oid
 ORDER BY s.k;
+
+-- cancel_unique --
+-- Cancel the message of unique_id $1 (nmbus/cancellation.py) unless a worker
+-- holds it or it is done: in I or R with no live lease, it goes to F with
+-- error_info $2 (which starts 'Cancelled'). One statement: a claim that locked
+-- the row first has leased it when this statement sees it again, so it is left
+-- to run; a claim that comes after finds it in F. Returns how many (0 or 1).
+WITH cancelled AS (
+    UPDATE {queue} AS q
+    SET subqueue = 'F', error_info = $2, last_processed = clock_timestamp(),
+        handling_client_id = NULL, lease_expires = NULL
+    FROM {unique_table} AS u
+    WHERE u.unique_id = $1 AND q.id = u.id
+      AND q.subqueue IN ('I', 'R') AND (q.lease_expires IS NULL OR q.lease_expires < now())
+    RETURNING 1
+)
+SELECT count(*) FROM cancelled;
+
+-- cancel_correlated --
+-- Cancel every message of correlation_id $1 that no worker holds and that is
+-- not done, as cancel_unique does (error_info $2). $3 is the queue's ready floor
+-- (nmbus/postgres/floor.py), read just before: no message waits below it, so the
+-- segments below are not read. Returns how many.
+WITH cancelled AS (
+    UPDATE {queue} AS q
+    SET subqueue = 'F', error_info = $2, last_processed = clock_timestamp(),
+        handling_client_id = NULL, lease_expires = NULL
+    WHERE q.correlation_id = $1 AND q.id >= $3
+      AND q.subqueue IN ('I', 'R') AND (q.lease_expires IS NULL OR q.lease_expires < now())
+    RETURNING 1
+)
+SELECT count(*) FROM cancelled;

@@ -98,14 +98,17 @@ SELECT count(*) AS inserted, pg_notify($7, $1) FROM ins;
 -- rows with a sequence_key, by one probe of the sequence index; the members
 -- behind a head are parked out of the ready index anyway (see insert_messages).
 -- `expired`: the row's expires_at has passed; the worker records it without
--- running a handler.
-WITH {claim_ready(limit => $1, sequence_filter => '', row_filter => '')}
-{claim_lease(client => $2, lease => $3)};
+-- running a handler. $4: the queue's ready floor, an id below which no row is
+-- ready (nmbus/postgres/floor.py): the segments below it are left out when the
+-- statement starts.
+WITH {claim_ready(limit => $1, floor => $4, sequence_filter => '', row_filter => '')}
+{claim_lease(client => $2, lease => $3, floor => $4)};
 
 -- claim_ready --
 -- Fragment of every claim (claim, claim_after_finish): the CTE `ready`, the
--- rows a claim takes and why (see claim), at most {:limit}, locked, skipping
--- rows another claim has locked. {:sequence_filter} and {:row_filter} are
+-- rows a claim takes and why (see claim), at most {:limit}, at or above the
+-- ready floor {:floor}, locked, skipping rows another claim has locked.
+-- {:sequence_filter} and {:row_filter} are
 -- what a finish-and-claim adds (claim_after_finish); claim adds nothing.
 ready AS (
     SELECT id, CASE WHEN lease_expires IS NULL THEN 0
@@ -115,7 +118,8 @@ ready AS (
     FROM {queue} AS r
     WHERE subqueue IN ('I', 'R') AND retry_time <= now() AND retry_time < 'infinity'
       AND (lease_expires IS NULL OR lease_expires < now())
-      AND {sequence_head(filter => {:sequence_filter})}
+      AND id >= {:floor}
+      AND {sequence_head(floor => {:floor}, filter => {:sequence_filter})}
       {:row_filter}
     ORDER BY priority DESC, retry_time, id
     LIMIT {:limit}
@@ -125,11 +129,12 @@ ready AS (
 -- sequence_head --
 -- Fragment of claim_ready and has_ready: row r of {queue} is in no sequence,
 -- or is the head of its sequence, the lowest member not in X (one probe of the
--- sequence index). {:filter}: what else a member must be to hold its sequence
--- back (claim_past_finished), or nothing.
+-- sequence index). {:floor}: the ready floor, below which no member is outside
+-- X either (nmbus/postgres/floor.py). {:filter}: what else a member must be to
+-- hold its sequence back (claim_past_finished), or nothing.
 (r.sequence_key IS NULL OR r.id = (
     SELECT e.id FROM {queue} AS e
-    WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X'
+    WHERE e.sequence_key = r.sequence_key AND e.subqueue <> 'X' AND e.id >= {:floor}
       {:filter}
     ORDER BY e.sequence_key, e.id LIMIT 1))
 
@@ -139,7 +144,8 @@ ready AS (
 -- reads of a claimed row. The last column is the expired flag, which
 -- claim_after_finish names (AS expired). The rows are named as an array of ids
 -- too: over segments, a generic plan would join `ready` by reading every segment
--- whole; the array keeps it on the primary key.
+-- whole; the array keeps it on the primary key, and the ready floor {:floor}
+-- on the segments that can hold them.
 UPDATE {queue} AS q
 SET retry_count = least(q.retry_count, 2147483646) + 1,
     isolated = false,
@@ -148,6 +154,7 @@ SET retry_count = least(q.retry_count, 2147483646) + 1,
 FROM ready
 WHERE q.id = ready.id
   AND q.id = ANY (ARRAY(SELECT id FROM ready))
+  AND q.id >= {:floor}
 RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
           q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
           ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired
@@ -159,13 +166,15 @@ RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
 -- $5 attempt correction[] (-1 when the attempt must not count). $6 client id.
 -- Only rows still leased by $6 change; returns how many did. A sequence member
 -- moved to X unparks the next member of its sequence (see insert_messages).
-WITH {finish_done},
-{unparked}
+WITH {finish_done(floor => lowest_id)},
+{unparked(floor => lowest_id)}
 SELECT count(*) FROM done;
 
 -- finish_done --
 -- Fragment of finish and finish_claim: the CTE `done`, the outcome of each row
 -- still leased by $6 (see finish for $1..$6); returns the rows it changed.
+-- The rows are at or above {:floor} (the ready floor they were claimed at, or
+-- the lowest of their ids), so only the segments that can hold them are searched.
 done AS (
     UPDATE {queue} AS q
     SET subqueue = coalesce(v.subqueue, q.subqueue),
@@ -181,63 +190,67 @@ done AS (
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
          AS v(id, subqueue, delay, error_info, correction)
     WHERE q.id = v.id AND q.handling_client_id = $6
+      AND q.id >= {:floor}
     RETURNING q.id, q.subqueue, q.sequence_key
 )
 
 -- unparked --
 -- Fragment of every finish (finish, finish_claim, finish_claim_processed),
 -- after their CTE `done`: the CTE `unparked`, which lets the member parked
--- behind each row moved to X be claimed (see insert_messages).
+-- behind each row moved to X be claimed (see insert_messages). The next member
+-- is above the finished one, so above {:floor} too.
 unparked AS (
     -- The next member of each sequence a row of `done` moved to X becomes due now.
     UPDATE {queue} AS s SET retry_time = now()
     FROM done AS d,
          LATERAL (SELECT n.id FROM {queue} AS n
                   WHERE n.sequence_key = d.sequence_key AND n.id > d.id AND n.subqueue <> 'X'
+                    AND n.id >= {:floor}
                   ORDER BY n.sequence_key, n.id LIMIT 1) AS nxt
     WHERE d.sequence_key IS NOT NULL AND d.subqueue = 'X'
-      AND s.id = nxt.id AND s.retry_time = 'infinity'
+      AND s.id = nxt.id AND s.retry_time = 'infinity' AND s.id >= {:floor}
     RETURNING 1
 )
 
 -- finish_claim --
 -- finish (same $1..$6) and, in the same statement and commit, claim the next
--- batch: up to $7 ready rows for client $6 with a lease of $8 seconds, as claim
--- does, never one of the rows being finished. Saves a round trip and a commit
+-- batch: up to $7 ready rows for client $6 with a lease of $8 seconds at or
+-- above the ready floor $9, as claim does, never one of the rows being finished. Saves a round trip and a commit
 -- per batch. One row per claimed message, with the count of finished rows in
 -- `finished`; a single row of NULLs beside it when nothing was claimed.
-WITH {finish_done},
-{unparked},
-{claim_after_finish(limit => $7, client => $6, lease => $8)};
+WITH {finish_done(floor => $9)},
+{unparked(floor => $9)},
+{claim_after_finish(limit => $7, client => $6, lease => $8, floor => $9)};
 
 -- finish_claim_processed --
 -- finish_claim for the common batch where every message was processed: mark
 -- rows $1 held by client $2 X, then claim up to $3 more with a lease of $4
--- seconds. No per-row outcome arrays to send or join.
+-- seconds at or above the ready floor $5. No per-row outcome arrays to send
+-- or join.
 WITH done AS (
     UPDATE {queue}
     SET subqueue = 'X', last_processed = clock_timestamp(),
         handling_client_id = NULL, lease_expires = NULL
-    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
+    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2 AND id >= $5
     RETURNING id, subqueue, sequence_key
 ),
-{unparked},
-{claim_after_finish(limit => $3, client => $2, lease => $4)};
+{unparked(floor => $5)},
+{claim_after_finish(limit => $3, client => $2, lease => $4, floor => $5)};
 
 -- claim_after_finish --
 -- Fragment of finish_claim and finish_claim_processed, after their CTEs `done`
 -- and `unparked`: claim up to {:limit} rows for client {:client} with a lease of
--- {:lease} seconds, as claim does, never one of the rows being finished ($1 of
+-- {:lease} seconds at or above the ready floor {:floor}, as claim does, never one of the rows being finished ($1 of
 -- both). The statement's snapshot still sees the finished rows as they were,
 -- so a sequence member whose predecessor this statement moves to X is let
 -- through by reading `done` (only rows really changed, i.e. still leased).
 -- One row per claimed message, with the count of finished rows in `finished`;
 -- a single row of NULLs beside it when nothing was claimed.
-{claim_ready(limit => {:limit},
+{claim_ready(limit => {:limit}, floor => {:floor},
              sequence_filter => claim_past_finished,
              row_filter => claim_not_finishing)},
 claimed AS (
-    {claim_lease(client => {:client}, lease => {:lease})}
+    {claim_lease(client => {:client}, lease => {:lease}, floor => {:floor})}
 )
 SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
        c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
@@ -254,6 +267,17 @@ AND e.id NOT IN (SELECT done.id FROM done WHERE done.subqueue = 'X')
 -- Fragment of claim_after_finish: none of the rows being finished ($1).
 AND id <> ALL($1::bigint[])
 
+-- lowest_bigint --
+-- Fragment of has_ready: no floor at all.
+'-9223372036854775808'::bigint
+
+-- lowest_id --
+-- Fragment of the statements on a batch's ids $1 (finish, renew_leases,
+-- abandon_leases, isolate): the lowest of them. A row of the batch is at or
+-- above it, so a statement that says so searches only the segments from the
+-- lowest one's up (PostgreSQL prunes the others as it runs, before reading).
+(SELECT min(b.id) FROM unnest($1::bigint[]) AS b(id))
+
 -- renew_leases --
 -- Extend the lease of rows $1 held by client $2 to $3 seconds from now. Rows
 -- locked right now are skipped, never waited for: they are being finished (or
@@ -261,19 +285,19 @@ AND id <> ALL($1::bigint[])
 -- so waiting could deadlock with it and fail its batch.
 WITH held AS (
     SELECT id FROM {queue}
-    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2
+    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2 AND id >= {lowest_id}
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {queue} AS q SET lease_expires = now() + make_interval(secs => $3)
 FROM held
-WHERE q.id = held.id;
+WHERE q.id = held.id AND q.id >= {lowest_id};
 
 -- abandon_leases --
 -- Let rows $1 held by client $2 be claimed again at once. $3: how much to take
 -- off retry_count (0: the attempt stays counted; 1: it never started).
 UPDATE {queue}
 SET lease_expires = NULL, handling_client_id = NULL, retry_count = greatest(0, retry_count - $3)
-WHERE id = ANY($1::bigint[]) AND handling_client_id = $2;
+WHERE id = ANY($1::bigint[]) AND handling_client_id = $2 AND id >= {lowest_id};
 
 -- isolate --
 -- After a crash, run one suspect alone. Of rows $1 held by client $3, row $2
@@ -292,7 +316,7 @@ WITH done AS (
         lease_expires = CASE WHEN q.id = $2 THEN q.lease_expires
                              WHEN v.mark THEN 'epoch'::timestamptz END
     FROM unnest($1::bigint[], $4::bool[], $5::int[]) AS v(id, mark, refund)
-    WHERE q.id = v.id AND q.handling_client_id = $3
+    WHERE q.id = v.id AND q.handling_client_id = $3 AND q.id >= {lowest_id}
     RETURNING 1
 )
 SELECT count(*) FROM done;
@@ -338,5 +362,75 @@ SELECT subqueue, count(*) FROM {queue} GROUP BY subqueue;
 SELECT EXISTS (
     SELECT 1 FROM {queue} AS r
     WHERE subqueue IN ('I', 'R') AND (retry_time <= now() OR handling_client_id IS NOT NULL)
-      AND {sequence_head(filter => '')}
+      AND {sequence_head(floor => lowest_bigint, filter => '')}
 );
+
+-- claim_fair --
+-- claim ($1..$4 the same) for a queue whose ready rows carry groups
+-- (send(..., group=)): the groups are served in turn, so one group's backlog
+-- holds another's messages back by about one batch at most. The claim walks the
+-- group index from group $5 on (a loose index scan: one probe per group, at
+-- most $1 groups) and takes the first ready messages of each group it meets
+-- (a batch's worth shared between them: $1 over the number of groups, at least
+-- one each); beside them, the first $1 ready rows as claim sees them. Of all,
+-- it takes the highest priority first, then each group's first message before
+-- any group's second (rows without a group are first of their own), then
+-- ready time. `walked`: the last group the walk reached, where the next claim goes on
+-- from (NULL once it reached the end: start again from the first).
+WITH RECURSIVE walk(g, n) AS (
+    (SELECT w.msg_headers ->> 'nmbus-group', 1 FROM {queue} AS w
+     WHERE {grouped_ready(row => w)} AND (w.msg_headers ->> 'nmbus-group') > $5
+     ORDER BY 1 LIMIT 1)
+    UNION ALL
+    SELECT (SELECT w.msg_headers ->> 'nmbus-group' FROM {queue} AS w
+            WHERE {grouped_ready(row => w)} AND (w.msg_headers ->> 'nmbus-group') > walk.g
+            ORDER BY 1 LIMIT 1), walk.n + 1
+    FROM walk WHERE walk.g IS NOT NULL AND walk.n < $1
+), heads AS (
+    SELECT h.id FROM walk
+    CROSS JOIN LATERAL (
+        SELECT r.id FROM {queue} AS r
+        WHERE {grouped_ready(row => r)} AND (r.msg_headers ->> 'nmbus-group') = walk.g
+          AND r.retry_time <= now() AND (r.lease_expires IS NULL OR r.lease_expires < now())
+          AND {sequence_head(floor => $4, filter => '')}
+        ORDER BY (r.msg_headers ->> 'nmbus-group'), r.priority DESC, r.retry_time, r.id
+        LIMIT (SELECT greatest(1, $1 / greatest(count(*), 1)) FROM walk WHERE g IS NOT NULL)
+        ) AS h
+    WHERE walk.g IS NOT NULL
+), first AS (
+    SELECT r.id FROM {queue} AS r
+    WHERE r.subqueue IN ('I', 'R') AND r.retry_time <= now() AND r.retry_time < 'infinity'
+      AND (r.lease_expires IS NULL OR r.lease_expires < now())
+      AND r.id >= $4
+      AND {sequence_head(floor => $4, filter => '')}
+    ORDER BY r.priority DESC, r.retry_time, r.id
+    LIMIT $1
+), turns AS (
+    SELECT q.id, q.priority, q.retry_time,
+           row_number() OVER (PARTITION BY coalesce(q.msg_headers ->> 'nmbus-group', q.id::text)
+                              ORDER BY q.priority DESC, q.retry_time, q.id) AS turn
+    FROM {queue} AS q
+    WHERE q.id = ANY (ARRAY(SELECT id FROM heads UNION SELECT id FROM first)) AND q.id >= $4
+), ready AS (
+    SELECT r.id, CASE WHEN r.lease_expires IS NULL THEN 0
+                      WHEN r.handling_client_id IS NULL THEN 1
+                      WHEN r.isolated THEN 3
+                      ELSE 2 END AS recovered
+    FROM {queue} AS r
+    WHERE r.id = ANY (ARRAY(SELECT id FROM turns ORDER BY priority DESC, turn, retry_time, id
+                            LIMIT $1))
+      AND r.id >= $4
+      AND r.subqueue IN ('I', 'R') AND r.retry_time <= now() AND r.retry_time < 'infinity'
+      AND (r.lease_expires IS NULL OR r.lease_expires < now())
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    {claim_lease(client => $2, lease => $3, floor => $4)}
+)
+SELECT c.*, (SELECT max(g) FROM walk WHERE n = (SELECT max(n) FROM walk)) AS walked
+FROM claimed AS c;
+
+-- grouped_ready --
+-- Fragment of claim_fair: row {:row} is in the group index (a grouped row
+-- in I or R, not parked) at or above the ready floor $4.
+{:row}.subqueue IN ('I', 'R') AND {:row}.retry_time < 'infinity'
+AND {:row}.msg_headers ? 'nmbus-group' AND {:row}.id >= $4

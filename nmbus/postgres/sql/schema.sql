@@ -46,6 +46,7 @@ CREATE TABLE IF NOT EXISTS {schema}.subscriptions (
 {outbox_table}
 {periodic_due_table}
 {segment_function}
+{flights_table}
 
 -- outbox_table --
 -- Fragment of create_schema and migrate_6_routes: the outbox (docs/routes.md),
@@ -137,6 +138,7 @@ CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, 
     WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity';
 {queue_sequence_index}
 {queue_done_index}
+{queue_group_index}
 
 -- queue_unique_table --
 -- Fragment of create_queue and migrate_10_segments: the queue's unique_ids, one
@@ -227,6 +229,14 @@ CREATE UNIQUE INDEX IF NOT EXISTS {unique_index} ON {queue} (unique_id);
 -- not yet in X, in order, for the claim's probe of a sequence's head.
 CREATE INDEX IF NOT EXISTS {sequence_index} ON {queue} (sequence_key, id)
     WHERE sequence_key IS NOT NULL AND subqueue <> 'X';
+
+-- queue_group_index --
+-- Fragment of create_queue and migrate_11_flow: the ready rows of messages sent
+-- with a group (send(..., group=)), by group, for the claim that serves the
+-- groups in turn (claim_fair). Rows without a group are not in it.
+CREATE INDEX IF NOT EXISTS {group_index}
+    ON {queue} ((msg_headers ->> 'nmbus-group'), priority DESC, retry_time, id)
+    WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity' AND msg_headers ? 'nmbus-group';
 
 -- queue_done_index --
 -- Fragment of create_queue and migrate_7_done: the X and F rows by when they

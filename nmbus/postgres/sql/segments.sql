@@ -10,6 +10,12 @@
 -- The segments of queue table $1 (schema-qualified and quoted, as regclass text):
 -- name, number and comment (segment_opened), lowest first; a plain (unsegmented)
 -- table is not listed.
+SELECT name, number, note FROM ({segment_catalog}) AS s
+ORDER BY number;
+
+-- segment_catalog --
+-- Fragment of segment_list and ready_floor: the segments of queue table $1
+-- (see segment_list), in no order.
 SELECT c.relname AS name,
        substr(c.relname, length(p.relname) + 3)::bigint AS number,
        obj_description(c.oid, 'pg_class') AS note
@@ -19,7 +25,40 @@ JOIN pg_class AS p ON p.oid = i.inhparent
 WHERE i.inhparent = to_regclass($1)
   AND c.relname = p.relname || '$s' || substr(c.relname, length(p.relname) + 3)
   AND substr(c.relname, length(p.relname) + 3) ~ '^[0-9]+$'
-ORDER BY 2;
+
+-- ready_floor --
+-- The worker's ready floor (nmbus/postgres/floor.py) of queue table $1 (see
+-- segment_list); $2 is the span of a segment's ids. `ready`: the number of the
+-- lowest segment holding a row of the ready index (I or R, leased or not) or
+-- of the sequence index (a member of a sequence not in X: one that holds its
+-- sequence back, or a parked one), or NULL. `segments`: how many segments the
+-- table has (none: it is not segmented). `next_id`: the id the next insert
+-- gets. Each segment is probed through the queue table with its id range, so
+-- a probe prunes to that segment's two small partial indexes, and a segment
+-- dropped meanwhile is simply not found. `grouped`: whether any ready row
+-- carries a group (the group index is not empty): the worker then claims with
+-- claim_fair.
+SELECT min(CASE WHEN EXISTS (
+                    SELECT 1 FROM {queue} AS q
+                    WHERE q.subqueue IN ('I', 'R') AND q.retry_time < 'infinity'
+                      AND q.id >= {segment_floor} AND q.id < (s.number + 1) * $2)
+                  OR EXISTS (
+                    SELECT 1 FROM {queue} AS q
+                    WHERE q.sequence_key IS NOT NULL AND q.subqueue <> 'X'
+                      AND q.id >= {segment_floor} AND q.id < (s.number + 1) * $2)
+           THEN s.number END) AS ready,
+       count(*) AS segments,
+       (SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END
+        FROM {id_seq}) AS next_id,
+       EXISTS (SELECT 1 FROM {queue} AS q
+               WHERE q.subqueue IN ('I', 'R') AND q.retry_time < 'infinity'
+                 AND q.msg_headers ? 'nmbus-group') AS grouped
+FROM ({segment_catalog}) AS s;
+
+-- segment_floor --
+-- Fragment of ready_floor: the lowest id segment s.number holds (segment 0
+-- from the lowest bigint).
+CASE WHEN s.number = 0 THEN '-9223372036854775808'::bigint ELSE s.number * $2 END
 
 -- segment_next_id --
 -- The id the next insert into the queue gets (or a later one).

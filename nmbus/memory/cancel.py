@@ -1,0 +1,35 @@
+"""Cancellation in the in-memory store: what cancel_unique and cancel_correlated do."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime
+
+from nmbus.cancellation import Cancel
+from nmbus.rows import QueueRow
+
+
+def cancel_rows(table: dict[int, QueueRow], request: Cancel) -> int:
+    """Move the rows of ``table`` that ``request`` names and no worker holds to F."""
+    now = datetime.now(UTC)
+    picked = [
+        row.id
+        for row in table.values()
+        if row.subqueue in ("I", "R")
+        and (row.lease_expires is None or row.lease_expires < now)
+        and (
+            row.unique_id == request.unique_id
+            if request.unique_id is not None
+            else row.correlation_id == request.correlation_id
+        )
+    ]
+    for row_id in picked:
+        table[row_id] = replace(
+            table[row_id],
+            subqueue="F",
+            error_info=request.reason,
+            last_processed=now,
+            handling_client_id=None,
+            lease_expires=None,
+        )
+    return len(picked)

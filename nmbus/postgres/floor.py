@@ -1,0 +1,106 @@
+"""The ready floor: an id below which a queue holds no row a worker may claim or wait on.
+
+A queue table's segments all take part in a statement on the queue table, and
+PostgreSQL cannot leave any out of a generic plan by itself: the claim's ready
+scan opens every segment's ready index, a sequence's head is looked for in
+every segment's sequence index, and ``id = ANY($1)`` looks up every id of a
+batch in every segment's primary key. Retention keeps up to 16 segments, most
+of them holding only processed rows, so each segment would add its cost to
+every batch.
+
+The worker's statements therefore name the ids they may touch. The floor is
+the lowest id of the lowest segment that holds a row of the ready index (I or
+R, leased or not) or a member of a sequence not in X; when none does, of the
+segment being written. Every claim, finish and sequence probe of the worker
+says ``id >= floor``, and PostgreSQL leaves the segments below it out when the
+statement starts (run-time pruning on a parameter). A finish without a claim,
+a lease renewal or an isolation bounds its ids by the lowest of them instead.
+
+The floor is read again at most every :data:`REFRESH_SECONDS`. Rows sent,
+retried or moved by retention go to the segment being written or stay where
+they are counted, never below the floor. A row comes back below it only by
+hand, when an operator requeues an F or X row of an older segment; it then
+waits up to :data:`REFRESH_SECONDS` before a claim sees it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nmbus.postgres.segments import LOWEST_ID, Segment, segment_of
+from nmbus.postgres.sql import SEGMENT_SPAN, quote_ident, render
+
+#: How long a worker trusts a queue's ready floor before reading it again.
+REFRESH_SECONDS = 1.0
+
+#: The lowest bigint: the floor of a queue before it is read (every segment).
+NO_FLOOR = LOWEST_ID
+
+
+async def read_floor(conn: Any, schema: str, queue: str) -> int:
+    """The lowest id of the lowest segment of ``queue`` that holds a ready row.
+
+    When none does, the lowest id of the segment being written. A table that is
+    not segmented has no floor (:data:`NO_FLOOR`), nor has segment 0 (it begins
+    at the lowest bigint).
+    """
+    return (await read_floor_and_groups(conn, schema, queue))[0]
+
+
+async def read_floor_and_groups(conn: Any, schema: str, queue: str) -> tuple[int, bool]:
+    """:func:`read_floor`, and whether any ready row of ``queue`` carries a group."""
+    row = await conn.fetchrow(
+        render("ready_floor", schema, queue),
+        f"{quote_ident(schema)}.{quote_ident(queue)}",
+        SEGMENT_SPAN,
+    )
+    if row is None or not row["segments"]:
+        return NO_FLOOR, False
+    ready = row["ready"]
+    number = int(ready) if ready is not None else segment_of(row["next_id"])
+    return Segment(number, "").lower, bool(row["grouped"])
+
+
+class ReadyFloors:
+    """The ready floor of each queue, shared by a store's worker loops, read when stale.
+
+    Read with it: whether the queue's ready rows carry groups, which makes its
+    workers claim the groups in turn (claim_fair).
+    """
+
+    def __init__(self, schema: str, refresh: float = REFRESH_SECONDS) -> None:
+        self._schema = schema
+        self._refresh = refresh
+        self._floors: dict[str, tuple[int, bool, float]] = {}
+
+    def cached(self, queue: str) -> int:
+        """The floor last read (NO_FLOOR before the first read), without a query."""
+        found = self._floors.get(queue)
+        return NO_FLOOR if found is None else found[0]
+
+    def grouped(self, queue: str) -> bool:
+        """Whether ready rows carried groups when the floor was last read."""
+        found = self._floors.get(queue)
+        return found is not None and found[1]
+
+    def stale(self, queue: str) -> bool:
+        found = self._floors.get(queue)
+        return found is None or time.monotonic() - found[2] >= self._refresh
+
+    async def floor(self, conn: Any, queue: str) -> int:
+        """The floor of ``queue``, read on ``conn`` when it is stale.
+
+        ``conn`` may be inside a transaction: the query only reads the catalog
+        and the queue table through its parent, so it cannot fail for a segment
+        dropped meanwhile.
+        """
+        if not self.stale(queue):
+            return self.cached(queue)
+        value, grouped = await read_floor_and_groups(conn, self._schema, queue)
+        self._floors[queue] = (value, grouped, time.monotonic())
+        return value
+
+    def forget(self, queue: str) -> None:
+        """Read the floor of ``queue`` again before its next use."""
+        self._floors.pop(queue, None)

@@ -21,7 +21,7 @@ from typing import Any
 from nmbus.cancellation import Cancel
 from nmbus.errors import ConfigurationError, QueueNotFound
 from nmbus.flow import FlowLimits
-from nmbus.memory.cancel import cancel_rows
+from nmbus.memory.claims import cancel_rows, recovery
 from nmbus.memory.operations import MemoryOperations, sequence_heads
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.names import validate_queue_name
@@ -36,15 +36,6 @@ def _now() -> datetime:
 
 
 _LONG_AGO = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def _recovery(row: QueueRow) -> int:
-    """As the claim query's ``recovered``: 0 fresh, 1 let go to be tried alone, 2/3 crashed."""
-    if row.lease_expires is None:
-        return 0
-    if row.handling_client_id is None:
-        return 1
-    return 3 if row.isolated else 2
 
 
 class MemoryBatch:
@@ -169,7 +160,7 @@ class MemorySession:
                     msg_text=row.msg_text,
                     msg_headers=row.msg_headers,
                     unique_id=row.unique_id,
-                    recovered=_recovery(held),
+                    recovered=recovery(held),
                     priority=row.priority,
                     expired=row.expires_at is not None and row.expires_at <= now,
                 )

@@ -1,4 +1,6 @@
-"""Cancellation in the in-memory store: what cancel_unique and cancel_correlated do."""
+"""What the in-memory store decides of a row as it claims or cancels it: the claim's
+``recovered`` (nmbus/postgres/sql/runtime.sql), and what cancel_unique and
+cancel_correlated do."""
 
 from __future__ import annotations
 
@@ -7,6 +9,15 @@ from datetime import UTC, datetime
 
 from nmbus.cancellation import Cancel
 from nmbus.rows import QueueRow
+
+
+def recovery(row: QueueRow) -> int:
+    """As the claim query's ``recovered``: 0 fresh, 1 let go to be tried alone, 2/3 crashed."""
+    if row.lease_expires is None:
+        return 0
+    if row.handling_client_id is None:
+        return 1
+    return 3 if row.isolated else 2
 
 
 def cancel_rows(table: dict[int, QueueRow], request: Cancel) -> int:

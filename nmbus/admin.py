@@ -37,6 +37,7 @@ from nmbus.operations import (
     FailedMessage,
     FailedPage,
     HistoryBucket,
+    LimitStatus,
     MessageRow,
     Operations,
     OutboxBacklog,
@@ -68,6 +69,7 @@ __all__ = [
     "FailedMessage",
     "FailedPage",
     "HistoryBucket",
+    "LimitStatus",
     "MessageRow",
     "OutboxBacklog",
     "QueueDepth",
@@ -213,6 +215,13 @@ class Admin:
         """
         checked = None if queues is None else [validate_queue_name(n) for n in queues]
         return await self._ops.queue_segments(checked)
+
+    async def flow_status(self, queues: Sequence[str] | None = None) -> list[LimitStatus]:
+        """Each handler with flow limits (docs/flow-control.md), of every queue or of
+        ``queues``: its limits as last declared, its messages in flight, its starts in
+        its rate's window, and the ready messages its limits hold back now."""
+        checked = None if queues is None else [validate_queue_name(n) for n in queues]
+        return await self._ops.flow_status(checked)
 
     async def outbox_backlog(self) -> list[OutboxBacklog]:
         """What waits in this database's outbox, per destination queue (one scan)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cached_property
 from typing import Any
 
@@ -158,3 +159,18 @@ class FlowLimits:
     def longest_window(self) -> float:
         windows = (w[1] for limit in self.limits.values() if (w := limit.window))
         return max(windows, default=1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitStatus:
+    """One handler's limits as last declared, and what they hold now (flow_status)."""
+
+    queue: str
+    handler: str  # its limit key: "<message type>:<function>"
+    limits: str  # as declared: "concurrency=5, rate=100/s"
+    declared_by: str  # the worker (client id) that declared them last
+    declared_at: datetime
+    in_flight: int  # its messages still leased by the claim that took them
+    started: int | None  # starts in its rate's window now (None: no rate)
+    waiting: int  # ready messages of its types that no worker holds
+    held_back: int  # of those, the ones its limits hold back now

@@ -13,6 +13,10 @@ series; each serves it on its own port. The series (docs/metrics.md):
 ``nmbus_batch_size``                   histogram  messages per committed batch, per queue
 ``nmbus_lease_renewals_total``         counter    leases renewed, per queue
 ``nmbus_lease_renewal_failures_total`` counter    renewal rounds that failed, per queue
+``nmbus_flow_waits_total``             counter    loop waits for a limit's room, per queue
+``nmbus_flow_wait_seconds_total``      counter    seconds loops waited for room, per queue
+``nmbus_flow_held_back_messages``      gauge      ready messages a handler's limits hold
+                                                  back, per queue, handler (every 5 s)
 =====================================  =========  ===================================
 
 Counts are taken after the batch's commit, so a batch that rolls back counts
@@ -108,6 +112,9 @@ class WorkerMetrics:
         self._batched = 0
         self.renewals = 0
         self.renewal_failures = 0
+        self.flow_waits = 0
+        self.flow_wait_seconds = 0.0
+        self._held_back: dict[str, int] = {}
         self.registry = self._client.CollectorRegistry()
         self.registry.register(self)
         self._server: Any = None
@@ -204,6 +211,16 @@ class WorkerMetrics:
     def lease_renewal_failed(self) -> None:
         self.renewal_failures += 1
 
+    def flow_waited(self, seconds: float) -> None:
+        """A loop whose claim left limited messages waiting waited ``seconds`` for room."""
+        self.flow_waits += 1
+        self.flow_wait_seconds += seconds
+
+    def held_back(self, by_handler: dict[str, int]) -> None:
+        """What each limited handler's limits hold back now (flow_status)."""
+        with self._lock:
+            self._held_back = dict(by_handler)
+
     # -- scraping (the server's thread) --------------------------------------------------
 
     def collect(self) -> Iterator[Any]:
@@ -233,13 +250,26 @@ class WorkerMetrics:
         buckets = _cumulative(BATCH_BUCKETS, self._batches)
         batch.add_metric((queue,), buckets, float(self._batched))
         yield batch
-        for value, name, text in (
+        per_queue: tuple[tuple[float, str, str], ...] = (
             (self.renewals, "nmbus_lease_renewals", "Leases of in-flight messages renewed."),
             (self.renewal_failures, "nmbus_lease_renewal_failures", "Failed lease renewals."),
-        ):
+            (self.flow_waits, "nmbus_flow_waits", "Loop waits for a flow limit's room."),
+            (self.flow_wait_seconds, "nmbus_flow_wait_seconds", "Seconds waited for room."),
+        )
+        for value, name, text in per_queue:
             family = core.CounterMetricFamily(name, text, labels=("queue",))
             family.add_metric((queue,), value)
             yield family
+        held = core.GaugeMetricFamily(
+            "nmbus_flow_held_back_messages",
+            "Ready messages of a handler's types that its flow limits hold back.",
+            labels=("queue", "handler"),
+        )
+        with self._lock:
+            by_handler = sorted(self._held_back.items())
+        for handler, count in by_handler:
+            held.add_metric((queue, handler), count)
+        yield held
 
 
 COUNTERS = (

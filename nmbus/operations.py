@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Protocol
 
 # Re-exported: the operator's layer speaks of retention too.
+from nmbus.flow import LimitStatus as LimitStatus
 from nmbus.retention import ProgressCallback as ProgressCallback
 from nmbus.retention import RetentionPolicy as RetentionPolicy
 from nmbus.retention import RetentionResult as RetentionResult
@@ -357,6 +358,11 @@ class Operations(Protocol):
 
     async def queue_segments(self, queues: Sequence[str] | None) -> list[SegmentInfo]:
         """Each queue's segments (by queue, then number), never a scan of X rows."""
+        ...
+
+    async def flow_status(self, queues: Sequence[str] | None) -> list[LimitStatus]:
+        """Each limited handler of the queues (every queue: None), as last declared, and
+        what its limits hold back now (by queue, then handler)."""
         ...
 
     async def queue_history(

@@ -27,7 +27,7 @@ from nmbus.names import validate_schema_name as validate_schema_name
 
 if TYPE_CHECKING:
     from nmbus.cancellation import Cancel
-    from nmbus.flow import FlowLimits
+    from nmbus.flow import FlowLimits, LimitStatus
     from nmbus.settings import Settings
 
 SCHEMA_VERSION = 11
@@ -370,6 +370,11 @@ class Store(Protocol):
     ) -> None:
         """Handlers with a rate have started: (handler key, message id, attempt) of
         messages ``client_id`` claimed (nmbus/dispatch/marks.py)."""
+        ...
+
+    async def flow_status(self, queues: Sequence[str] | None) -> list[LimitStatus]:
+        """Each limited handler of ``queues`` (None: every queue) as last declared, and
+        what its limits hold back now (as :meth:`nmbus.admin.Admin.flow_status`)."""
         ...
 
     async def cancel(self, queue: str, request: Cancel) -> int:

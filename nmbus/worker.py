@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("nmbus.worker")
 
+#: How often a worker with flow limits and metrics counts what its limits hold
+#: back (one statement that counts the ready rows of its limited types).
+HELD_BACK_INTERVAL = 5.0
+
 
 class Worker:
     """All worker loops of one endpoint on its own queue, and their side tasks."""
@@ -139,6 +143,8 @@ class Worker:
         reconnect = self.settings.reconnect_max_delay
         self._side.start("listener", lambda: self.store.listen(self._on_wakeup, reconnect))
         self._side.start("leases", self._renew_leases)
+        if self.flow is not None and self.metrics is not None:
+            self._side.start("held back", self._watch_held_back)
 
     async def declare_limits(self) -> None:
         """Record this endpoint's limits; warn when another process declared others.
@@ -227,6 +233,18 @@ class Worker:
             else:
                 if self.metrics is not None:
                     self.metrics.leases_renewed(len(ids))
+
+    async def _watch_held_back(self) -> None:
+        """For the metrics: what each limit holds back, every HELD_BACK_INTERVAL s."""
+        while True:
+            try:
+                found = await self.store.flow_status([self.queue])
+            except StoreError as exc:
+                log.warning("flow_status_failed", queue=self.queue, error=str(exc))
+            else:
+                if self.metrics is not None:
+                    self.metrics.held_back({limit.handler: limit.held_back for limit in found})
+            await asyncio.sleep(HELD_BACK_INTERVAL)
 
     async def stop(self) -> None:
         """Finish in-flight handlers (up to ``shutdown_timeout``), return the rest to I."""
@@ -337,14 +355,18 @@ class Worker:
             due = await session.next_due(self.queue)
             if due is not None:
                 wait = max(0.0, min(wait, due))
-            if session.recheck is not None:  # limited messages wait for room
-                wait = min(wait, session.recheck)
+            held = session.recheck is not None  # limited messages wait for room
+            if held:
+                wait = min(wait, session.recheck or 0.0)
+            began = time.monotonic()
             if wait > 0 and not self._wakeup.is_set():
                 try:
                     async with asyncio.timeout(wait):
                         await self._wakeup.wait()
                 except TimeoutError:
                     pass
+            if held and self.metrics is not None:
+                self.metrics.flow_waited(time.monotonic() - began)
 
     async def _run_gated(
         self, session: WorkerSession, batch: list[StoredMessage]

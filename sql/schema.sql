@@ -91,6 +91,10 @@ CREATE TABLE IF NOT EXISTS "nmbus"."flow$limits" (
     key text NOT NULL,
     limits text NOT NULL,
     labels text[] NOT NULL,
+    concurrency integer,
+    starts integer,
+    window_s float8,
+    group_concurrency integer,
     declared_by text NOT NULL,
     declared_at timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT "flow$limits$pkey" PRIMARY KEY (queue, key)

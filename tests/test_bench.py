@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from nmbus import Bus
 from nmbus.cli import app
+from nmbus.tools import bench_graphile
 from nmbus.tools.bench import BenchOptions, run
 from nmbus.tools.bench_scenarios import percentile
 from tests.messages import Ping
@@ -227,6 +229,36 @@ async def test_peers_runs_pgqueuer_in_the_bench_schema_beside_an_nmbus_drain(dsn
     finally:
         await conn.close()
     assert await _schemas(dsn) == []
+
+
+async def test_peers_runs_graphile_worker_at_both_settings_and_leaves_nothing(dsn: str) -> None:
+    why = bench_graphile.missing()
+    if why is not None:
+        pytest.skip(why)  # CI installs it (.ci/run): there a skip fails the run
+    options = BenchOptions(dsn=dsn, messages=2000, batch_size=50)
+    [result] = await asyncio.wait_for(run(["peers"], options), timeout=300)
+    figures = result.figures
+    assert figures["graphile_default_per_s"] > 0 and figures["graphile_tuned_per_s"] > 0
+    assert figures["ratio_nmbus_to_graphile_tuned"] == pytest.approx(
+        figures["nmbus_messages_per_s"] / figures["graphile_tuned_per_s"]
+    )
+    assert result.settings["graphile_worker"] == bench_graphile.VERSION
+    assert not any("graphile" in note for note in result.notes)
+    assert await _schemas(dsn) == []  # its schema (the scratch's name with _gw) is gone
+
+
+async def test_peers_says_how_to_install_graphile_worker_and_downloads_nothing(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NMBUS_GRAPHILE_MODULES", str(tmp_path))
+    assert bench_graphile.missing() is not None
+    options = BenchOptions(dsn=dsn, messages=300, batch_size=50)
+    [result] = await asyncio.wait_for(run(["peers"], options), timeout=120)
+    assert not any(name.startswith("graphile") for name in result.figures)
+    (note,) = [n for n in result.notes if "graphile" in n]
+    assert "npm install graphile-worker@0.17.3" in note or "node is not installed" in note
+    assert result.settings["graphile_worker"] == "not installed"
+    assert os.listdir(tmp_path) == []
 
 
 async def test_reply_times_round_trips_and_reply_lag_of_every_request(

@@ -21,6 +21,7 @@ import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from nmbus.admin import Admin
 from nmbus.postgres.sql import render
 from tests.dashboard_server import Server, start
 from tests.ops_data import Facts
@@ -268,6 +269,37 @@ async def test_queue_page_draws_its_history(
     assert max(h for h in [sum(drawn)]) > 0
     assert browser.find_elements(By.CSS_SELECTOR, "svg.history polyline")
     assert "last 5 min" in browser.find_element(By.TAG_NAME, "main").text
+
+
+async def test_queue_page_shows_flow_limits_and_what_they_hold_back(
+    serve: Callable[..., Server], browser: Any, facts: Facts, db: asyncpg.Connection, dsn: str
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    await db.execute(
+        """INSERT INTO nmbus."flow$limits" (queue, key, limits, labels, concurrency, declared_by)
+           VALUES ('billing', 'billing.Charge:charge', 'concurrency=1', '{billing.Charge}', 1,
+                   'host:1:abc')"""
+    )
+    async with Admin(dsn) as admin:
+        (limit,) = await admin.flow_status(["billing"])
+    assert limit.waiting > 0
+    server = await serve("--token", TOKEN)
+    browser.get(server.url + "/queues/billing")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#limits tbody tr")
+    cells = [td.text for td in rows[0].find_elements(By.TAG_NAME, "td")]
+    assert len(rows) == 1
+    assert cells == [
+        "billing.Charge:charge",
+        "concurrency=1",
+        str(limit.in_flight),
+        "-",
+        str(limit.waiting),
+        str(limit.held_back),
+    ]
+    browser.get(server.url + "/queues/shipping")
+    assert browser.find_elements(By.ID, "segments-summary")
+    assert not browser.find_elements(By.ID, "limits")
 
 
 async def test_subscriptions_page_marks_expired_rows(

@@ -8,17 +8,21 @@ start and end to flow_log; the limits are checked on those times.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 import pytest
 from structlog.testing import capture_logs
 
 from nmbus import Bus, Context
+from nmbus.admin import Admin
 from nmbus.errors import ConfigurationError, HandlerError, InvalidMessage
 from nmbus.flow import FlowLimits, Limits
 from nmbus.postgres.floor import NO_FLOOR
@@ -332,16 +336,50 @@ async def test_limits_declared_differently_by_two_processes_are_said_once(dsn: s
     assert not [e for e in logs if e["event"] == "flow_limits_differ"]
 
 
-async def test_the_cookbook_shows_what_limits_hold_back(dsn: str, log: asyncpg.Connection) -> None:
+async def nmbus_status(dsn: str) -> dict[str, Any]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nmbus", "status", "--dsn", dsn, "--json",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0
+    found: dict[str, Any] = json.loads(out)
+    return found
+
+
+async def test_status_admin_and_cookbook_show_what_limits_hold_back(
+    dsn: str, log: asyncpg.Connection
+) -> None:
     async with workers(dsn, concurrency=1, sleep=3600, processes=1) as (worker,):
         await send(dsn, [(Ping(n=n), None) for n in range(4)])
         await worker.wait_for("started")
         await asyncio.sleep(0.3)
         (row,) = await psql(dsn, "held_back.sql", queue="billing")
-    assert row["handler"] == "test.Ping:main.<locals>.on_ping"
-    assert row["limits"] == "concurrency=1"
+        async with Admin(dsn) as admin:
+            (limit,) = await admin.flow_status()
+            assert await admin.flow_status(["shop"]) == []
+        status = await nmbus_status(dsn)
+    assert row["handler"] == limit.handler == "test.Ping:main.<locals>.on_ping"
+    assert row["limits"] == limit.limits == "concurrency=1"
     assert (row["in_flight"], row["ready_waiting"]) == ("1", "3")
     assert int(row["started_last_second"]) <= 1
+    assert (limit.queue, limit.in_flight, limit.started, limit.waiting) == ("billing", 1, None, 3)
+    assert limit.held_back == 3  # no room: every waiting one is held back
+    (shown,) = status["limits"]
+    assert (shown["handler"], shown["in_flight"], shown["held_back"]) == (limit.handler, 1, 3)
+
+
+async def test_status_counts_only_the_groups_at_their_limit_as_held_back(
+    dsn: str, log: asyncpg.Connection
+) -> None:
+    async with workers(dsn, group_concurrency=1, rate=1000, sleep=3600, processes=1) as (w,):
+        await send(dsn, [(Ping(n=1), "a"), (Ping(n=2), "a"), (Ping(n=3), "b")])
+        await w.wait_for("started")
+        await w.wait_for("started")
+        async with Admin(dsn) as admin:
+            (limit,) = await admin.flow_status(["billing"])
+    # a and b each run one; the second of a waits for its group, and only it.
+    assert (limit.in_flight, limit.started, limit.waiting, limit.held_back) == (2, 2, 1, 1)
 
 
 async def test_groups_are_served_in_turn_so_a_backlog_never_holds_another_group_back(

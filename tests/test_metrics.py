@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nmbus import Bus, Context, Message
+from nmbus import worker as worker_module
 from nmbus.errors import ConfigurationError, InvalidSetting
 from nmbus.messages import Envelope
 from nmbus.settings import Settings
@@ -175,6 +176,38 @@ async def test_lease_renewals_are_counted(make_bus: Callable[..., Bus]) -> None:
     # The renewer runs every lease/3 = 0.5 s: a 1.2 s handler is renewed at least twice.
     assert value(found, "nmbus_lease_renewals_total", queue="renewing") >= 2
     assert unmoved(found, "nmbus_lease_renewal_failures_total", queue="renewing") == 0
+
+
+async def test_flow_limits_report_their_waits_and_what_they_hold_back(
+    make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_module, "HELD_BACK_INTERVAL", 0.1)
+    bus = make_bus("limited", metrics_port=0, poll_interval=0.1)
+    release = asyncio.Event()
+
+    @bus.handler(concurrency=1)
+    async def slow(msg: Slow, ctx: Context) -> None:
+        await release.wait()
+
+    async with bus:
+        for _ in range(4):
+            await bus.send(Slow(seconds=0), to="limited")
+        port = bus.metrics_port
+        assert port is not None
+        key = "obs.Slow:test_flow_limits_report_their_waits_and_what_they_hold_back.<locals>.slow"
+
+        async def held() -> float:
+            found = samples(await asyncio.to_thread(scrape, port))
+            series = ("nmbus_flow_held_back_messages", (("handler", key), ("queue", "limited")))
+            return found.get(series, -1)
+
+        # One runs, the concurrency limit holds the other three back.
+        await wait_until(held, until=lambda n: n == 3, timeout=30)
+        found = samples(await asyncio.to_thread(scrape, port))
+        assert value(found, "nmbus_flow_waits_total", queue="limited") >= 1
+        assert value(found, "nmbus_flow_wait_seconds_total", queue="limited") > 0
+        release.set()
+        await wait_until(held, until=lambda n: n == 0, timeout=30)
 
 
 async def test_two_buses_in_one_process_keep_their_own_series(

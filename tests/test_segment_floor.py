@@ -6,6 +6,7 @@ docs/storage.md, "Plans over segments"; nmbus/postgres/floor.py.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import asyncpg
 
@@ -202,3 +203,36 @@ async def test_loops_share_one_floor_and_read_it_again_when_stale(
     assert await floors.floor(db, "billing") == 2 * SEGMENT_SPAN  # not stale yet
     floors.forget("billing")
     assert await floors.floor(db, "billing") == NO_FLOOR
+
+
+async def test_a_stale_floor_is_read_again_off_the_loops_connection(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await three_segments_of_x(db, dsn)
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    acquired = 0
+
+    def connection() -> Any:
+        nonlocal acquired
+        acquired += 1
+        return pool.acquire()
+
+    try:
+        floors = ReadyFloors("nmbus", refresh=0.2, connection=connection)
+        assert await floors.floor(db, "billing") == 2 * SEGMENT_SPAN  # the first: inline
+        assert acquired == 0
+        await db.execute(
+            "UPDATE nmbus.billing SET subqueue = 'I' WHERE id = $1", await first_id(db, 0)
+        )
+        await asyncio.sleep(0.25)
+        # Stale: the loop goes on with the floor it has, at once, without a query on
+        # its connection (a closed one would raise), while the pool reads it again.
+        closed = await asyncpg.connect(dsn)
+        await closed.close()
+        assert await floors.floor(closed, "billing") == 2 * SEGMENT_SPAN
+        assert await floors.floor(closed, "billing") == 2 * SEGMENT_SPAN
+        await wait_until(lambda: floors.cached("billing") == NO_FLOOR, timeout=10)
+        assert acquired == 1  # one read, however many claims found it stale meanwhile
+        assert await floors.floor(closed, "billing") == NO_FLOOR
+    finally:
+        await pool.close()

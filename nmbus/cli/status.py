@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from nmbus.admin import Admin, QueueStatus, RouteStatus, SegmentInfo
+from nmbus.admin import Admin, LimitStatus, QueueStatus, RouteStatus, SegmentInfo
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -66,6 +66,7 @@ def status(
     I, R and F are exact; X ("~" before it) is estimated on tables over 16 MiB
     from PostgreSQL's live-row count, so this stays fast with millions of
     processed rows (--exact counts them). `nmbus segments` lists each segment.
+    Handlers with flow limits are listed with what their limits hold back.
     """
     seconds = parse_age(window, "--window").total_seconds()
     if not 0 < seconds <= 366 * 86400:
@@ -75,14 +76,17 @@ def status(
         )
     cfg = settings(dsn, schema)
 
-    async def read(admin: Admin) -> tuple[list[QueueStatus], dict[str, Stored]]:
+    async def read(
+        admin: Admin,
+    ) -> tuple[list[QueueStatus], dict[str, Stored], list[LimitStatus]]:
         found = await admin.queue_status(seconds, exact=exact)
         by_queue: dict[str, list[SegmentInfo]] = {}
         for segment in await admin.queue_segments():
             by_queue.setdefault(segment.queue, []).append(segment)
-        return found, {name: Stored.of(s) for name, s in by_queue.items()}
+        limits = await admin.flow_status()
+        return found, {name: Stored.of(s) for name, s in by_queue.items()}, limits
 
-    queues, by_name = operate(cfg, read)
+    queues, by_name, limits = operate(cfg, read)
     # A queue created after its segments were read has none (yet).
     stored = [by_name.get(q.queue, Stored(0, None, 0)) for q in queues]
     routes = operate(cfg, lambda admin: admin.route_status(cfg.route_dsns()))
@@ -98,6 +102,7 @@ def status(
                     }
                     for q, d in zip(queues, stored, strict=True)
                 ],
+                "limits": [plain(limit) for limit in limits],
                 "routes": [plain(r) for r in routes],
             }
         )
@@ -164,7 +169,38 @@ def status(
                 for name, b in blocked
             ],
         )
+    _limits_table(limits)
     _routes_table(routes)
+
+
+def _limits_table(limits: list[LimitStatus]) -> None:
+    """Each handler with flow limits: what it holds in flight, and what it holds back."""
+    if not limits:
+        return
+    table(
+        "flow limits (held back: ready messages the limits keep waiting now)",
+        [
+            Column("queue", key=True),
+            Column("handler", key=True, wrap=True),
+            Column("limits", wrap=True),
+            "in flight",
+            "started in window",
+            "waiting",
+            "held back",
+        ],
+        [
+            [
+                limit.queue,
+                limit.handler,
+                limit.limits,
+                limit.in_flight,
+                "-" if limit.started is None else limit.started,
+                limit.waiting,
+                limit.held_back,
+            ]
+            for limit in limits
+        ],
+    )
 
 
 def _oldest_ready(q: QueueStatus) -> str:

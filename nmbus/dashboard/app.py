@@ -158,6 +158,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
             "chart": charts.history_chart(history),
             "title": name,
             "segments": segments_summary(segments),
+            "limits": await admin.flow_status([name]),
         }
 
     async def queue_page(request: Request) -> Response:

@@ -4,9 +4,8 @@
 ``Admin.over(store)`` runs the operations layer over the same tables a test's
 bus uses. It follows ``tests/test_operations_contract.py`` as the PostgreSQL
 adapter does. Where PostgreSQL estimates, it counts exactly; it keeps no
-sagas, no outbox and no marks of queues a send created, and retention here
-removes rows but never archives them (the Parquet archive needs PostgreSQL).
-"""
+sagas, no outbox, no marks of queues a send created and no flow limits, and its
+retention never archives (the Parquet archive needs PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from nmbus.errors import ConfigurationError, QueueNotFound
+from nmbus.flow import LimitStatus
 from nmbus.memory.segments import whole_table
 from nmbus.names import validate_queue_name
 from nmbus.operations import (
@@ -187,6 +187,10 @@ class MemoryOperations:
 
     async def queue_segments(self, queues: Sequence[str] | None) -> list[SegmentInfo]:
         return [whole_table(name, self.tables[name]) for name in self._known(queues)]
+
+    async def flow_status(self, queues: Sequence[str] | None) -> list[LimitStatus]:
+        self._known(queues)  # an unknown queue is refused
+        return []  # no flow limits here (the docstring above)
 
     async def queue_history(
         self, queue: str, bucket_seconds: float, buckets: int, cap: int

@@ -11,9 +11,12 @@ only; an endpoint without limits never runs any of this.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from typing import Any
 
-from nmbus.flow import FlowLimits
+import asyncpg
+
+from nmbus.flow import FlowLimits, LimitStatus
 from nmbus.postgres.sql import render
 
 #: How many batches of ready rows a limited claim looks at, at most: rows held
@@ -98,3 +101,40 @@ async def held_back(
     if soonest is None:
         return RECHECK
     return min(RECHECK, max(MIN_RECHECK, float(soonest)))
+
+
+async def flow_status_on(
+    conn: Any, schema: str, queues: Collection[str] | None
+) -> list[LimitStatus]:
+    """Each limited handler of ``queues`` (None: every queue), by queue then handler."""
+    found: list[LimitStatus] = []
+    for row in await conn.fetch(render("flow_limited_queues", schema)):
+        if queues is None or row[0] in queues:
+            found += await limits_of(conn, schema, row[0])
+    return found
+
+
+async def limits_of(conn: Any, schema: str, queue: str) -> list[LimitStatus]:
+    """Each limited handler of ``queue`` as last declared, and what it holds back now.
+
+    [] when the queue has no limits declared, or its table is gone; read-only.
+    """
+    try:
+        async with conn.transaction():  # a savepoint: a queue dropped meanwhile has none
+            rows = await conn.fetch(render("flow_status", schema, queue), queue)
+    except asyncpg.UndefinedTableError:
+        return []
+    return [
+        LimitStatus(
+            queue,
+            r["key"],
+            r["limits"],
+            r["declared_by"],
+            r["declared_at"],
+            int(r["in_flight"]),
+            None if r["started"] is None else int(r["started"]),
+            int(r["waiting"]),
+            int(r["held_back"]),
+        )
+        for r in rows
+    ]

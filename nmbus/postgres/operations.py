@@ -20,6 +20,7 @@ import asyncpg
 
 from nmbus.cancellation import Cancel
 from nmbus.errors import QueueNotFound
+from nmbus.flow import LimitStatus
 from nmbus.logs import scrub
 from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.operations import (
@@ -41,6 +42,7 @@ from nmbus.operations import (
 )
 from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
+from nmbus.postgres.flow import flow_status_on
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.reclaim import due
 from nmbus.postgres.retention import clean_queue
@@ -170,6 +172,11 @@ class PostgresOperations:
         """One read of the catalogue for every queue, then one statement per queue."""
         async with self._session("list segments", read_only=True) as conn:
             return await segments_of(conn, self.schema, await self._queues(conn, queues))
+
+    async def flow_status(self, queues: Sequence[str] | None) -> list[LimitStatus]:
+        async with self._session("read the flow limits", read_only=True) as conn:
+            names = set(await self._queues(conn, queues))
+            return await flow_status_on(conn, self.schema, names)
 
     async def queue_history(
         self, queue: str, bucket_seconds: float, buckets: int, cap: int

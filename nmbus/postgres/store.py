@@ -20,7 +20,7 @@ import structlog
 
 from nmbus.cancellation import Cancel
 from nmbus.errors import QueueNotFound
-from nmbus.flow import FlowLimits
+from nmbus.flow import FlowLimits, LimitStatus
 from nmbus.logs import scrub
 from nmbus.messages import Envelope
 from nmbus.names import validate_queue_name, validate_schema_name
@@ -28,6 +28,7 @@ from nmbus.operations import RetentionPolicy
 from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.floor import ReadyFloors
+from nmbus.postgres.flow import flow_status_on
 from nmbus.postgres.listen import close_quietly as _close_quietly
 from nmbus.postgres.listen import listen_loop, notify_channel
 from nmbus.postgres.pubsub import (
@@ -88,7 +89,7 @@ class PostgresStore:
         self._pool: asyncpg.Pool | None = None
         self._known_queues: set[str] = set()
         # Each queue's ready floor, shared by this store's worker loops.
-        self._floors = ReadyFloors(self.schema)
+        self._floors = ReadyFloors(self.schema, connection=lambda: self.pool.acquire())
         self._queue_lock = asyncio.Lock()
         self._lease_lock = asyncio.Lock()
         self._lease_conn: asyncpg.Connection | None = None
@@ -354,14 +355,19 @@ class PostgresStore:
         self, queue: str, flow: FlowLimits, client_id: str
     ) -> list[tuple[str, str, str, datetime]]:
         described = flow.described()
+        keys, concurrency, starts, windows, group_concurrency = flow.arrays()
         with wrap_errors(f"declare the limits of {queue}"):
             rows = await self.pool.fetch(
                 render("flow_declare", self.schema),
                 queue,
-                list(described),
-                list(described.values()),
+                keys,
+                [described[key] for key in keys],
                 client_id,
-                ["\n".join(flow.labels[key]) for key in described],
+                ["\n".join(flow.labels[key]) for key in keys],
+                concurrency,
+                starts,
+                windows,
+                group_concurrency,
             )
         return [(r[0], r[1], r[2], r[3]) for r in rows]
 
@@ -373,6 +379,11 @@ class PostgresStore:
             await self.pool.execute(
                 render("flow_started", self.schema), queue, client_id, keys, ids, attempts
             )
+
+    async def flow_status(self, queues: Sequence[str] | None) -> list[LimitStatus]:
+        async with self.pool.acquire() as conn:
+            with wrap_errors("read the flow limits"):
+                return await flow_status_on(conn, self.schema, queues)
 
     async def cancel(self, queue: str, request: Cancel) -> int:
         async with self.pool.acquire() as conn:

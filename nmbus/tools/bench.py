@@ -13,7 +13,11 @@ medians, with the settings they ran under. The modes:
                    counts the attempt and takes a lease, then one statement that
                    marks a batch X and claims the next), with no framework.
 ``peers``          pgqueuer (the ``peers`` extra) draining as many jobs at batch
-                   sizes 10 and 100, beside an nmbus drain of the same run.
+                   sizes 10 and 100, and graphile-worker (Node.js, installed
+                   beforehand: nmbus/tools/bench_graphile.py) at its default
+                   and at its performance page's settings, beside an nmbus
+                   drain of the same run. A peer not installed is named in a
+                   note, with how to install it; nothing is downloaded.
 ``drain``          pre-load N messages, time a worker draining them with a typed
                    no-op handler, at ``concurrency`` loops and at 2 loops,
                    against both ceilings (the crash-safe one at as many loops).
@@ -72,7 +76,7 @@ from typing import Any
 
 import asyncpg
 
-from nmbus.tools import bench_peers
+from nmbus.tools import bench_graphile, bench_peers
 from nmbus.tools.bench_processes import measure_processes
 from nmbus.tools.bench_scenarios import (
     explain_claim,
@@ -167,6 +171,39 @@ async def _scratch_run(dsn: str, body: Callable[[Scratch], Awaitable[Any]]) -> A
         return await body(scratch)
 
 
+async def _measure_peers(
+    res: Result, options: BenchOptions, drain: float, rep: int, progress: Progress
+) -> None:
+    """pgqueuer and graphile-worker, each where it is installed, beside nmbus's drain."""
+    dsn = options.dsn
+    res.add("nmbus_messages_per_s", drain, "msg/s")
+    notes = []
+    if bench_peers.available():
+        best = 0.0
+        for size in bench_peers.BATCHES:
+            progress(f"pgqueuer, batch {size}, run {rep}")
+            rate = await _scratch_run(
+                dsn, partial(bench_peers.measure_pgqueuer, options, batch_size=size)
+            )
+            res.add(f"pgqueuer_batch_{size}_per_s", rate, "jobs/s")
+            best = max(best, rate)
+        res.add("ratio_nmbus_to_best_pgqueuer", drain / best, "x")
+    else:
+        notes.append("pgqueuer is not installed: pip install 'nmbus[peers]'")
+    why = bench_graphile.missing()
+    if why is None:
+        rates = {}
+        for setting in ("default", "tuned"):
+            progress(f"graphile-worker, {setting} settings, run {rep}")
+            measure = partial(bench_graphile.measure_graphile, options, mode=setting)
+            rates[setting], _ = await _scratch_run(dsn, measure)
+            res.add(f"graphile_{setting}_per_s", rates[setting], "jobs/s")
+        res.add("ratio_nmbus_to_graphile_tuned", drain / rates["tuned"], "x")
+    else:
+        notes.append(why)
+    res.notes = notes
+
+
 async def run(
     modes: Sequence[str], options: BenchOptions, progress: Progress = _quiet
 ) -> list[Result]:
@@ -178,7 +215,7 @@ async def run(
     results = {mode: Result(mode) for mode in modes}
     dsn = options.dsn
     needs_ceiling = any(m in modes for m in ("ceiling", "drain"))
-    peers = bench_peers.available()
+    peers = bench_peers.available()  # pgqueuer, for the latency mode
     for rep in range(1, options.repeat + 1):
         ceiling = safe = safe_two = None
         if needs_ceiling:
@@ -216,23 +253,10 @@ async def run(
             res.add("two_loops_crash_safe_per_s", safe_two, "msg/s")
             res.add("two_loops_ratio_to_crash_safe", two / safe_two, "x")
         if "peers" in results:
-            res = results["peers"]
-            if not peers:
-                res.notes = ["pgqueuer is not installed: pip install 'nmbus[peers]'"]
-            else:
-                if drain is None:
-                    progress(f"nmbus drain for peers, run {rep}")
-                    drain = await _scratch_run(dsn, partial(measure_drain, options))
-                res.add("nmbus_messages_per_s", drain, "msg/s")
-                best = 0.0
-                for size in bench_peers.BATCHES:
-                    progress(f"pgqueuer, batch {size}, run {rep}")
-                    rate = await _scratch_run(
-                        dsn, partial(bench_peers.measure_pgqueuer, options, batch_size=size)
-                    )
-                    res.add(f"pgqueuer_batch_{size}_per_s", rate, "jobs/s")
-                    best = max(best, rate)
-                res.add("ratio_nmbus_to_best_pgqueuer", drain / best, "x")
+            if drain is None:
+                progress(f"nmbus drain for peers, run {rep}")
+                drain = await _scratch_run(dsn, partial(measure_drain, options))
+            await _measure_peers(results["peers"], options, drain, rep, progress)
         if "transactional" in results:
             progress(f"transactional, run {rep}")
             cpu = []
@@ -390,7 +414,14 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
         }
     if mode == "peers":
         found = bench_peers.version() if bench_peers.available() else "not installed"
-        return {**base, "messages": o.messages, "pgqueuer": found}
+        graphile = "not installed" if bench_graphile.missing() else bench_graphile.version()
+        return {
+            **base,
+            "messages": o.messages,
+            "pgqueuer": found,
+            "graphile_worker": graphile,
+            "graphile_default_jobs": min(o.messages, bench_graphile.DEFAULT_MODE_JOBS),
+        }
     if mode == "transactional":
         return {**base, "messages": o.messages, "baseline_messages": o.baseline_messages}
     if mode == "latency":

@@ -34,29 +34,43 @@ CREATE TABLE IF NOT EXISTS {schema}."flow$limits" (
     key text NOT NULL,
     limits text NOT NULL,
     labels text[] NOT NULL,
+    concurrency integer,
+    starts integer,
+    window_s float8,
+    group_concurrency integer,
     declared_by text NOT NULL,
     declared_at timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT "flow$limits$pkey" PRIMARY KEY (queue, key)
 );
 
 -- flow_declare --
--- Record the limits $3[] of handlers $2[] of queue $1, as process $4 declares
--- them at start, with the labels each counts ($5[]: the labels of each handler
--- joined by a newline, which no label contains); returns the handlers whose
--- limits another process recorded differently (key, limits, declared_by,
--- declared_at), as they were before.
+-- Record the limits $3[] (as text) of handlers $2[] of queue $1, as process $4
+-- declares them at start, with the labels each counts ($5[]: the labels of each
+-- handler joined by a newline, which no label contains) and its limits as
+-- numbers ($6 concurrency[], $7 starts[] per $8 window[] seconds,
+-- $9 group_concurrency[]; NULL: none); returns the handlers whose limits another
+-- process recorded differently (key, limits, declared_by, declared_at), as they
+-- were before.
 WITH given AS (
-    SELECT g.key, g.limits, string_to_array(g.labels, E'\n') AS labels
-    FROM unnest($2::text[], $3::text[], $5::text[]) AS g(key, limits, labels)
+    SELECT g.key, g.limits, string_to_array(g.labels, E'\n') AS labels,
+           g.concurrency, g.starts,
+           CASE WHEN g.starts IS NOT NULL THEN g.window_s END AS window_s, g.group_concurrency
+    FROM unnest($2::text[], $3::text[], $5::text[], $6::int[], $7::int[], $8::float8[],
+                $9::int[])
+        AS g(key, limits, labels, concurrency, starts, window_s, group_concurrency)
 ), before AS (
     SELECT l.key, l.limits, l.declared_by, l.declared_at
     FROM {schema}."flow$limits" AS l JOIN given AS g ON g.key = l.key
     WHERE l.queue = $1 AND l.limits <> g.limits
 ), saved AS (
-    INSERT INTO {schema}."flow$limits" AS l (queue, key, limits, labels, declared_by)
-    SELECT $1, key, limits, labels, $4 FROM given
+    INSERT INTO {schema}."flow$limits" AS l (queue, key, limits, labels, concurrency, starts,
+                                             window_s, group_concurrency, declared_by)
+    SELECT $1, key, limits, labels, concurrency, starts, window_s, group_concurrency, $4
+    FROM given
     ON CONFLICT (queue, key) DO UPDATE
         SET limits = excluded.limits, labels = excluded.labels,
+            concurrency = excluded.concurrency, starts = excluded.starts,
+            window_s = excluded.window_s, group_concurrency = excluded.group_concurrency,
             declared_by = excluded.declared_by, declared_at = now()
     RETURNING 1
 )
@@ -242,3 +256,58 @@ WITH limits AS (
     RETURNING 1
 )
 SELECT * FROM claimed;
+
+-- flow_status --
+-- Each handler of queue $1 with limits, as last declared (flow_declare): its
+-- limits, who declared them and when; its messages in flight (still leased by
+-- the claim that took them); its starts in its rate's window (NULL: no rate);
+-- the ready messages of its types no worker holds (`waiting`); and of those,
+-- the ones its limits hold back now (`held_back`): all of them while it has no
+-- room, else those of the groups at its group_concurrency. Counts the ready
+-- rows of limited types once (the ready index), read-only.
+WITH lim AS (
+    SELECT l.key, l.limits, l.labels, l.concurrency, l.starts, l.window_s,
+           l.group_concurrency, l.declared_by, l.declared_at
+    FROM {schema}."flow$limits" AS l WHERE l.queue = $1
+), flown AS (
+    SELECT f.key, f.group_key, f.started,
+           EXISTS (SELECT 1 FROM {queue} AS q
+                   WHERE q.id = f.id AND q.handling_client_id = f.client
+                     AND q.retry_count = f.attempt AND q.subqueue IN ('I', 'R')
+                     AND q.lease_expires > now()) AS running
+    FROM {schema}."flow$flights" AS f WHERE f.queue = $1
+), waiting AS (
+    SELECT r.label, coalesce(r.msg_headers ->> 'nmbus-group', '') AS group_key, count(*) AS n
+    FROM {queue} AS r
+    WHERE r.subqueue IN ('I', 'R') AND r.retry_time <= now() AND r.retry_time < 'infinity'
+      AND (r.lease_expires IS NULL OR r.lease_expires < now())
+      AND r.label IN (SELECT unnest(labels) FROM lim)
+    GROUP BY 1, 2
+), counted AS (
+    SELECT l.*,
+           (SELECT count(*) FROM flown AS f WHERE f.key = l.key AND f.running) AS in_flight,
+           CASE WHEN l.starts IS NOT NULL THEN
+               (SELECT count(*) FROM flown AS f
+                WHERE f.key = l.key
+                  AND ((f.started IS NULL AND f.running)
+                       OR f.started > now() - make_interval(secs => l.window_s)))
+           END AS started,
+           coalesce((SELECT sum(w.n) FROM waiting AS w WHERE w.label = ANY (l.labels)), 0)
+               AS waiting,
+           coalesce((SELECT sum(w.n) FROM waiting AS w
+                     WHERE w.label = ANY (l.labels) AND w.group_key <> ''
+                       AND l.group_concurrency <= (
+                           SELECT count(*) FROM flown AS f
+                           WHERE f.key = l.key AND f.group_key = w.group_key AND f.running)),
+                    0) AS group_held
+    FROM lim AS l
+)
+SELECT key, limits, declared_by, declared_at, in_flight, started, waiting,
+       CASE WHEN in_flight >= concurrency OR started >= starts THEN waiting
+            ELSE group_held END::bigint AS held_back
+FROM counted
+ORDER BY key;
+
+-- flow_limited_queues --
+-- The queues whose handlers have declared limits, by name.
+SELECT DISTINCT queue FROM {schema}."flow$limits" ORDER BY queue;

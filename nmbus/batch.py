@@ -28,6 +28,7 @@ from nmbus.messages import Envelope, StoredMessage
 from nmbus.received import Received
 from nmbus.recovery import is_conflict
 from nmbus.settings import Settings
+from nmbus.sizing import BatchSizer
 from nmbus.store import Batch, Outcomes, Store, WorkerSession
 
 if TYPE_CHECKING:
@@ -75,16 +76,20 @@ class BatchRunner:
         self.outcomes: Counter[str] = Counter()
 
     async def process(
-        self, session: WorkerSession, batch: list[StoredMessage], claim_ahead: bool = False
+        self, session: WorkerSession, batch: list[StoredMessage], ahead: BatchSizer | None = None
     ) -> list[StoredMessage]:
-        """Handle ``batch``; return the next batch when it was claimed along with the finish."""
+        """Handle ``batch``; return the next batch when it was claimed along with the finish.
+
+        ``ahead``: the loop's claim size, told how long this batch took before the
+        next is claimed with its finish (None: nothing is claimed ahead).
+        """
         ids = [m.id for m in batch]
         self.in_flight.update(ids)
         started: set[int] = set()
         # Rows whose outcome a part of the batch already committed: never run again.
         committed: set[int] = set()
         try:
-            return await self._run_batch(session, batch, claim_ahead, started, committed)
+            return await self._run_batch(session, batch, ahead, started, committed)
         except asyncio.CancelledError:
             self.abandoned.update(started - committed)
             self.unstarted.update(i for i in ids if i not in started)
@@ -161,7 +166,7 @@ class BatchRunner:
         self,
         session: WorkerSession,
         batch: list[StoredMessage],
-        claim_ahead: bool,
+        sizer: BatchSizer | None,
         started: set[int],
         committed: set[int],
     ) -> list[StoredMessage]:
@@ -178,7 +183,7 @@ class BatchRunner:
         while True:
             try:
                 return await self._run_batch_once(
-                    session, received, claim_ahead, started, committed, unguarded, failed
+                    session, received, sizer, started, committed, unguarded, failed
                 )
             except Replay as replay:
                 self.replays += 1
@@ -209,12 +214,13 @@ class BatchRunner:
         self,
         session: WorkerSession,
         received: list[Received],
-        claim_ahead: bool,
+        sizer: BatchSizer | None,
         started: set[int],
         committed: set[int],
         unguarded: bool,
         failed: dict[int, BaseException],
     ) -> list[StoredMessage]:
+        began = time.monotonic()
         batch = [r.row for r in received]
         outcomes = Outcomes()
         done: list[Effects] = []
@@ -262,13 +268,10 @@ class BatchRunner:
                 await self._copy_failed(tx, batch, outcomes)
             ahead: list[StoredMessage] = []
             # The next batch is claimed by the finish's own statement.
-            if claim_ahead and not self._stopping.is_set():
+            if sizer is not None and not self._stopping.is_set():
+                sizer.observe(len(batch), time.monotonic() - began)
                 changed, ahead = await tx.finish_and_claim(
-                    self.queue,
-                    outcomes,
-                    self.client_id,
-                    self.settings.batch_size,
-                    self.settings.lease_seconds,
+                    self.queue, outcomes, self.client_id, sizer.limit, self.settings.lease_seconds
                 )
             else:
                 changed = await tx.finish(self.queue, outcomes, self.client_id)

@@ -128,7 +128,12 @@ class Settings(BaseSettings):
     handler_concurrency: int = Field(
         default=1, ge=1, le=1000, description="handlers of one batch run at once (I/O-bound work)"
     )
-    batch_size: int = Field(default=100, ge=1, le=10_000, description="messages per claim")
+    batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000,
+        description="messages per claim; unset: each loop adapts it (nmbus/sizing.py)",
+    )
     batch_commit_interval: float = Field(
         default=0.5, gt=0, description="commit what a batch has handled at least this often"
     )

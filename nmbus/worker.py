@@ -50,6 +50,7 @@ from nmbus.logs import log_failure, per_message_logs
 from nmbus.messages import StoredMessage
 from nmbus.recovery import Gate, isolate, process_gate
 from nmbus.settings import Settings
+from nmbus.sizing import BatchSizer
 from nmbus.store import Store, WorkerSession
 from nmbus.supervise import Backoff, Services, supervise
 
@@ -193,20 +194,18 @@ class Worker:
         before = Counter(self.outcomes)
         self.flow = self.dispatcher.registry.flow_limits(self.settings.handler_concurrency)
         self._mark_starts()
+        sizer = BatchSizer(self.settings.batch_size)
         async with self.store.worker_session(self.flow) as session:
             ahead: list[StoredMessage] = []
             while True:
                 batch = ahead or await session.claim(
-                    self.queue,
-                    self.settings.batch_size,
-                    self.client_id,
-                    self.settings.lease_seconds,
+                    self.queue, sizer.limit, self.client_id, self.settings.lease_seconds
                 )
                 if not batch:
                     if await session.release_sequences(self.queue):
                         continue
                     break
-                ahead = await self._run_gated(session, batch)
+                ahead = await self._run_gated(session, batch, sizer)
         if self._marks is not None:
             await self._marks.close()
         done = self.outcomes - before
@@ -333,6 +332,7 @@ class Worker:
         # The next batch, claimed by the statement that finished the previous one.
         ahead: list[StoredMessage] = []
         released = time.monotonic()
+        sizer = BatchSizer(settings.batch_size)
         while ahead or not self._stopping.is_set():
             if time.monotonic() - released >= settings.poll_interval:
                 # A sequence head a race left parked is released within a poll interval.
@@ -343,10 +343,10 @@ class Worker:
                 batch, ahead = ahead, []
             else:
                 batch = await session.claim(
-                    self.queue, settings.batch_size, self.client_id, settings.lease_seconds
+                    self.queue, sizer.limit, self.client_id, settings.lease_seconds
                 )
             if batch:
-                ahead = await self._run_gated(session, batch)
+                ahead = await self._run_gated(session, batch, sizer)
                 continue
             if await session.release_sequences(self.queue):
                 released = time.monotonic()
@@ -369,7 +369,7 @@ class Worker:
                 self.metrics.flow_waited(time.monotonic() - began)
 
     async def _run_gated(
-        self, session: WorkerSession, batch: list[StoredMessage]
+        self, session: WorkerSession, batch: list[StoredMessage], sizer: BatchSizer
     ) -> list[StoredMessage]:
         """Handle ``batch`` beside the process's other batches, or alone after a crash."""
         gate = self._gate or process_gate()
@@ -386,11 +386,11 @@ class Worker:
             # Held while it waits for the process to go quiet: keep its lease alive.
             self.in_flight.add(suspect.id)
             async with gate.alone():
-                return await self.batches.process(session, [suspect], claim_ahead=True)
+                return await self.batches.process(session, [suspect], ahead=sizer)
         if gate.closed:
             self.in_flight.update(m.id for m in batch)
         await gate.enter()
         try:
-            return await self.batches.process(session, batch, claim_ahead=True)
+            return await self.batches.process(session, batch, ahead=sizer)
         finally:
             gate.leave()

@@ -256,7 +256,8 @@ async def test_replies_of_slow_handlers_do_not_wait_for_their_whole_batch(
     seen: list[bool] = []
     async with make_bus("pricing", concurrency=0):
         pass  # its queue, so that the requests wait there before a worker runs
-    pricing = make_bus("pricing", poll_interval=0.2)
+    # A fixed batch: one claim takes every request (an adaptive loop starts at 10).
+    pricing = make_bus("pricing", poll_interval=0.2, batch_size=100)
 
     @pricing.handler
     async def quote(msg: GetQuote, ctx: Context) -> None:

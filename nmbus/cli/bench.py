@@ -39,8 +39,14 @@ def bench(
         ),
     ] = 50_000,
     batch_size: Annotated[
-        int, typer.Option(min=1, max=10_000, help="rows a worker claims in one statement")
-    ] = 100,
+        int | None,
+        typer.Option(
+            min=1,
+            max=10_000,
+            help="rows a worker claims in one statement (unset: each loop adapts it, as a "
+            "worker's default does; the ceilings claim 500)",
+        ),
+    ] = None,
     concurrency: Annotated[
         int, typer.Option("--concurrency", "--loops", min=1, help="worker loops (per process)")
     ] = 1,

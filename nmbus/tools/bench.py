@@ -330,7 +330,7 @@ async def run(
 
             async def with_x(s: Scratch) -> tuple[float, str]:
                 rate = await measure_drain(options, s, x_rows=options.x_rows)
-                await s.preload(options.batch_size)
+                await s.preload(options.claim_size)
                 return rate, await explain_claim(options, s)
 
             loaded, plan = await _scratch_run(dsn, with_x)
@@ -398,7 +398,7 @@ async def run(
 
 
 def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
-    base = {"batch_size": o.batch_size, "concurrency": o.concurrency}
+    base = {"batch_size": o.batch_size or "adaptive", "concurrency": o.concurrency}
     if mode in ("ceiling", "drain", "scaling"):
         return {**base, "messages": o.messages}
     if mode == "flow":

@@ -90,10 +90,11 @@ async def _run_once(
         first = total
         last = first + burst
         t0 = time.perf_counter()
+        chunk = options.batch_size or 100  # sends per transaction
         async with producer.store.pool.acquire() as conn:  # type: ignore[attr-defined]
-            for start in range(first, last, options.batch_size):
+            for start in range(first, last, chunk):
                 async with conn.transaction():
-                    for n in range(start, min(last, start + options.batch_size)):
+                    for n in range(start, min(last, start + chunk)):
                         await producer.send(Tick(n=n, sent=0.0), to=QUEUE, connection=conn)
         await wait_until(lambda: len(started_at) >= last, drain_timeout(burst))
         elapsed = time.perf_counter() - t0

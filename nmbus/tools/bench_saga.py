@@ -120,7 +120,7 @@ async def measure_saga(options: BenchOptions, fresh: type[Scratch]) -> dict[str,
 
 
 def _counting_bus(
-    dsn: str, schema: str, batch_size: int, loops: int, sagas: int
+    dsn: str, schema: str, batch_size: int | None, loops: int, sagas: int
 ) -> tuple[Bus, list[float]]:
     """The bench's saga endpoint (every Tick counts into saga ``n % sagas``), and when
     its first handler call was."""
@@ -151,7 +151,7 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
     deadlocks_before = int(await scratch.c.fetchval(DEADLOCKS))
     env = {**os.environ, "NMBUS_DSN": options.dsn}
     args = [sys.executable, "-m", "nmbus.tools.bench_saga", scratch.schema]
-    args += [str(options.batch_size), str(options.concurrency), str(sagas)]
+    args += [str(options.batch_size or 0), str(options.concurrency), str(sagas)]
     procs = [
         await asyncio.create_subprocess_exec(
             *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
@@ -216,7 +216,8 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
 
 
 async def _work(schema: str, batch_size: int, loops: int, sagas: int) -> None:
-    bus, first = _counting_bus(os.environ["NMBUS_DSN"], schema, batch_size, loops, sagas)
+    size = batch_size or None  # 0: adaptive
+    bus, first = _counting_bus(os.environ["NMBUS_DSN"], schema, size, loops, sagas)
     read = asyncio.get_running_loop().run_in_executor
     async with bus:
         print("ready", flush=True)

@@ -90,7 +90,7 @@ async def measure_ceiling(
         await asyncpg.connect(options.dsn, server_settings=WORKER_SERVER_SETTINGS)
         for _ in range(count)
     ]
-    batch, lease, client = options.batch_size, 60.0, "bench-ceiling"
+    batch, lease, client = options.claim_size, 60.0, "bench-ceiling"
     try:
         for conn in conns:  # prepare outside the timed part, as asyncpg's cache would
             for statement in statements:
@@ -397,7 +397,7 @@ async def explain_claim(options: BenchOptions, scratch: Scratch) -> str:
     await tx.start()
     try:
         floor = await read_floor(scratch.c, scratch.schema, QUEUE)
-        rows = await scratch.c.fetch(sql, options.batch_size, "bench-explain", 60.0, floor)
+        rows = await scratch.c.fetch(sql, options.claim_size, "bench-explain", 60.0, floor)
     finally:
         await tx.rollback()
     return "\n".join(r[0] for r in rows)

@@ -18,6 +18,7 @@ from nmbus.messages import Message, type_name
 from nmbus.postgres.pubsub import create_queue_on
 from nmbus.postgres.schema import install_schema
 from nmbus.settings import Settings
+from nmbus.sizing import MOST
 from nmbus.tools.sql import render
 
 QUEUE = "bench"
@@ -39,7 +40,7 @@ class BenchOptions:
 
     dsn: str = field(repr=False)  # it may hold a password
     messages: int = 50_000
-    batch_size: int = 100
+    batch_size: int | None = None  # None: each loop adapts it, as a worker's default
     concurrency: int = 1
     baseline_messages: int = 5_000
     rate: float = 200.0
@@ -56,6 +57,12 @@ class BenchOptions:
     repeat: int = 1
     processes: int = 1
     sagas: int = 3
+
+    @property
+    def claim_size(self) -> int:
+        """The rows a bare claim takes (the ceilings): ``batch_size``, else the most
+        an adaptive loop claims."""
+        return self.batch_size or MOST
 
     def bus_settings(self, schema: str, **extra: Any) -> Settings:
         values: dict[str, Any] = {

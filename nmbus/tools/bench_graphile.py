@@ -95,7 +95,8 @@ async def measure_graphile(
     matched = _LINE.search(out.decode())
     if proc.returncode != 0 or matched is None:
         said = err.decode().strip().splitlines()
-        raise RuntimeError(f"graphile-worker ({mode}) failed: {said[-1] if said else 'no output'}")
+        why = said[-1] if said else f"exit code {proc.returncode}, nothing on stderr"
+        raise RuntimeError(f"graphile-worker ({mode}) failed: {why}")
     rate, _, done, _, left = matched.groups()
     if int(done) != jobs or int(left):
         raise RuntimeError(f"graphile-worker ({mode}) drained {done} of {jobs}; {left} left")

@@ -59,4 +59,8 @@ async function main() {
     await pool.end();
   }
 }
-main().catch((e) => { console.error(String(e && e.message ? e.message : e)); process.exit(1); });
+function describe(e) {
+  if (e && Array.isArray(e.errors) && e.errors.length) return e.errors.map(describe).join("; ");
+  return String((e && (e.message || e.code)) || e || "an error without a message");
+}
+main().catch((e) => { console.error(describe(e)); process.exit(1); });

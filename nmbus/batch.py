@@ -227,41 +227,22 @@ class BatchRunner:
         debug = debug_enabled()
         self.dispatcher.start_batch()
         partial = False
-        interval = self.settings.batch_commit_interval
         async with session.batch() as tx:
-            for hook in self.dispatcher.registry.batch_hooks:
-                await hook(tx, received)
-            if self.settings.handler_concurrency > 1 and len(batch) > 1:
-                await self._handle_concurrently(
-                    tx, received, outcomes, done, debug, started, committed
-                )
-            else:
-                mode = Unguarded(tx) if unguarded else Savepoints(tx)
-                # One clock read per message; a commit only once a part took long.
-                due = time.monotonic() + interval
-                last = received[-1]
-                for item in received:
-                    message = item.row
-                    if failed and message.id in failed:
-                        # Failed after writing in a run that was rolled back: not run
-                        # again, and its attempt counts even when the worker is stopping.
-                        started.add(message.id)
-                        policy = self.dispatcher.policy(item)
-                        with structlog.contextvars.bound_contextvars(
-                            message_id=message.id, message_type=message.label
-                        ):
-                            error = failed[message.id]
-                            self.dispatcher.failures.failed(message, error, policy, outcomes)
-                        continue
-                    if self._stopping.is_set():
-                        # Never started: back to I at once; the attempt does not count.
-                        outcomes.add(message.id, None, correction=-1)
-                        continue
-                    started.add(message.id)
-                    await self.dispatcher.handle(mode, item, outcomes, done, debug)
-                    if time.monotonic() >= due and item is not last:
-                        await self._commit_part(tx, received, outcomes, done, committed)
-                        due = time.monotonic() + interval
+            later: set[int] = set()
+            hooks = self.dispatcher.registry.batch_hooks
+            for hook in hooks:
+                later |= await hook.prepare(tx, received, False)
+            first = [r for r in received if r.row.id not in later] if later else received
+            run = (outcomes, done, debug, started, committed, unguarded, failed)
+            await self._handle(tx, first, *run)
+            if later:
+                # What needed a saga another batch held: after a commit (which lets
+                # go of this batch's own), its locks are waited for, then it runs.
+                await self._commit_part(tx, received, outcomes, done, committed)
+                rest = [r for r in received if r.row.id in later]
+                await self._handle(tx, rest, *run)
+            for hook in hooks:
+                await hook.flush(tx, received)
             if done:
                 await self._flush(tx, done)
             if self.dead_letter is not None and not outcomes.all_processed:
@@ -300,6 +281,50 @@ class BatchRunner:
         self.in_flight.update(m.id for m in ahead)
         return ahead
 
+    async def _handle(
+        self,
+        tx: Batch,
+        received: list[Received],
+        outcomes: Outcomes,
+        done: list[Effects],
+        debug: bool,
+        started: set[int],
+        committed: set[int],
+        unguarded: bool,
+        failed: dict[int, BaseException],
+    ) -> None:
+        """Run the handlers of ``received`` in ``tx``, adding their outcomes and effects."""
+        if self.settings.handler_concurrency > 1 and len(received) > 1:
+            await self._handle_concurrently(tx, received, outcomes, done, debug, started, committed)
+            return
+        mode = Unguarded(tx) if unguarded else Savepoints(tx)
+        interval = self.settings.batch_commit_interval
+        # One clock read per message; a commit only once a part took long.
+        due = time.monotonic() + interval
+        last = received[-1] if received else None
+        for item in received:
+            message = item.row
+            if failed and message.id in failed:
+                # Failed after writing in a run that was rolled back: not run
+                # again, and its attempt counts even when the worker is stopping.
+                started.add(message.id)
+                policy = self.dispatcher.policy(item)
+                with structlog.contextvars.bound_contextvars(
+                    message_id=message.id, message_type=message.label
+                ):
+                    error = failed[message.id]
+                    self.dispatcher.failures.failed(message, error, policy, outcomes)
+                continue
+            if self._stopping.is_set():
+                # Never started: back to I at once; the attempt does not count.
+                outcomes.add(message.id, None, correction=-1)
+                continue
+            started.add(message.id)
+            await self.dispatcher.handle(mode, item, outcomes, done, debug)
+            if time.monotonic() >= due and item is not last:
+                await self._commit_part(tx, received, outcomes, done, committed)
+                due = time.monotonic() + interval
+
     async def _commit_part(
         self,
         tx: Batch,
@@ -318,6 +343,9 @@ class BatchRunner:
         part = outcomes.take()
         effects = done[:]
         done.clear()
+        hooks = self.dispatcher.registry.batch_hooks
+        for hook in hooks:
+            await hook.flush(tx, received)
         if effects:
             await self._flush(tx, effects)
         if self.dead_letter is not None and not part.all_processed:
@@ -339,13 +367,12 @@ class BatchRunner:
             log.warning("lease_lost", queue=self.queue, messages=lost, batch=len(part))
         elif self.metrics is not None:
             self.metrics.committed(batch, part, whole_batch=False)
-        hooks = self.dispatcher.registry.batch_hooks
         if hooks:
             # The commit let go of what the hooks took (the saga locks): the rest of
             # the batch takes its own again, all at once, holding nothing meanwhile.
             rest = [r for r in received if r.row.id not in committed]
             for hook in hooks:
-                await hook(tx, rest)
+                await hook.prepare(tx, rest, True)
 
     async def _handle_concurrently(
         self,

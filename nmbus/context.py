@@ -9,7 +9,7 @@ savepoint. The Context knows nothing of the Bus: envelopes come from the same
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -53,7 +53,9 @@ class Effects:
     statement failed on it or ``raw()`` handed it out, so the savepoint may be
     aborted and must be released (or rolled back) before the next handler.
     ``note``: why a message that succeeded did nothing (a stale saga timeout),
-    stored as its ``error_info`` in X.
+    stored as its ``error_info`` in X. ``undo``: what takes back the handler's
+    changes held in memory (saga states) if the message fails, as the rollback
+    of its savepoint takes back its writes; run last first.
     """
 
     sends: list[tuple[str, Envelope]] = field(default_factory=list)
@@ -61,6 +63,7 @@ class Effects:
     savepoint: bool = False
     tainted: bool = False
     note: str | None = None
+    undo: list[Callable[[], None]] = field(default_factory=list)
 
 
 class HandlerConnection:
@@ -115,6 +118,10 @@ class HandlerConnection:
     async def copy_records_to_table(self, table_name: str, **kwargs: Any) -> str:
         result: str = await self._call("copy_records_to_table", table_name, **kwargs)
         return result
+
+    async def hold(self) -> None:
+        """Take the handler's savepoint now, without a statement of its own."""
+        await self._enter()
 
     async def raw(self) -> asyncpg.Connection:
         """The underlying asyncpg connection, with the handler's savepoint taken."""
@@ -259,6 +266,20 @@ class Context:
     def use_saga(self, control: SagaControl | None) -> None:
         """Set (or clear) what ``ctx.saga`` is: called around each saga handler."""
         self._saga = control
+
+    @property
+    def received(self) -> Received:
+        """The claimed row as the worker decoded it (its saga states, for a saga handler)."""
+        return self._received
+
+    async def hold_connection(self) -> None:
+        """With handlers of the batch running at once, keep the batch's connection
+        from now until this handler is done (taking its savepoint), so that no
+        other handler's savepoint and no partial commit of the batch comes in
+        between; a handler that runs alone holds it anyway, and pays nothing here.
+        """
+        if getattr(self._batch, "shared", False):
+            await self.connection.hold()
 
     @property
     def connection(self) -> HandlerConnection:

@@ -14,7 +14,7 @@ import math
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nmbus.context import Context
 from nmbus.errors import MAX_SECONDS, HandlerError
@@ -27,6 +27,25 @@ if TYPE_CHECKING:
     from nmbus.store import Batch
 
 HandlerFunc = Callable[[Any, Context], Awaitable[None]]
+
+
+class BatchHook(Protocol):
+    """Work of a batch's own around its handlers, in its transaction (the saga locks)."""
+
+    async def prepare(self, tx: Batch, batch: list[Received], wait: bool) -> set[int]:
+        """Before the handlers of ``batch`` run: the ids of messages to run later.
+
+        Without ``wait``, it takes only what is free now and names the messages
+        that need the rest; the worker runs the others, commits, and calls it
+        again for those with ``wait``: take everything, waiting for it (only
+        while the transaction holds nothing of the hook's, so that two batches
+        never wait for each other in a cycle).
+        """
+        ...
+
+    async def flush(self, tx: Batch, batch: list[Received]) -> None:
+        """Before the batch (or a part of it) commits: write what its handlers changed."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +88,9 @@ class Registry:
         self._outside = 0
         # Changes with every registration: caches built on the registry check it.
         self.version = 0
-        # Run in each batch's transaction before its handlers: ``await hook(tx, received)``
-        # with the batch's decoded messages (the saga locks of the batch, taken in
-        # one order: nmbus/sagas.py).
-        self.batch_hooks: list[Callable[[Batch, list[Received]], Awaitable[None]]] = []
+        # Run in each batch's transaction around its handlers, with the batch's
+        # decoded messages (the saga locks and states of the batch: nmbus/sagas.py).
+        self.batch_hooks: list[BatchHook] = []
 
     def add(
         self,

@@ -21,11 +21,14 @@ from nmbus.messages import Message, StoredMessage, lookup_type
 class Received:
     """One claimed row with its message class and (parsed on first use) its headers."""
 
-    __slots__ = ("_headers", "cls", "row")
+    __slots__ = ("_headers", "cls", "row", "sagas")
 
     def __init__(self, row: StoredMessage) -> None:
         self.row = row
         self._headers: dict[str, Any] | None = None
+        #: The saga states its batch holds for it (nmbus.saga_states.SagaStates), set by
+        #: the saga hook before the handlers run; None when it needs none.
+        self.sagas: Any = None
         #: The class to decode the body as: the row's own type, else the nearest
         #: known ancestor its type-chain header names; None when none is known here.
         self.cls: type[Message] | None = lookup_type(row.label) if row.label else None

@@ -45,7 +45,8 @@ from nmbus.messages import Message
 from nmbus.names import MAX_KEY_BYTES, check_text, utf8_size
 from nmbus.received import Received
 from nmbus.retry import RetryPolicy
-from nmbus.store import Batch, SagaTable, Store
+from nmbus.saga_states import SagaStates
+from nmbus.store import Batch, SagaKey, SagaTable, Store
 
 log = structlog.get_logger("nmbus.saga")
 
@@ -106,16 +107,20 @@ def _first_annotation(func: SagaFunc, param: inspect.Parameter) -> Any:
 
 
 class SagaLocks:
-    """The batch hook of an endpoint with sagas: lock its batch's sagas up front, in order.
+    """The batch hook of an endpoint with sagas: its batch's sagas held, read and written.
 
-    A saga handler locks its saga's row when it runs; two batches that need the
-    same sagas in different orders would each hold one and wait for the other
-    (a deadlock, its attempt spent). So before any handler of a batch runs, the
-    sagas of all its messages are found (the key of each message for each saga
-    handler of its type, or a timeout's headers) and locked in one statement,
-    sorted: a batch waits only for batches that hold none of what it needs next.
-    A message whose key cannot be found here (a body that does not decode, a key
-    callable that raises) is left to its handler, which fails it as before.
+    Before any handler of a batch runs, the sagas of all its messages are found
+    (the key of each message for each saga handler of its type, or a timeout's
+    headers), locked and read in two statements (:class:`SagaStates`); the
+    handlers then work on those states in memory, and the batch writes them
+    before it commits. A batch first takes only the sagas no other batch holds,
+    without waiting: the messages that need one held elsewhere run after the
+    rest of the batch has committed, when it holds none, and then wait for
+    their sagas, taken in one order (sorted lock keys). So two batches never
+    wait for each other in a cycle, and a batch whose sagas are free never
+    waits at all. A message whose key cannot be found here (a body that does
+    not decode, a key callable that raises) is left to its handler, which fails
+    it as before.
     """
 
     __slots__ = ("_handlers", "_registry", "_sagas")
@@ -140,16 +145,38 @@ class SagaLocks:
         self._handlers[func] = (saga, field)
         self._sagas[saga.name] = saga
 
-    async def __call__(self, tx: Batch, batch: list[Received]) -> None:
-        wanted: set[tuple[str, str]] = set()
+    async def prepare(self, tx: Batch, batch: list[Received], wait: bool) -> set[int]:
+        needs: list[tuple[Received, set[SagaKey]]] = []
+        keys: set[SagaKey] = set()
         table: SagaTable | None = None
         for received in batch:
-            for saga, key in self._sagas_of(received):
-                wanted.add((saga.name, key))
-                table = saga.table
-        if table is not None:
-            await tx.begin()
-            await table.lock_keys(tx.connection, wanted)
+            received.sagas = None
+            found = self._sagas_of(received)
+            if found:
+                names = {(saga.name, key) for saga, key in found}
+                needs.append((received, names))
+                keys |= names
+                table = found[0][0].table
+        if table is None:
+            return set()
+        await tx.begin()
+        states = SagaStates(table)
+        taken = await states.take(tx.connection, keys, wait)
+        later: set[int] = set()
+        for received, names in needs:
+            if names <= taken:
+                received.sagas = states
+            else:
+                later.add(received.row.id)
+        return later
+
+    async def flush(self, tx: Batch, batch: list[Received]) -> None:
+        written: set[int] = set()
+        for received in batch:
+            states = received.sagas
+            if states is not None and id(states) not in written:
+                written.add(id(states))
+                await states.write(tx.connection)
 
     def _sagas_of(self, received: Received) -> list[tuple[Saga[Any], str]]:
         row = received.row
@@ -254,6 +281,24 @@ class Saga(Generic[S]):
         found = await self.table.load(self.name, text)
         return None if found is None else self.model.model_validate_json(found)
 
+    async def _held(self, ctx: Context, name: SagaKey) -> SagaStates:
+        """The batch's states holding saga ``name``, taken now if the batch has not.
+
+        The batch takes every saga its messages name before they run; one it
+        could not find then (a key callable that gave another key the second
+        time) is locked here, on the handler's savepoint, waiting for it.
+        """
+        received = ctx.received
+        states: SagaStates | None = received.sagas
+        if states is not None and name in states.held:
+            return states
+        if states is None:
+            states = received.sagas = SagaStates(self.table)
+        await states.take(ctx.connection, {name}, wait=True)
+        # If the message fails, its savepoint's rollback lets go of the lock.
+        ctx.effects.undo.append(lambda: states.forget(name))
+        return states
+
     # -- registration ------------------------------------------------------------
 
     @overload
@@ -351,21 +396,25 @@ class Saga(Generic[S]):
                 key = key_text(getattr(msg, field))
             else:
                 key = key_text(cast("Callable[[Any], object]", saga.key)(msg))
-            table = saga.table
-            conn = ctx.connection
-            instance = str(uuid.uuid4())
+            # With handlers running at once, this one keeps the batch's connection
+            # until its message is done: no other saga handler, and no commit of a
+            # part of the batch, comes between its read of the state and its change.
+            await ctx.hold_connection()
+            name = (saga.name, key)
+            states = await saga._held(ctx, name)
+            held = states.held[name]
             # A timeout of a known instance never creates a saga: its own is gone.
-            row = await table.lock(conn, saga.name, key, start and owner is None, instance)
-            if row is None or (owner is not None and row.instance != owner):
+            if held.state is None and not (start and owner is None):
                 if is_timeout:
                     # A completed saga's timeouts are expected: nothing to do.
-                    why = "completed" if row is None else "completed and started again"
                     ctx.effects.note = (
                         f"saga timeout ignored: the {saga.name} saga with key {key!r} "
-                        f"that set it has {why}"
+                        "that set it has completed"
                     )
                     if per_message_logs():
-                        log.info("saga_timeout_ignored", saga=saga.name, key=key, reason=why)
+                        log.info(
+                            "saga_timeout_ignored", saga=saga.name, key=key, reason="completed"
+                        )
                     return
                 if saga.on_missing == "ignore":
                     if per_message_logs():
@@ -375,19 +424,29 @@ class Saga(Generic[S]):
                     f"no {saga.name} saga with key {key!r} for {msg.__type_name__}, "
                     "and this handler may not start one"
                 )
-            if row.instance is not None:
-                instance = row.instance
-            state = saga.model() if row.state is None else saga.model.model_validate_json(row.state)
+            if held.state is not None and owner is not None and held.instance != owner:
+                why = "completed and started again"
+                ctx.effects.note = (
+                    f"saga timeout ignored: the {saga.name} saga with key {key!r} "
+                    f"that set it has {why}"
+                )
+                if per_message_logs():
+                    log.info("saga_timeout_ignored", saga=saga.name, key=key, reason=why)
+                return
+            if held.state is None:
+                instance = str(uuid.uuid4())
+                state = saga.model()
+            else:
+                instance = held.instance or str(uuid.uuid4())
+                state = saga.model.model_validate_json(held.state)
             control = SagaControl(ctx, saga.name, key, instance)
             ctx.use_saga(control)
             try:
                 await func(msg, state, ctx)
             finally:
                 ctx.use_saga(None)
-            if control.completed:
-                await table.delete(conn, saga.name, key)
-            else:
-                await table.save(conn, saga.name, key, state.model_dump_json(), instance)
+            saved = None if control.completed else state.model_dump_json()
+            ctx.effects.undo.append(states.change(name, saved, instance))
 
         run.__module__ = func.__module__
         run.__qualname__ = func.__qualname__

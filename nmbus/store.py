@@ -123,12 +123,15 @@ class Outcomes:
         return part
 
 
+SagaKey = tuple[str, str]
+"""A saga's name and key: one row of an endpoint's saga table."""
+
+
 @dataclass(slots=True)
 class SagaRow:
-    """A saga's row, locked in a handler's transaction.
+    """A saga's row as a batch read it, locked.
 
-    ``state`` is the JSON of the state model, None for a saga that the lock
-    has just created (a start message, no saga yet); ``version`` counts saves;
+    ``state`` is the JSON of the state model; ``version`` counts saves;
     ``instance`` names this life of the saga (None for a row created before
     schema version 8 and not saved since: its next save sets one).
     """
@@ -138,33 +141,46 @@ class SagaRow:
     instance: str | None = None
 
 
+@dataclass(slots=True)
+class SagaSave:
+    """A saga's state to store: ``saves`` handled messages saved it since its last write."""
+
+    saga: str
+    key: str
+    state: str
+    instance: str
+    saves: int
+
+
 class SagaTable(Protocol):
     """One endpoint's saga states: one row per (saga name, key).
 
-    ``conn`` is the handler's connection (``ctx.connection``): the row is
-    locked, saved and deleted in the handler's own transaction and savepoint.
+    A batch locks the sagas its messages name before its handlers run
+    (``try_lock_keys``, or ``lock_keys`` while it holds none), reads their rows
+    (``lock_rows``), and writes what its handlers made of them before it commits
+    (``write``), all on the batch's connection ``conn``, in its transaction.
     """
 
-    async def lock_keys(self, conn: Any, keys: Iterable[tuple[str, str]]) -> None:
-        """Lock the sagas ``(name, key)`` until the transaction ends, in one fixed order.
+    async def lock_keys(self, conn: Any, keys: Iterable[SagaKey]) -> None:
+        """Lock the sagas until the transaction ends, waiting, in one fixed order.
 
-        Taken before a batch's handlers run, whether the sagas exist or not, so
-        that concurrent batches never wait for each other in a cycle.
+        Whether the sagas exist or not. Two transactions that take their locks
+        here never wait for each other in a cycle, as long as neither holds a
+        saga lock already.
         """
         ...
 
-    async def lock(
-        self, conn: Any, saga: str, key: str, create: bool, instance: str
-    ) -> SagaRow | None:
-        """Lock the row until the transaction ends; with ``create``, create it when missing,
-        as saga instance ``instance`` (a UUID's text)."""
+    async def try_lock_keys(self, conn: Any, keys: Iterable[SagaKey]) -> set[SagaKey]:
+        """Lock the sagas that no other transaction holds, without waiting; those taken."""
         ...
 
-    async def save(self, conn: Any, saga: str, key: str, state: str, instance: str) -> None:
-        """Save the state; a row without an instance takes ``instance``."""
+    async def lock_rows(self, conn: Any, keys: Iterable[SagaKey]) -> dict[SagaKey, SagaRow]:
+        """The rows of sagas this transaction holds the locks of (missing: no saga)."""
         ...
 
-    async def delete(self, conn: Any, saga: str, key: str) -> None: ...
+    async def write(self, conn: Any, saves: Sequence[SagaSave], deletes: Sequence[SagaKey]) -> None:
+        """Delete the rows ``deletes``, then store ``saves`` (inserted or updated)."""
+        ...
 
     async def load(self, saga: str, key: str) -> str | None:
         """The committed state of a saga (no lock), None when there is none."""

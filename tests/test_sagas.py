@@ -207,7 +207,8 @@ async def test_one_message_starts_one_saga_and_continues_another(
     class Audit(BaseModel):
         orders: list[int] = []
 
-    bus = make_bus("orders", poll_interval=0.2)
+    # One loop: the audit lists its orders in the order they were sent.
+    bus = make_bus("orders", poll_interval=0.2, concurrency=1)
     fulfilment = bus.saga(Fulfilment, key="order_id")
     audit = bus.saga(Audit, key=lambda msg: "all", name="audit")
 
@@ -825,19 +826,24 @@ async def test_a_batch_that_loses_a_deadlock_outside_its_handlers_runs_again_at_
     hooks: list[int] = []
     runs: list[int] = []
 
-    async def before_handlers(tx: Any, rows: list[Any]) -> None:
-        # Statements of the batch's own, outside any handler's savepoint (as the
-        # saga locks are): a deadlock here aborts the whole batch's transaction.
-        hooks.append(len(rows))
-        await tx.begin()
-        await tx.connection.execute("SET LOCAL deadlock_timeout = '100ms'")
-        await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 1")
-        if len(hooks) == 1:
-            holding.set()
-            await go.wait()
-        await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 2")
+    class BeforeHandlers:
+        async def prepare(self, tx: Any, rows: list[Any], wait: bool) -> set[int]:
+            # Statements of the batch's own, outside any handler's savepoint (as the
+            # saga locks are): a deadlock here aborts the whole batch's transaction.
+            hooks.append(len(rows))
+            await tx.begin()
+            await tx.connection.execute("SET LOCAL deadlock_timeout = '100ms'")
+            await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 1")
+            if len(hooks) == 1:
+                holding.set()
+                await go.wait()
+            await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 2")
+            return set()
 
-    bus.registry.batch_hooks.append(before_handlers)
+        async def flush(self, tx: Any, rows: list[Any]) -> None:
+            return None
+
+    bus.registry.batch_hooks.append(BeforeHandlers())
 
     @bus.handler
     async def handled(msg: Pair, ctx: Context) -> None:

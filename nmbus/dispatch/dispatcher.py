@@ -185,9 +185,12 @@ class Dispatcher:
                 if metrics is not None:
                     metrics.handler_ran(row.label, time.perf_counter() - started)
                 effects = ctx.effects_made
-                if effects is not None and effects.savepoint:
-                    replayed = mode.replays
-                    await mode.undo(row, exc)
+                if effects is not None:
+                    for undo in reversed(effects.undo):
+                        undo()
+                    if effects.savepoint:
+                        replayed = mode.replays
+                        await mode.undo(row, exc)
                 self.failures.failed(row, exc, policy, outcomes)
                 return
             if metrics is not None:

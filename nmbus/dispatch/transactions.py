@@ -83,6 +83,9 @@ class SerialBatch(Savepoints):
 
     __slots__ = ("_held", "_lock")
 
+    #: The connection is shared with handlers running at once (Context.hold_connection).
+    shared = True
+
     def __init__(self, batch: Batch, lock: asyncio.Lock) -> None:
         super().__init__(batch)
         self.transaction = self

@@ -1,14 +1,14 @@
 """Saga states on PostgreSQL: the table ``"<endpoint>$saga"`` of each endpoint with sagas.
 
-Its statements run on the handler's connection (``ctx.connection``), so the row
-lock, the save and the message's move to X share the batch's transaction and
-the handler's savepoint.
+Its statements run on the batch's connection, in the batch's transaction: the
+locks before the handlers run, the states written before the batch commits
+with the messages' move to X (nmbus/sagas.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import asyncpg
@@ -17,7 +17,7 @@ import structlog
 from nmbus.names import validate_queue_name
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.sql import own_name, render
-from nmbus.store import SagaRow
+from nmbus.store import SagaKey, SagaRow, SagaSave
 
 log = structlog.get_logger("nmbus.postgres")
 
@@ -48,42 +48,62 @@ class PostgresSagaTable:
     def __init__(self, pool: Any, schema: str, endpoint: str) -> None:
         self._pool = pool
         self._lock_keys = render("saga_lock_keys", schema)
-        self._lock = render("saga_lock", schema, endpoint)
-        self._create = render("saga_lock_or_create", schema, endpoint)
-        self._save = render("saga_save", schema, endpoint)
-        self._delete = render("saga_delete", schema, endpoint)
+        self._try_lock_keys = render("saga_try_lock_keys", schema)
+        self._lock_rows = render("saga_lock_rows", schema, endpoint)
+        self._save_many = render("saga_save_many", schema, endpoint)
+        self._delete_many = render("saga_delete_many", schema, endpoint)
         self._load = render("saga_load", schema, endpoint)
         self._endpoint = endpoint
         self._prefix = f"{schema}.{endpoint}$saga/"
         self._names: dict[str, int] = {}
 
-    async def lock_keys(self, conn: Any, keys: Iterable[tuple[str, str]]) -> None:
-        ids: set[tuple[int, int]] = set()
+    def _lock_ids(self, keys: Iterable[SagaKey]) -> dict[tuple[int, int], list[SagaKey]]:
+        """The advisory lock of each saga (two sagas may share one: a hash)."""
+        ids: dict[tuple[int, int], list[SagaKey]] = {}
         for saga, key in keys:
             first = self._names.get(saga)
             if first is None:
                 first = self._names[saga] = _lock_id(self._prefix + saga)
-            ids.add((first, _lock_id(key)))
-        if ids:
-            # Sorted: every batch takes the locks it needs in the same order.
-            ordered = sorted(ids)
+            ids.setdefault((first, _lock_id(key)), []).append((saga, key))
+        return ids
+
+    async def lock_keys(self, conn: Any, keys: Iterable[SagaKey]) -> None:
+        # Sorted: every transaction that waits takes the locks in the same order.
+        ordered = sorted(self._lock_ids(keys))
+        if ordered:
             await conn.execute(self._lock_keys, [a for a, _ in ordered], [b for _, b in ordered])
 
-    async def lock(
-        self, conn: Any, saga: str, key: str, create: bool, instance: str
-    ) -> SagaRow | None:
-        # A plain lock first even for a start message: a saga usually exists, and
-        # the upsert would write a row version that the save writes again.
-        row = await conn.fetchrow(self._lock, saga, key)
-        if row is None and create:
-            row = await conn.fetchrow(self._create, saga, key, instance)
-        return None if row is None else SagaRow(row[0], int(row[1]), row[2])
+    async def try_lock_keys(self, conn: Any, keys: Iterable[SagaKey]) -> set[SagaKey]:
+        ids = self._lock_ids(keys)
+        if not ids:
+            return set()
+        pairs = list(ids)
+        rows = await conn.fetch(self._try_lock_keys, [a for a, _ in pairs], [b for _, b in pairs])
+        return {key for row in rows for key in ids[(row[0], row[1])]}
 
-    async def save(self, conn: Any, saga: str, key: str, state: str, instance: str) -> None:
-        await conn.execute(self._save, saga, key, state, instance)
+    async def lock_rows(self, conn: Any, keys: Iterable[SagaKey]) -> dict[SagaKey, SagaRow]:
+        wanted = list(keys)
+        if not wanted:
+            return {}
+        rows = await conn.fetch(
+            self._lock_rows, [saga for saga, _ in wanted], [key for _, key in wanted]
+        )
+        return {(r[0], r[1]): SagaRow(r[2], int(r[3]), r[4]) for r in rows}
 
-    async def delete(self, conn: Any, saga: str, key: str) -> None:
-        await conn.execute(self._delete, saga, key)
+    async def write(self, conn: Any, saves: Sequence[SagaSave], deletes: Sequence[SagaKey]) -> None:
+        if deletes:
+            await conn.execute(
+                self._delete_many, [saga for saga, _ in deletes], [key for _, key in deletes]
+            )
+        if saves:
+            await conn.execute(
+                self._save_many,
+                [s.saga for s in saves],
+                [s.key for s in saves],
+                [s.state for s in saves],
+                [s.instance for s in saves],
+                [s.saves for s in saves],
+            )
 
     async def load(self, saga: str, key: str) -> str | None:
         with wrap_errors(f"load saga {saga} of {self._endpoint}"):

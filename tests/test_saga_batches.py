@@ -1,0 +1,199 @@
+"""Saga states held by their batch (nmbus/sagas.py, SagaStates): read before the
+handlers run, changed in memory, written before the batch commits. Each rule of
+docs/sagas.md ("What happens to each message", "Several loops and processes")
+on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import asyncpg
+from pydantic import BaseModel
+
+from nmbus import Bus, Context, Message, Saga
+from nmbus.postgres.sagas import PostgresSagaTable
+from nmbus.testing import drain
+from tests.saga_workers import Counter, Increment
+from tests.waits import wait_until
+
+
+class Close(Message, type_name="test.saga_batch.Close"):
+    counter: str
+
+
+class Audit(Message, type_name="test.saga_batch.Audit"):
+    counter: str
+
+
+async def _send_all(make_bus: Callable[..., Bus], queue: str, messages: list[Message]) -> None:
+    """Store the messages before any worker runs, so that one batch claims them all."""
+    async with make_bus(queue, concurrency=0) as sender:
+        for message in messages:
+            await sender.send(message, to=queue)
+
+
+async def test_a_later_handler_that_fails_takes_back_the_saga_change_of_its_message(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("counting", concurrency=1, batch_size=10, max_attempts=1)
+    saga = bus.saga(Counter, key="counter")
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+        state.seen.append(msg.n)
+
+    @bus.handler
+    async def audited(msg: Increment, ctx: Context) -> None:
+        if msg.n == 1:
+            raise RuntimeError("the audit refused it")
+
+    await _send_all(make_bus, "counting", [Increment(counter="c", n=n) for n in range(4)])
+    async with bus:
+        await drain(bus)
+        state = await saga.load("c")
+    # Message 1 failed after its saga handler had counted it: the count went with it,
+    # and the messages after it in the same batch saw the state without it.
+    assert state == Counter(count=3, seen=[0, 2, 3])
+    rows = await db.fetch("SELECT id, subqueue FROM nmbus.counting ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["X", "F", "X", "X"]
+    assert await db.fetchval('SELECT version FROM nmbus."counting$saga"') == 3
+
+
+async def test_completed_and_started_again_in_one_batch_is_a_new_saga(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    instances: list[str] = []
+
+    def counting() -> tuple[Bus, Saga[Counter]]:
+        bus = make_bus("counting", concurrency=1, batch_size=10)
+        saga = bus.saga(Counter, key="counter")
+
+        @saga.handler(start=True)
+        async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+            state.count += 1
+            state.seen.append(msg.n)
+            instances.append(ctx.saga.instance)
+
+        @saga.handler
+        async def closed(msg: Close, state: Counter, ctx: Context) -> None:
+            ctx.saga.complete()
+
+        return bus, saga
+
+    await _send_all(make_bus, "counting", [Increment(counter="c", n=0)])
+    first, _ = counting()
+    async with first:
+        await drain(first)
+    before = await db.fetchrow('SELECT created_at, instance::text FROM nmbus."counting$saga"')
+    await _send_all(
+        make_bus,
+        "counting",
+        [Close(counter="c"), Increment(counter="c", n=1), Increment(counter="c", n=2)],
+    )
+    bus, saga = counting()
+    async with bus:
+        await drain(bus)
+        state = await saga.load("c")
+    assert state == Counter(count=2, seen=[1, 2])
+    row = await db.fetchrow('SELECT * FROM nmbus."counting$saga"')
+    # One row: a new life of the saga, created anew (not the old row updated).
+    assert row["instance"] is not None and str(row["instance"]) != before["instance"]
+    assert instances[0] == before["instance"] and instances[1] == instances[2]
+    assert str(row["instance"]) == instances[1]
+    assert row["version"] == 2
+    assert row["created_at"] > before["created_at"]
+
+
+async def test_a_saga_completed_in_the_batch_that_started_it_leaves_no_row(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("counting", concurrency=1, batch_size=10)
+    saga = bus.saga(Counter, key="counter")
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+
+    @saga.handler
+    async def closed(msg: Close, state: Counter, ctx: Context) -> None:
+        ctx.saga.complete()
+
+    await _send_all(
+        make_bus, "counting", [Increment(counter="c", n=0), Close(counter="c"), Close(counter="c")]
+    )
+    async with bus:
+        await drain(bus)
+    assert await db.fetchval('SELECT count(*) FROM nmbus."counting$saga"') == 0
+    rows = await db.fetch("SELECT subqueue, error_info FROM nmbus.counting ORDER BY id")
+    # The second Close finds no saga: it was completed by the message before it.
+    assert [r["subqueue"] for r in rows] == ["X", "X", "F"]
+    assert "SagaNotFound" in rows[2]["error_info"]
+
+
+async def test_a_batch_runs_what_it_can_while_another_transaction_holds_one_of_its_sagas(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+) -> None:
+    bus = make_bus("counting", concurrency=1, batch_size=10, poll_interval=0.2)
+    saga = bus.saga(Counter, key="counter")
+    handled: list[str] = []
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+        handled.append(msg.counter)
+
+    await _send_all(
+        make_bus,
+        "counting",
+        [Increment(counter=key, n=n) for n, key in enumerate(["held", "free", "held", "free"])],
+    )
+    # Another transaction holds the saga "held", as a batch of another worker would.
+    holder = await asyncpg.connect(dsn)
+    held = holder.transaction()
+    await held.start()
+    await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "held")])
+    try:
+        async with bus:
+            await wait_until(lambda: handled == ["free", "free"], timeout=20)
+            # The free saga's messages are committed while "held" is waited for.
+            done = "SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'"
+            assert await wait_until(done, db=db, until=lambda n: n == 2, timeout=20) == 2
+            await asyncio.sleep(0.3)
+            assert handled == ["free", "free"]
+            await held.commit()
+            # Let go: the rest of the batch takes the saga and runs.
+            await drain(bus, timeout=20)
+            assert await saga.load("held") == Counter(count=2)
+            assert await saga.load("free") == Counter(count=2)
+    finally:
+        await holder.close()
+    assert handled == ["free", "free", "held", "held"]
+    assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+
+
+class Tally(BaseModel):
+    count: int = 0
+
+
+async def test_handlers_running_at_once_lose_no_update_of_a_shared_saga(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # Eight handlers of a batch at once, over three sagas: each read, change and
+    # write of a saga happens with the batch's connection held.
+    bus = make_bus("counting", concurrency=2, handler_concurrency=8, batch_size=50)
+    saga = bus.saga(Tally, key="counter")
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Tally, ctx: Context) -> None:
+        value = state.count
+        await asyncio.sleep(0.001)
+        state.count = value + 1
+
+    await _send_all(make_bus, "counting", [Increment(counter=f"k{n % 3}", n=n) for n in range(300)])
+    async with bus:
+        await drain(bus, timeout=60)
+        counts = [await saga.load(f"k{k}") for k in range(3)]
+    assert counts == [Tally(count=100)] * 3
+    assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0

@@ -53,6 +53,7 @@ from nmbus.settings import Settings
 from nmbus.sizing import BatchSizer
 from nmbus.store import Store, WorkerSession
 from nmbus.supervise import Backoff, Services, supervise
+from nmbus.wakeups import Wakeups
 
 if TYPE_CHECKING:
     from nmbus.metrics import WorkerMetrics
@@ -87,7 +88,7 @@ class Worker:
         self.dispatcher = dispatcher
         self.settings = settings
         self.client_id = client_id
-        self._wakeup = asyncio.Event()
+        self._wakeups = Wakeups()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._side = Services(log, settings.reconnect_max_delay, f"nmbus-{queue}", queue=queue)
@@ -180,7 +181,8 @@ class Worker:
         self.dispatcher.on_start = self._marks.started
 
     def wake(self) -> None:
-        self._wakeup.set()
+        """Send one idle loop to claim now (as a notification of the queue does)."""
+        self._wakeups.one()
 
     async def run_burst(self) -> dict[str, int]:
         """Handle what is ready now, until nothing is, and return what became of it.
@@ -213,7 +215,7 @@ class Worker:
 
     def _on_wakeup(self, queue: str) -> None:
         if queue == self.queue or queue == "*":
-            self._wakeup.set()
+            self._wakeups.one()
 
     async def _renew_leases(self) -> None:
         """Keep the leases of in-flight messages alive, every ``lease_seconds / 3``."""
@@ -248,7 +250,7 @@ class Worker:
     async def stop(self) -> None:
         """Finish in-flight handlers (up to ``shutdown_timeout``), return the rest to I."""
         self._stopping.set()
-        self._wakeup.set()
+        self._wakeups.every()
         try:
             await self._stop_loops()
         finally:
@@ -338,7 +340,7 @@ class Worker:
                 # A sequence head a race left parked is released within a poll interval.
                 released = time.monotonic()
                 await session.release_sequences(self.queue)
-            self._wakeup.clear()
+            self._wakeups.claiming()
             if ahead:
                 batch, ahead = ahead, []
             else:
@@ -346,6 +348,8 @@ class Worker:
                     self.queue, sizer.limit, self.client_id, settings.lease_seconds
                 )
             if batch:
+                if len(batch) >= sizer.limit:
+                    self._wakeups.one()  # a full claim: more may be waiting
                 ahead = await self._run_gated(session, batch, sizer)
                 continue
             if await session.release_sequences(self.queue):
@@ -359,12 +363,8 @@ class Worker:
             if held:
                 wait = min(wait, session.recheck or 0.0)
             began = time.monotonic()
-            if wait > 0 and not self._wakeup.is_set():
-                try:
-                    async with asyncio.timeout(wait):
-                        await self._wakeup.wait()
-                except TimeoutError:
-                    pass
+            if wait > 0:
+                await self._wakeups.wait(wait)
             if held and self.metrics is not None:
                 self.metrics.flow_waited(time.monotonic() - began)
 

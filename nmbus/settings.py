@@ -123,7 +123,10 @@ class Settings(BaseSettings):
     dsn: str | None = Field(default=None, description="PostgreSQL DSN (postgresql://...)")
     schema_name: str = Field(default="nmbus", description="schema of the queue tables")
     concurrency: int = Field(
-        default=1, ge=0, le=1000, description="worker loops, one connection each"
+        default=2,
+        ge=0,
+        le=1000,
+        description="worker loops, one connection each (two keep the database and Python busy)",
     )
     handler_concurrency: int = Field(
         default=1, ge=1, le=1000, description="handlers of one batch run at once (I/O-bound work)"

@@ -356,7 +356,7 @@ async def test_unknown_types_can_be_skipped(
 async def test_shutdown_finishes_in_flight_and_returns_the_rest(
     make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
-    bus = make_bus("billing", batch_size=10)
+    bus = make_bus("billing", batch_size=10, concurrency=1)  # one message in flight
     started = asyncio.Event()
     finished: list[int] = []
 

@@ -78,7 +78,9 @@ async def test_a_deep_backlog_of_quick_handlers_drains_in_batches_of_500(
 ) -> None:
     await preload(dsn, 3000)
     handled = 0
-    bus = Bus("billing", dsn=dsn)  # batch_size left unset, as a new user has it
+    # batch_size left unset, as a new user has it; one loop, so that its claims
+    # are one sequence of sizes.
+    bus = Bus("billing", dsn=dsn, concurrency=1)
 
     @bus.handler
     async def on_ping(msg: Ping, ctx: Context) -> None:
@@ -97,7 +99,7 @@ async def test_slow_handlers_are_claimed_one_at_a_time_so_none_waits_behind_them
 ) -> None:
     await preload(dsn, 14)
     ended: list[int] = []
-    bus = Bus("billing", dsn=dsn)
+    bus = Bus("billing", dsn=dsn, concurrency=1)
 
     @bus.handler
     async def on_ping(msg: Ping, ctx: Context) -> None:

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from nmbus.cli._table import Column, Grid
+from nmbus.settings import Settings
 
 command = typer.Typer(add_completion=False)
 
@@ -48,8 +49,14 @@ def bench(
         ),
     ] = None,
     concurrency: Annotated[
-        int, typer.Option("--concurrency", "--loops", min=1, help="worker loops (per process)")
-    ] = 1,
+        int,
+        typer.Option(
+            "--concurrency",
+            "--loops",
+            min=1,
+            help="worker loops (per process; default: a worker's default) and ceiling connections",
+        ),
+    ] = Settings.model_fields["concurrency"].default,
     processes: Annotated[
         int, typer.Option(min=1, help="saga: worker processes of the contended run")
     ] = 1,

@@ -32,6 +32,8 @@ class Tick(Message, type_name="nmbus.bench.Tick"):
 
 
 TICK = type_name(Tick)
+#: The worker loops of a process with the default settings: the bench's default too.
+DEFAULT_LOOPS: int = Settings.model_fields["concurrency"].default
 
 
 @dataclass
@@ -41,7 +43,7 @@ class BenchOptions:
     dsn: str = field(repr=False)  # it may hold a password
     messages: int = 50_000
     batch_size: int | None = None  # None: each loop adapts it, as a worker's default
-    concurrency: int = 1
+    concurrency: int = DEFAULT_LOOPS
     baseline_messages: int = 5_000
     rate: float = 200.0
     seconds: float = 10.0

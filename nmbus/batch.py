@@ -367,9 +367,10 @@ class BatchRunner:
             log.warning("lease_lost", queue=self.queue, messages=lost, batch=len(part))
         elif self.metrics is not None:
             self.metrics.committed(batch, part, whole_batch=False)
-        if hooks:
+        if hooks and not self._stopping.is_set():
             # The commit let go of what the hooks took (the saga locks): the rest of
             # the batch takes its own again, all at once, holding nothing meanwhile.
+            # (A stopping worker starts none of the rest: it takes nothing.)
             rest = [r for r in received if r.row.id not in committed]
             for hook in hooks:
                 await hook.prepare(tx, rest, True)

@@ -79,6 +79,7 @@ class SagaStates:
         was_changed = key in self._changed
         if state is None:
             held.state = None
+            held.saves = 0  # a new life of the saga counts its own saves
         else:
             if held.state is None and held.stored:
                 held.renewed = True  # completed in this batch, and started again

@@ -21,6 +21,7 @@ that concurrent batches of several loops and processes never deadlock on them.
 from __future__ import annotations
 
 import inspect
+import re
 import types
 import typing
 import uuid
@@ -53,6 +54,9 @@ log = structlog.get_logger("nmbus.saga")
 S = TypeVar("S", bound=BaseModel)
 SagaFunc = Callable[[Any, Any, Context], Awaitable[None]]
 SF = TypeVar("SF", bound=SagaFunc)
+
+#: A NUL character in a state's JSON (an escape not itself escaped): jsonb refuses it.
+_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 #: Keys longer than this many UTF-8 bytes are refused: a btree index entry must fit
 #: in a third of a page.
@@ -158,16 +162,28 @@ class SagaLocks:
                 keys |= names
                 table = found[0][0].table
         if table is None:
+            table = next((saga.table for saga in self._sagas.values()), None)
+            if table is not None:
+                states = SagaStates(table)
+                for received in batch:
+                    received.sagas = states
             return set()
         await tx.begin()
         states = SagaStates(table)
         taken = await states.take(tx.connection, keys, wait)
+        for received in batch:
+            # Also for a message whose sagas were not found here: should its handler
+            # find one (_held), it takes it into the batch's one SagaStates.
+            received.sagas = states
         later: set[int] = set()
+        # The sagas of the messages left for later: a message after one of them that
+        # names one of them waits too, so that each saga sees its messages in order.
+        behind: set[SagaKey] = set()
         for received, names in needs:
-            if names <= taken:
-                received.sagas = states
-            else:
+            if not names <= taken or not names.isdisjoint(behind):
                 later.add(received.row.id)
+                behind |= names
+                received.sagas = None
         return later
 
     async def flush(self, tx: Batch, batch: list[Received]) -> None:
@@ -446,6 +462,12 @@ class Saga(Generic[S]):
             finally:
                 ctx.use_saga(None)
             saved = None if control.completed else state.model_dump_json()
+            if saved is not None and _NUL.search(saved):
+                # Written with the batch's states, it would fail the whole batch.
+                raise PermanentError(
+                    f"the state of the {saga.name} saga with key {key!r} holds a NUL "
+                    "character (\\u0000), which PostgreSQL's jsonb cannot store"
+                )
             ctx.effects.undo.append(states.change(name, saved, instance))
 
         run.__module__ = func.__module__

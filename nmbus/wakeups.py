@@ -59,7 +59,12 @@ class Wakeups:
         except TimeoutError:
             pass
         finally:
-            if not waiter.done():
-                waiter.cancel()
-                with suppress(ValueError):
-                    self._idle.remove(waiter)
+            # Woken, timed out (the timeout cancelled it) or cancelled: gone from the idle.
+            waiter.cancel()
+            with suppress(ValueError):
+                self._idle.remove(waiter)
+
+    @property
+    def idle(self) -> int:
+        """How many loops wait now."""
+        return len(self._idle)

@@ -90,18 +90,24 @@ async def test_completed_and_started_again_in_one_batch_is_a_new_saga(
     await _send_all(
         make_bus,
         "counting",
-        [Close(counter="c"), Increment(counter="c", n=1), Increment(counter="c", n=2)],
+        [
+            Increment(counter="c", n=1),
+            Close(counter="c"),
+            Increment(counter="c", n=2),
+            Increment(counter="c", n=3),
+        ],
     )
     bus, saga = counting()
     async with bus:
         await drain(bus)
         state = await saga.load("c")
-    assert state == Counter(count=2, seen=[1, 2])
+    assert state == Counter(count=2, seen=[2, 3])
     row = await db.fetchrow('SELECT * FROM nmbus."counting$saga"')
-    # One row: a new life of the saga, created anew (not the old row updated).
+    # One row: a new life of the saga, created anew (not the old row updated), its
+    # version counting its own two saves only.
     assert row["instance"] is not None and str(row["instance"]) != before["instance"]
-    assert instances[0] == before["instance"] and instances[1] == instances[2]
-    assert str(row["instance"]) == instances[1]
+    assert instances[:2] == [before["instance"]] * 2 and instances[2] == instances[3]
+    assert str(row["instance"]) == instances[2]
     assert row["version"] == 2
     assert row["created_at"] > before["created_at"]
 
@@ -171,6 +177,142 @@ async def test_a_batch_runs_what_it_can_while_another_transaction_holds_one_of_i
         await holder.close()
     assert handled == ["free", "free", "held", "held"]
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+
+
+class Shipping(BaseModel):
+    packed: bool = False
+
+
+class Placed(Message, type_name="test.saga_batch.Placed"):
+    counter: str
+
+
+async def test_a_message_behind_one_left_for_later_waits_with_it_when_they_share_a_saga(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+) -> None:
+    # Placed starts two sagas; Increment continues one of them. Another transaction
+    # holds the second saga: Placed waits for it, and the Increment behind it waits
+    # too, or it would find no saga to continue.
+    bus = make_bus("counting", concurrency=1, batch_size=10, poll_interval=0.2)
+    orders = bus.saga(Counter, key="counter")
+    shipping = bus.saga(Shipping, key="counter")
+    handled: list[str] = []
+
+    @orders.handler(start=True)
+    async def placed(msg: Placed, state: Counter, ctx: Context) -> None:
+        handled.append("placed")
+
+    @shipping.handler(start=True)
+    async def to_pack(msg: Placed, state: Shipping, ctx: Context) -> None:
+        state.packed = True
+
+    @orders.handler
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+        handled.append(f"counted {msg.counter}")
+
+    @orders.handler(start=True)
+    async def other(msg: Audit, state: Counter, ctx: Context) -> None:
+        handled.append(f"audit {msg.counter}")
+
+    await _send_all(
+        make_bus,
+        "counting",
+        [Placed(counter="7"), Increment(counter="7", n=0), Audit(counter="8")],
+    )
+    holder = await asyncpg.connect(dsn)
+    held = holder.transaction()
+    await held.start()
+    await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Shipping", "7")])
+    try:
+        async with bus:
+            # The message of another saga runs meanwhile.
+            await wait_until(lambda: handled == ["audit 8"], timeout=20)
+            await asyncio.sleep(0.3)
+            assert handled == ["audit 8"]
+            await held.commit()
+            await drain(bus, timeout=20)
+            assert await orders.load("7") == Counter(count=1)
+            assert await shipping.load("7") == Shipping(packed=True)
+    finally:
+        await holder.close()
+    assert handled == ["audit 8", "placed", "counted 7"]
+    assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+
+
+class Note(Message, type_name="test.saga_batch.Note"):
+    counter: str
+    text: str
+
+
+class Notes(BaseModel):
+    texts: list[str] = []
+
+
+async def test_a_state_jsonb_cannot_store_fails_its_message_alone(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # The states are written for the whole batch at its commit, where jsonb's refusal
+    # of a NUL would fail every message of the batch: the one that made it fails alone.
+    bus = make_bus("counting", concurrency=1, batch_size=10)
+    saga = bus.saga(Notes, key="counter")
+    runs: list[str] = []
+
+    @saga.handler(start=True)
+    async def noted(msg: Note, state: Notes, ctx: Context) -> None:
+        runs.append(msg.text)
+        state.texts.append(msg.text)
+
+    await _send_all(
+        make_bus,
+        "counting",
+        [
+            Note(counter="a", text="one"),
+            Note(counter="b", text="n\x00l"),
+            Note(counter="a", text="two"),
+        ],
+    )
+    async with bus:
+        await drain(bus)
+        assert await saga.load("a") == Notes(texts=["one", "two"])
+        assert await saga.load("b") is None
+    assert runs == ["one", "n\x00l", "two"]  # each once: the batch was not run again
+    rows = await db.fetch("SELECT subqueue, error_info FROM nmbus.counting ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["X", "F", "X"]
+    assert rows[1]["error_info"].startswith(
+        "PermanentError: the state of the Notes saga with key 'b' holds a NUL character"
+    )
+
+
+async def test_sagas_a_key_callable_finds_only_in_the_handler_are_shared_in_the_batch(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # A key callable that fails when the batch looks for the sagas, and works in the
+    # handler: each handler locks its saga itself, into the batch's one set of states,
+    # so the second message sees the first one's count.
+    calls: dict[int, int] = {}
+
+    def flaky(msg: Increment) -> str:
+        calls[msg.n] = calls.get(msg.n, 0) + 1
+        if calls[msg.n] % 2:
+            raise RuntimeError("not yet")
+        return msg.counter
+
+    bus = make_bus("counting", concurrency=1, batch_size=10)
+    saga = bus.saga(Counter, key=flaky)
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+        state.seen.append(msg.n)
+
+    await _send_all(make_bus, "counting", [Increment(counter="c", n=n) for n in range(3)])
+    async with bus:
+        await drain(bus)
+        state = await saga.load("c")
+    assert state == Counter(count=3, seen=[0, 1, 2])
+    assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+    assert await db.fetchval('SELECT version FROM nmbus."counting$saga"') == 3
 
 
 class Tally(BaseModel):

@@ -43,9 +43,12 @@ async def test_a_hint_wakes_one_idle_loop_and_a_hint_with_none_idle_is_kept() ->
 
 async def test_a_timed_out_wait_leaves_no_waiter_behind() -> None:
     wakeups = Wakeups()
-    await wakeups.wait(0.01)
+    for _ in range(5):
+        await wakeups.wait(0.01)
+    assert wakeups.idle == 0  # a queue that is never notified piles up nothing
     wakeups.one()  # nobody idle any more: kept, not spent on a dead waiter
     await asyncio.wait_for(wakeups.wait(5.0), 1.0)
+    assert wakeups.idle == 0
 
 
 async def test_messages_at_a_trickle_cost_four_loops_no_more_claims_than_one(

@@ -79,7 +79,11 @@ def make_bus(dsn: str) -> Callable[..., Bus]:
     """Build a Bus on the test database with test-friendly timings."""
 
     def make(endpoint: str, **overrides: Any) -> Bus:
-        settings: dict[str, Any] = {"poll_interval": 2.0, "lease_seconds": 10.0}
+        # One worker loop unless a test asks for more: these tests reason about the
+        # order of one loop's batches. A worker's default of two loops runs in the
+        # worker processes the crash, soak and saga tests start, and wherever a test
+        # builds its Bus itself.
+        settings: dict[str, Any] = {"poll_interval": 2.0, "lease_seconds": 10.0, "concurrency": 1}
         settings.update(overrides)
         return Bus(endpoint, dsn=dsn, **settings)
 

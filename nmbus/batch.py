@@ -227,51 +227,71 @@ class BatchRunner:
         debug = debug_enabled()
         self.dispatcher.start_batch()
         partial = False
-        async with session.batch() as tx:
-            later: set[int] = set()
-            hooks = self.dispatcher.registry.batch_hooks
-            for hook in hooks:
-                later |= await hook.prepare(tx, received, False)
-            first = [r for r in received if r.row.id not in later] if later else received
-            run = (outcomes, done, debug, started, committed, unguarded, failed)
-            await self._handle(tx, first, *run)
-            if later:
-                # What needed a saga another batch held: after a commit (which lets
-                # go of this batch's own), its locks are waited for, then it runs.
-                await self._commit_part(tx, received, outcomes, done, committed)
-                rest = [r for r in received if r.row.id in later]
-                await self._handle(tx, rest, *run)
-            for hook in hooks:
-                await hook.flush(tx, received)
-            if done:
-                await self._flush(tx, done)
-            if self.dead_letter is not None and not outcomes.all_processed:
-                await self._copy_failed(tx, batch, outcomes)
-            ahead: list[StoredMessage] = []
-            # The next batch is claimed by the finish's own statement.
-            if sizer is not None and not self._stopping.is_set():
-                sizer.observe(len(batch), time.monotonic() - began)
-                changed, ahead = await tx.finish_and_claim(
-                    self.queue, outcomes, self.client_id, sizer.limit, self.settings.lease_seconds
-                )
-            else:
-                changed = await tx.finish(self.queue, outcomes, self.client_id)
-            if changed != len(outcomes) and not tx.begun:
-                # Nothing was written and the finish is already committed: the rows we
-                # still held are done, the others are another worker's now (which of
-                # them is not known here, so the metrics count none of this batch).
-                partial = True
-                log.warning(
-                    "lease_lost",
-                    queue=self.queue,
-                    messages=len(outcomes) - changed,
-                    batch=len(outcomes),
-                )
-            elif changed != len(outcomes):
-                raise LeaseLost(
-                    f"{len(outcomes) - changed} of {len(outcomes)} messages were taken over by "
-                    "another worker after their lease expired; rolling back this batch"
-                )
+        hooks = self.dispatcher.registry.batch_hooks
+        # The transaction the hooks are told has ended (they let go of what they
+        # took for it in this process), committed or not.
+        ended: Batch | None = None
+        try:
+            async with session.batch() as tx:
+                ended = tx
+                later: set[int] = set()
+                # Time spent taking the batch's sagas (waiting for other batches),
+                # which its size has no part in: the sizer does not count it.
+                waited = time.monotonic()
+                for hook in hooks:
+                    later |= await hook.prepare(tx, received, False)
+                waited = time.monotonic() - waited
+                first = [r for r in received if r.row.id not in later] if later else received
+                run = (outcomes, done, debug, started, committed, unguarded, failed)
+                await self._handle(tx, first, *run)
+                if later:
+                    # What needed a saga another batch held: after a commit (which lets
+                    # go of this batch's own), its locks are waited for, then it runs.
+                    waited += await self._commit_part(tx, received, outcomes, done, committed)
+                    rest = [r for r in received if r.row.id in later]
+                    await self._handle(tx, rest, *run)
+                for hook in hooks:
+                    await hook.flush(tx, received)
+                if done:
+                    await self._flush(tx, done)
+                if self.dead_letter is not None and not outcomes.all_processed:
+                    await self._copy_failed(tx, batch, outcomes)
+                ahead: list[StoredMessage] = []
+                if sizer is not None:
+                    sizer.observe(len(batch), time.monotonic() - began - waited)
+                # The next batch is claimed by the finish's own statement; not by a
+                # batch that holds sagas, which other batches may be waiting for: the
+                # claim would keep them waiting longer.
+                if sizer is not None and not self._stopping.is_set() and not _holds_sagas(received):
+                    changed, ahead = await tx.finish_and_claim(
+                        self.queue,
+                        outcomes,
+                        self.client_id,
+                        sizer.limit,
+                        self.settings.lease_seconds,
+                    )
+                else:
+                    changed = await tx.finish(self.queue, outcomes, self.client_id)
+                if changed != len(outcomes) and not tx.begun:
+                    # Nothing was written and the finish is already committed: the rows we
+                    # still held are done, the others are another worker's now (which of
+                    # them is not known here, so the metrics count none of this batch).
+                    partial = True
+                    log.warning(
+                        "lease_lost",
+                        queue=self.queue,
+                        messages=len(outcomes) - changed,
+                        batch=len(outcomes),
+                    )
+                elif changed != len(outcomes):
+                    raise LeaseLost(
+                        f"{len(outcomes) - changed} of {len(outcomes)} messages were taken over by "
+                        "another worker after their lease expired; rolling back this batch"
+                    )
+        finally:
+            if ended is not None:
+                for hook in hooks:
+                    hook.done(ended)
         self.handled += len(outcomes)
         self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
         if self.metrics is not None and not partial:
@@ -332,12 +352,13 @@ class BatchRunner:
         outcomes: Outcomes,
         done: list[Effects],
         committed: set[int],
-    ) -> None:
+    ) -> float:
         """Commit the outcomes and effects of the batch's handlers that are done so far.
 
         Between two handlers (no savepoint open): their sends are stored, their
         rows finished, and the transaction committed; the rest of the batch goes
-        on in a new one, its rows still leased to this worker.
+        on in a new one, its rows still leased to this worker. Returns the
+        seconds the rest then took to take its sagas again.
         """
         batch = [r.row for r in received]
         part = outcomes.take()
@@ -350,7 +371,8 @@ class BatchRunner:
             await self._flush(tx, effects)
         if self.dead_letter is not None and not part.all_processed:
             await self._copy_failed(tx, batch, part)
-        changed = await tx.finish(self.queue, part, self.client_id)
+        # Nothing done yet (the whole batch waits for its sagas): no statement.
+        changed = await tx.finish(self.queue, part, self.client_id) if len(part) else 0
         lost = len(part) - changed
         if lost and tx.begun:
             raise LeaseLost(
@@ -372,8 +394,11 @@ class BatchRunner:
             # the batch takes its own again, all at once, holding nothing meanwhile.
             # (A stopping worker starts none of the rest: it takes nothing.)
             rest = [r for r in received if r.row.id not in committed]
+            began = time.monotonic()
             for hook in hooks:
                 await hook.prepare(tx, rest, True)
+            return time.monotonic() - began
+        return 0.0
 
     async def _handle_concurrently(
         self,
@@ -486,3 +511,8 @@ class BatchRunner:
             copies = await tx.publish(self.queue, published, [chain_of(e) for e in published])
             if not copies:
                 log.info("published_without_subscribers", queue=self.queue, messages=len(published))
+
+
+def _holds_sagas(received: list[Received]) -> bool:
+    """Whether the batch's saga hook took sagas for it (their locks are held to its commit)."""
+    return any(r.sagas is not None and r.sagas.held for r in received)

@@ -47,6 +47,10 @@ class BatchHook(Protocol):
         """Before the batch (or a part of it) commits: write what its handlers changed."""
         ...
 
+    def done(self, tx: Batch) -> None:
+        """The batch's transaction ``tx`` has ended (committed or rolled back)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Handler:

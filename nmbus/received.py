@@ -21,7 +21,7 @@ from nmbus.messages import Message, StoredMessage, lookup_type
 class Received:
     """One claimed row with its message class and (parsed on first use) its headers."""
 
-    __slots__ = ("_headers", "cls", "row", "sagas")
+    __slots__ = ("_headers", "cls", "found", "message", "row", "sagas")
 
     def __init__(self, row: StoredMessage) -> None:
         self.row = row
@@ -29,6 +29,11 @@ class Received:
         #: The saga states its batch holds for it (nmbus.saga_states.SagaStates), set by
         #: the saga hook before the handlers run; None when it needs none.
         self.sagas: Any = None
+        #: The sagas it names (saga and key pairs), once the saga hook has found them.
+        self.found: Any = None
+        #: Its body, decoded before its handlers run (by the saga hook), for the
+        #: first run of its handlers only: a run again decodes it anew.
+        self.message: Message | None = None
         #: The class to decode the body as: the row's own type, else the nearest
         #: known ancestor its type-chain header names; None when none is known here.
         self.cls: type[Message] | None = lookup_type(row.label) if row.label else None

@@ -20,6 +20,7 @@ that concurrent batches of several loops and processes never deadlock on them.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import re
 import types
@@ -127,13 +128,18 @@ class SagaLocks:
     it as before.
     """
 
-    __slots__ = ("_handlers", "_registry", "_sagas")
+    __slots__ = ("_handlers", "_let_go", "_owned", "_registry", "_sagas", "_taken")
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         # The handler function registered for each saga handler: its saga and key field.
         self._handlers: dict[Callable[..., Any], tuple[Saga[Any], str | None]] = {}
         self._sagas: dict[str, Saga[Any]] = {}
+        # The sagas the batches of this process's loops hold (by transaction), and
+        # what a batch waiting for one of them waits on: set when a batch ends.
+        self._taken: set[SagaKey] = set()
+        self._owned: dict[int, set[SagaKey]] = {}
+        self._let_go: asyncio.Event | None = None
 
     @classmethod
     def of(cls, registry: Registry) -> SagaLocks:
@@ -155,7 +161,10 @@ class SagaLocks:
         table: SagaTable | None = None
         for received in batch:
             received.sagas = None
-            found = self._sagas_of(received)
+            found = received.found
+            if found is None:
+                # Found once: a batch that waits for its sagas is prepared again.
+                found = received.found = self._sagas_of(received)
             if found:
                 names = {(saga.name, key) for saga, key in found}
                 needs.append((received, names))
@@ -168,9 +177,23 @@ class SagaLocks:
                 for received in batch:
                     received.sagas = states
             return set()
-        await tx.begin()
         states = SagaStates(table)
-        taken = await states.take(tx.connection, keys, wait)
+        if wait:
+            # The commit before this let go of the batch's sagas, here as in PostgreSQL.
+            self._let_go_of(tx)
+            await self._free_here(keys)
+            self._hold(tx, keys)
+            await tx.begin()
+            taken = await states.take(tx.connection, keys, True)
+        else:
+            # The sagas another loop's batch holds in this process are left for later
+            # without a statement; of the rest, those free in PostgreSQL are taken.
+            mine = keys - self._taken
+            self._hold(tx, mine)
+            taken = set()
+            if mine:
+                await tx.begin()
+                taken = await states.take(tx.connection, mine, False)
         for received in batch:
             # Also for a message whose sagas were not found here: should its handler
             # find one (_held), it takes it into the batch's one SagaStates.
@@ -185,6 +208,37 @@ class SagaLocks:
                 behind |= names
                 received.sagas = None
         return later
+
+    # The loops of one process keep their batches' sagas apart in memory first:
+    # without it, a batch whose sagas a sibling loop holds would take a part of
+    # them in PostgreSQL each time the sibling commits, and run its batch in many
+    # parts, each with its commit. A batch holds in memory what it takes in
+    # PostgreSQL (and what it leaves for later, it waits for here first); as in
+    # PostgreSQL, a commit lets go of all of it, and a batch waits only while it
+    # holds nothing, so two batches never wait for each other.
+
+    def _hold(self, tx: Batch, keys: set[SagaKey]) -> None:
+        self._taken |= keys
+        self._owned.setdefault(id(tx), set()).update(keys)
+
+    async def _free_here(self, keys: set[SagaKey]) -> None:
+        """Wait until no batch of this process holds any of ``keys``."""
+        while not keys.isdisjoint(self._taken):
+            if self._let_go is None:
+                self._let_go = asyncio.Event()
+            await self._let_go.wait()
+
+    def _let_go_of(self, tx: Batch) -> None:
+        keys = self._owned.pop(id(tx), None)
+        if not keys:
+            return
+        self._taken -= keys
+        let_go, self._let_go = self._let_go, None
+        if let_go is not None:
+            let_go.set()
+
+    def done(self, tx: Batch) -> None:
+        self._let_go_of(tx)
 
     async def flush(self, tx: Batch, batch: list[Received]) -> None:
         written: set[int] = set()
@@ -223,6 +277,7 @@ class SagaLocks:
             try:
                 if message is None:
                     message = cls.model_validate_json(row.msg_text or "")
+                    received.message = message  # its handlers need not decode it again
                 if field is not None:
                     value = getattr(message, field)
                 else:

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Callable
 
 import asyncpg
+import pytest
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, Message, Saga
@@ -339,3 +340,53 @@ async def test_handlers_running_at_once_lose_no_update_of_a_shared_saga(
         counts = [await saga.load(f"k{k}") for k in range(3)]
     assert counts == [Tally(count=100)] * 3
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+
+
+async def test_two_loops_of_one_process_take_turns_on_a_saga_without_waiting_in_postgres(
+    make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two loops, small batches, slow handlers: each loop's batch names the one
+    # saga while the other's is still running. The second batch waits in the
+    # process until the first has committed, and then takes its saga whole: it
+    # never takes a part of its sagas, nor waits for one in PostgreSQL.
+    partial: list[int] = []
+    waited: list[int] = []
+    try_lock = PostgresSagaTable.try_lock_keys
+    lock = PostgresSagaTable.lock_keys
+
+    async def try_lock_keys(self: PostgresSagaTable, conn: object, keys: set) -> set:  # type: ignore[type-arg]
+        taken = await try_lock(self, conn, keys)
+        if taken != keys:
+            partial.append(len(keys) - len(taken))
+        return taken
+
+    async def lock_keys(self: PostgresSagaTable, conn: object, keys: object) -> None:
+        waited.append(1)
+        await lock(self, conn, keys)
+
+    monkeypatch.setattr(PostgresSagaTable, "try_lock_keys", try_lock_keys)
+    monkeypatch.setattr(PostgresSagaTable, "lock_keys", lock_keys)
+    bus = make_bus("counting", concurrency=2, batch_size=3, poll_interval=0.2)
+    saga = bus.saga(Counter, key="counter")
+    running: list[int] = []
+    overlapped: list[bool] = []
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        running.append(msg.n)
+        await asyncio.sleep(0.01)
+        state.count += 1
+        state.seen.append(msg.n)
+
+    @bus.handler
+    async def seen(msg: Increment, ctx: Context) -> None:
+        overlapped.append(len(bus.worker.in_flight) > 3)
+
+    await _send_all(make_bus, "counting", [Increment(counter="c", n=n) for n in range(30)])
+    async with bus:
+        await drain(bus, timeout=30)
+        state = await saga.load("c")
+    assert state is not None and state.count == 30 and state.seen == list(range(30))
+    # Both loops had a batch claimed at once (the test would prove nothing otherwise).
+    assert any(overlapped)
+    assert partial == []

@@ -240,13 +240,17 @@ class Dispatcher:
             self.failures.unhandled(row, cls, outcomes)
             return None
         handlers, validator, policy = plan
-        try:
-            # What cls.model_validate_json does, without its wrapper's call.
-            message = validator.validate_json(row.msg_text or "")
-        except (ValidationError, ValueError) as exc:
-            undecodable = UndecodableMessage(f"body is not a valid {row.label}: {exc}")
-            self.failures.refused(row, because(undecodable, exc), outcomes)
-            return None
+        message = received.message
+        if message is not None:
+            received.message = None
+        else:
+            try:
+                # What cls.model_validate_json does, without its wrapper's call.
+                message = validator.validate_json(row.msg_text or "")
+            except (ValidationError, ValueError) as exc:
+                undecodable = UndecodableMessage(f"body is not a valid {row.label}: {exc}")
+                self.failures.refused(row, because(undecodable, exc), outcomes)
+                return None
         if row.recovered == DIED_ALONE and row.retry_count > policy.max_attempts:
             exhausted = AttemptsExhausted(
                 f"{row.retry_count - 1} attempts were started and none finished "

@@ -14,17 +14,18 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import structlog
 
+from nmbus.batch_output import copy_failed, store_effects
 from nmbus.context import Effects
 from nmbus.dispatch import Dispatcher, Replay, Savepoints, SerialBatch, Unguarded, because, describe
-from nmbus.envelopes import IN_REPLY_TO_HEADER, chain_of, dead_letter_copy
+from nmbus.envelopes import IN_REPLY_TO_HEADER
 from nmbus.errors import DatabaseUnavailable, LeaseLost, OutcomeNotRecorded, StoreError
 from nmbus.logs import debug_enabled
-from nmbus.messages import Envelope, StoredMessage
+from nmbus.messages import StoredMessage
 from nmbus.received import Received
 from nmbus.recovery import is_conflict
 from nmbus.settings import Settings
@@ -149,7 +150,7 @@ class BatchRunner:
         try:
             async with session.batch() as tx:
                 if self.dead_letter is not None:
-                    await self._copy_failed(tx, [row], outcomes)
+                    await copy_failed(tx, self.queue, self.dead_letter, [row], outcomes)
                 await tx.finish(self.queue, outcomes, self.client_id)
         except DatabaseUnavailable:
             raise
@@ -253,9 +254,9 @@ class BatchRunner:
                 for hook in hooks:
                     await hook.flush(tx, received)
                 if done:
-                    await self._flush(tx, done)
+                    await store_effects(tx, self.queue, done)
                 if self.dead_letter is not None and not outcomes.all_processed:
-                    await self._copy_failed(tx, batch, outcomes)
+                    await copy_failed(tx, self.queue, self.dead_letter, batch, outcomes)
                 ahead: list[StoredMessage] = []
                 if sizer is not None:
                     sizer.observe(len(batch), time.monotonic() - began - waited)
@@ -368,9 +369,9 @@ class BatchRunner:
         for hook in hooks:
             await hook.flush(tx, received)
         if effects:
-            await self._flush(tx, effects)
+            await store_effects(tx, self.queue, effects)
         if self.dead_letter is not None and not part.all_processed:
-            await self._copy_failed(tx, batch, part)
+            await copy_failed(tx, self.queue, self.dead_letter, batch, part)
         # Nothing done yet (the whole batch waits for its sagas): no statement.
         changed = await tx.finish(self.queue, part, self.client_id) if len(part) else 0
         lost = len(part) - changed
@@ -473,44 +474,6 @@ class BatchRunner:
             raise
         # A commit that failed (or found leases lost) fails the rest of the batch.
         await committer
-
-    async def _copy_failed(self, tx: Batch, batch: list[StoredMessage], outcomes: Outcomes) -> None:
-        """Store a copy of every row going to F in the failure port, in ``tx``."""
-        assert self.dead_letter is not None
-        rows = {m.id: m for m in batch}
-        made = [
-            dead_letter_copy(
-                self.queue,
-                m.id,
-                m.unique_id,
-                m.label,
-                m.msg_text,
-                m.msg_headers,
-                m.correlation_id,
-                outcomes.error_info[i],
-            )
-            for i, id in enumerate(outcomes.ids)
-            if outcomes.subqueue[i] == "F" and (m := rows.get(id)) is not None
-        ]
-        # A failure port's copy that fails in turn stays in F here, uncopied.
-        copies = [c for c in made if c is not None]
-        if copies:
-            await tx.insert(self.dead_letter, self.queue, copies)
-
-    async def _flush(self, tx: Batch, done: list[Effects]) -> None:
-        """Store what the batch's handlers sent and published, in the batch's transaction."""
-        by_queue: dict[str, list[Envelope]] = defaultdict(list)
-        published: list[Envelope] = []
-        for effects in done:
-            for queue, envelope in effects.sends:
-                by_queue[queue].append(envelope)
-            published.extend(effects.publishes)
-        for queue, envelopes in by_queue.items():
-            await tx.insert(queue, self.queue, envelopes)
-        if published:
-            copies = await tx.publish(self.queue, published, [chain_of(e) for e in published])
-            if not copies:
-                log.info("published_without_subscribers", queue=self.queue, messages=len(published))
 
 
 def _holds_sagas(received: list[Received]) -> bool:

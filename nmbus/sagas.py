@@ -147,8 +147,9 @@ class Saga(Generic[S]):
         """The batch's states holding saga ``name``, taken now if the batch has not.
 
         The batch takes every saga its messages name before they run; one it
-        could not find then (a key callable that gave another key the second
-        time) is locked here, on the handler's savepoint, waiting for it.
+        did not find then (a key callable that raised for the batch and not for
+        the handler, say) is locked here, on the handler's
+        savepoint, waiting for it.
         """
         received = ctx.received
         states: SagaStates | None = received.sagas
@@ -247,7 +248,12 @@ class Saga(Generic[S]):
             # The saga instance a timeout belongs to; None for a timeout sent before
             # schema version 8 (handled as then: by name and key alone).
             owner = headers.get(SAGA_INSTANCE_HEADER) if is_timeout else None
-            if is_timeout:
+            # The key the batch found this saga by, if it found it (SagaLocks).
+            found = ctx.received.found
+            prepared = next((k for s, k in found if s is saga), None) if found else None
+            if prepared is not None:
+                key = prepared
+            elif is_timeout:
                 key = key_text(headers.get(SAGA_KEY_HEADER))
             elif field is not None:
                 if not hasattr(msg, field):

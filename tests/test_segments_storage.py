@@ -450,6 +450,7 @@ async def test_the_worker_s_generic_plans_keep_to_the_indexes(
         ]
         for name, args in (
             ("claim", f"100, 'w', 30.0, {NO_FLOOR}"),
+            ("finish_processed", f"ARRAY{claimed}::bigint[], 'w'"),
             ("finish_claim_processed", f"ARRAY{claimed}::bigint[], 'w', 100, 30.0, {NO_FLOOR}"),
         ):
             await worker.execute(f"PREPARE {name} AS {render(name, 'nmbus', 'billing')}")

@@ -156,6 +156,9 @@ class PostgresBatch:
                 self._flow.rated_keys,
                 outcomes.ids,
             )
+        if outcomes.all_processed:
+            finish = render("finish_processed", self._schema, queue)
+            return int(await self._conn.fetchval(finish, outcomes.ids, client_id))
         return int(
             await self._conn.fetchval(
                 render("finish", self._schema, queue),

@@ -170,6 +170,20 @@ WITH {finish_done(floor => lowest_id)},
 {unparked(floor => lowest_id)}
 SELECT count(*) FROM done;
 
+-- finish_processed --
+-- finish for the common batch (or part) where every message was processed:
+-- rows $1 still leased by client $2 go to X. No per-row outcome arrays to send
+-- or join; returns how many rows changed, as finish does.
+WITH done AS (
+    UPDATE {queue}
+    SET subqueue = 'X', last_processed = clock_timestamp(),
+        handling_client_id = NULL, lease_expires = NULL
+    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2 AND id >= {lowest_id}
+    RETURNING id, subqueue, sequence_key
+),
+{unparked(floor => lowest_id)}
+SELECT count(*) FROM done;
+
 -- finish_done --
 -- Fragment of finish and finish_claim: the CTE `done`, the outcome of each row
 -- still leased by $6 (see finish for $1..$6); returns the rows it changed.
@@ -195,7 +209,8 @@ done AS (
 )
 
 -- unparked --
--- Fragment of every finish (finish, finish_claim, finish_claim_processed),
+-- Fragment of every finish (finish, finish_processed, finish_claim,
+-- finish_claim_processed),
 -- after their CTE `done`: the CTE `unparked`, which lets the member parked
 -- behind each row moved to X be claimed (see insert_messages). The next member
 -- is above the finished one, so above {:floor} too.

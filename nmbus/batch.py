@@ -390,16 +390,20 @@ class BatchRunner:
             log.warning("lease_lost", queue=self.queue, messages=lost, batch=len(part))
         elif self.metrics is not None:
             self.metrics.committed(batch, part, whole_batch=False)
-        if hooks and not self._stopping.is_set():
-            # The commit let go of what the hooks took (the saga locks): the rest of
-            # the batch takes its own again, all at once, holding nothing meanwhile.
-            # (A stopping worker starts none of the rest: it takes nothing.)
-            rest = [r for r in received if r.row.id not in committed]
-            began = time.monotonic()
+        if not hooks:
+            return 0.0
+        rest = [r for r in received if r.row.id not in committed]
+        if self._stopping.is_set():
+            # A stopping worker starts none of the rest: it takes nothing again.
             for hook in hooks:
-                await hook.prepare(tx, rest, True)
-            return time.monotonic() - began
-        return 0.0
+                hook.released(tx, rest)
+            return 0.0
+        # The commit let go of what the hooks took (the saga locks): the rest of
+        # the batch takes its own again, all at once, holding nothing meanwhile.
+        began = time.monotonic()
+        for hook in hooks:
+            await hook.prepare(tx, rest, True)
+        return time.monotonic() - began
 
     async def _handle_concurrently(
         self,

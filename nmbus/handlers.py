@@ -47,6 +47,11 @@ class BatchHook(Protocol):
         """Before the batch (or a part of it) commits: write what its handlers changed."""
         ...
 
+    def released(self, tx: Batch, rest: list[Received]) -> None:
+        """A part of the batch committed, and the stopping worker does not prepare
+        ``rest`` again (what the hook took for them was let go of by the commit)."""
+        ...
+
     def done(self, tx: Batch) -> None:
         """The batch's transaction ``tx`` has ended (committed or rolled back)."""
         ...

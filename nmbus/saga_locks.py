@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -82,7 +83,18 @@ class SagaLocks:
     handler, which fails it as before.
     """
 
-    __slots__ = ("_handlers", "_let_go", "_owned", "_registry", "_sagas", "_taken")
+    __slots__ = (
+        "_handlers",
+        "_let_go",
+        "_order",
+        "_orders",
+        "_owned",
+        "_registry",
+        "_sagas",
+        "_taken",
+        "_wanted",
+        "_wants",
+    )
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
@@ -94,6 +106,12 @@ class SagaLocks:
         self._taken: set[SagaKey] = set()
         self._owned: dict[int, set[SagaKey]] = {}
         self._let_go: asyncio.Event | None = None
+        # The sagas batches of this process left for later and wait for (by
+        # transaction), how many want each, and the order the batches came in.
+        self._wants: dict[int, set[SagaKey]] = {}
+        self._wanted: Counter[SagaKey] = Counter()
+        self._orders: dict[int, int] = {}
+        self._order = 0
 
     @classmethod
     def of(cls, registry: Registry) -> SagaLocks:
@@ -110,6 +128,9 @@ class SagaLocks:
         self._sagas[saga.name] = saga
 
     async def prepare(self, tx: Batch, batch: list[Received], wait: bool) -> set[int]:
+        if wait:
+            # The commit before this let go of the batch's sagas, here as in PostgreSQL.
+            self._let_go_of(tx)
         needs: list[tuple[Received, set[SagaKey]]] = []
         keys: set[SagaKey] = set()
         table: SagaTable | None = None
@@ -133,16 +154,19 @@ class SagaLocks:
             return set()
         states = SagaStates(table)
         if wait:
-            # The commit before this let go of the batch's sagas, here as in PostgreSQL.
-            self._let_go_of(tx)
-            await self._free_here(keys)
+            self._want(tx, keys)
+            await self._free_here(tx, keys)
             self._hold(tx, keys)
             await tx.begin()
             taken = await states.take(tx.connection, keys, True)
         else:
-            # The sagas another loop's batch holds in this process are left for later
-            # without a statement; of the rest, those free in PostgreSQL are taken.
-            mine = keys - self._taken
+            # The sagas another loop's batch holds in this process, or waits for, are
+            # left for later without a statement (a batch claimed after the waiting
+            # one never runs its saga's messages first); of the rest, those free in
+            # PostgreSQL are taken.
+            self._order += 1
+            self._orders[id(tx)] = self._order
+            mine = keys - self._taken - self._wanted.keys()
             self._hold(tx, mine)
             taken = set()
             if mine:
@@ -161,6 +185,8 @@ class SagaLocks:
                 later.add(received.row.id)
                 behind |= names
                 received.sagas = None
+        if behind and not wait:
+            self._want(tx, behind)
         return later
 
     # The loops of one process keep their batches' sagas apart in memory first:
@@ -174,25 +200,58 @@ class SagaLocks:
     def _hold(self, tx: Batch, keys: set[SagaKey]) -> None:
         self._taken |= keys
         self._owned.setdefault(id(tx), set()).update(keys)
+        self._unwant(tx)
 
-    async def _free_here(self, keys: set[SagaKey]) -> None:
-        """Wait until no batch of this process holds any of ``keys``."""
-        while not keys.isdisjoint(self._taken):
+    def _want(self, tx: Batch, keys: set[SagaKey]) -> None:
+        """The batch of ``tx`` will wait for ``keys``: newer batches leave them to it."""
+        self._unwant(tx)
+        self._wants[id(tx)] = keys
+        self._wanted.update(keys)
+
+    def _unwant(self, tx: Batch) -> None:
+        keys = self._wants.pop(id(tx), None)
+        if keys:
+            self._wanted.subtract(keys)
+            for key in keys:
+                if self._wanted[key] <= 0:
+                    del self._wanted[key]
+            self._wake()
+
+    async def _free_here(self, tx: Batch, keys: set[SagaKey]) -> None:
+        """Wait until no batch of this process holds any of ``keys``, nor an older one
+        waits for one of them: each saga runs its messages in the order claimed."""
+        order = self._orders.get(id(tx), 0)
+        while not keys.isdisjoint(self._taken) or any(
+            self._orders.get(other, 0) < order and not keys.isdisjoint(wanted)
+            for other, wanted in self._wants.items()
+        ):
             if self._let_go is None:
                 self._let_go = asyncio.Event()
             await self._let_go.wait()
 
     def _let_go_of(self, tx: Batch) -> None:
+        """Let go of what the batch of ``tx`` holds."""
         keys = self._owned.pop(id(tx), None)
-        if not keys:
-            return
-        self._taken -= keys
+        if keys:
+            self._taken -= keys
+            self._wake()
+
+    def _wake(self) -> None:
         let_go, self._let_go = self._let_go, None
         if let_go is not None:
             let_go.set()
 
+    def released(self, tx: Batch, rest: list[Received]) -> None:
+        # The stopping worker runs no more of them: none takes its sagas again, and
+        # a handler already started takes its own (_held), its old states let go of.
+        self._let_go_of(tx)
+        for received in rest:
+            received.sagas = None
+
     def done(self, tx: Batch) -> None:
         self._let_go_of(tx)
+        self._unwant(tx)
+        self._orders.pop(id(tx), None)
 
     async def flush(self, tx: Batch, batch: list[Received]) -> None:
         written: set[int] = set()

@@ -248,13 +248,13 @@ class Saga(Generic[S]):
             # The saga instance a timeout belongs to; None for a timeout sent before
             # schema version 8 (handled as then: by name and key alone).
             owner = headers.get(SAGA_INSTANCE_HEADER) if is_timeout else None
-            # The key the batch found this saga by, if it found it (SagaLocks).
+            # Else the key the batch found this saga by, if it found it (SagaLocks).
             found = ctx.received.found
             prepared = next((k for s, k in found if s is saga), None) if found else None
-            if prepared is not None:
-                key = prepared
-            elif is_timeout:
+            if is_timeout:
                 key = key_text(headers.get(SAGA_KEY_HEADER))
+            elif prepared is not None:
+                key = prepared
             elif field is not None:
                 if not hasattr(msg, field):
                     raise PermanentError(

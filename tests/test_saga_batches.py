@@ -342,13 +342,15 @@ async def test_handlers_running_at_once_lose_no_update_of_a_shared_saga(
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
 
 
-async def test_two_loops_of_one_process_take_turns_on_a_saga_without_waiting_in_postgres(
-    make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("loops", [2, 3])
+async def test_loops_of_one_process_take_turns_on_a_saga_in_claim_order_without_meeting_in_postgres(
+    make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch, loops: int
 ) -> None:
-    # Two loops, small batches, slow handlers: each loop's batch names the one
-    # saga while the other's is still running. The second batch waits in the
-    # process until the first has committed, and then takes its saga whole: it
-    # never takes a part of its sagas, nor waits for one in PostgreSQL.
+    # Several loops, small batches, slow handlers: each loop's batch names the one
+    # saga while another's is still running. A batch waits in the process until
+    # the one holding the saga has committed, and then takes it whole: it never
+    # takes a part of its sagas in PostgreSQL. With three loops, a batch claimed
+    # after the waiting one does not run the saga's messages before it does.
     partial: list[int] = []
     waited: list[int] = []
     try_lock = PostgresSagaTable.try_lock_keys
@@ -366,14 +368,12 @@ async def test_two_loops_of_one_process_take_turns_on_a_saga_without_waiting_in_
 
     monkeypatch.setattr(PostgresSagaTable, "try_lock_keys", try_lock_keys)
     monkeypatch.setattr(PostgresSagaTable, "lock_keys", lock_keys)
-    bus = make_bus("counting", concurrency=2, batch_size=3, poll_interval=0.2)
+    bus = make_bus("counting", concurrency=loops, batch_size=3, poll_interval=0.2)
     saga = bus.saga(Counter, key="counter")
-    running: list[int] = []
     overlapped: list[bool] = []
 
     @saga.handler(start=True)
     async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
-        running.append(msg.n)
         await asyncio.sleep(0.01)
         state.count += 1
         state.seen.append(msg.n)
@@ -382,11 +382,49 @@ async def test_two_loops_of_one_process_take_turns_on_a_saga_without_waiting_in_
     async def seen(msg: Increment, ctx: Context) -> None:
         overlapped.append(len(bus.worker.in_flight) > 3)
 
-    await _send_all(make_bus, "counting", [Increment(counter="c", n=n) for n in range(30)])
+    await _send_all(make_bus, "counting", [Increment(counter="c", n=n) for n in range(45)])
     async with bus:
         await drain(bus, timeout=30)
         state = await saga.load("c")
-    assert state is not None and state.count == 30 and state.seen == list(range(30))
+    assert state is not None and state.count == 45 and state.seen == list(range(45))
     # Both loops had a batch claimed at once (the test would prove nothing otherwise).
     assert any(overlapped)
     assert partial == []
+
+
+async def test_a_batch_claimed_later_waits_for_an_older_one_left_waiting_for_the_same_saga(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # Three loops. Batch H [a0, a1] holds saga "a" (slowly). Batch W [a2, b3],
+    # claimed next, leaves a2 for later and runs b3 (slower). H ends while b3
+    # runs; batch N [a4, a5], claimed after that, must leave "a" to W, whose a2
+    # is older: each saga runs its messages in the order they were claimed.
+    bus = make_bus("counting", concurrency=3, batch_size=2, poll_interval=0.2)
+    saga = bus.saga(Counter, key="counter")
+    started: dict[int, asyncio.Event] = {n: asyncio.Event() for n in range(6)}
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        started[msg.n].set()
+        if msg.n in (0, 1):
+            await asyncio.sleep(0.3)
+        elif msg.counter == "b":
+            await asyncio.sleep(1.5)
+        state.count += 1
+        state.seen.append(msg.n)
+
+    async with make_bus("counting", concurrency=0) as sender, bus:
+        for n in (0, 1):
+            await sender.send(Increment(counter="a", n=n), to="counting")
+        await asyncio.wait_for(started[0].wait(), 20)
+        async with db.transaction():  # one commit: one claim takes both
+            await sender.send(Increment(counter="a", n=2), to="counting", connection=db)
+            await sender.send(Increment(counter="b", n=3), to="counting", connection=db)
+        await asyncio.wait_for(started[3].wait(), 20)  # W runs b3; a2 left for later
+        # H is done with "a" (b3 runs for 1.5 s more): now N is claimed.
+        await wait_until(lambda: bus.worker.handled >= 2, timeout=20)
+        for n in (4, 5):
+            await sender.send(Increment(counter="a", n=n), to="counting")
+        await drain(bus, timeout=20)
+        state = await saga.load("a")
+    assert state is not None and state.seen == [0, 1, 2, 4, 5]

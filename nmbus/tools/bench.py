@@ -49,6 +49,10 @@ medians, with the settings they ran under. The modes:
                    against the same handler without a saga; then ``processes``
                    processes of ``concurrency`` loops on ``sagas`` sagas: wall
                    time, deadlocks, messages in F (``bench_saga.py``).
+``burst``          a burst stored while the worker waits on a quiet queue (a new
+                   one, and one at rest: its rows processed when last
+                   analyzed), against the drain of the same messages
+                   pre-loaded and analyzed before it starts (``bench_burst.py``).
 ``routed``         a send through the outbox and the forwarder to a queue in a
                    second database, against a local send, in one run: p50/p99
                    latency and burst throughput (``bench_routed.py``).
@@ -110,6 +114,7 @@ MODES = (
     "reply",
     "retention",
     "flow",
+    "burst",
 )
 ALL_MODES = ("ceiling", "peers", "drain", "transactional", "latency", "fanout")
 
@@ -383,6 +388,12 @@ async def run(
                 elif name in ("contended_deadlocks", "contended_messages_in_f"):
                     unit = ""
                 results["saga"].add(name, value, unit)
+        if "burst" in results:
+            progress(f"a burst into a quiet queue, run {rep}")
+            from nmbus.tools.bench_burst import measure_burst
+
+            for name, value in (await measure_burst(options)).items():
+                results["burst"].add(name, value, "x" if name.startswith("ratio") else "msg/s")
         if "reply" in results:
             progress(f"request/reply round trips, run {rep}")
             from nmbus.tools.bench_reply import measure_reply
@@ -445,6 +456,10 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
             "contended_processes": o.processes,
             "contended_sagas": o.sagas,
         }
+    if mode == "burst":
+        from nmbus.tools.bench_burst import REST_ROWS
+
+        return {**base, "messages": o.messages, "rest_rows": REST_ROWS}
     if mode == "reply":
         from nmbus.tools.bench_reply import HANDLER_CONCURRENCY, IN_TIME
 

@@ -13,10 +13,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nmbus.bus import Bus
-from nmbus.context import Context
 from nmbus.tools.bench_scenarios import drain_timeout, wait_until
-from nmbus.tools.bench_scratch import QUEUE, TICK, BenchOptions, Scratch, Tick
+from nmbus.tools.bench_scratch import QUEUE, TICK, BenchOptions, Scratch, noop_bus
 from nmbus.tools.sql import render
 
 ScratchRun = Callable[[str, Callable[[Scratch], Awaitable[Any]]], Awaitable[Any]]
@@ -40,14 +38,7 @@ async def measure_delivery_drain(
     )
     await scratch.c.execute(render("bench_vacuum", scratch.schema, QUEUE))
     await scratch.checkpoint()
-    bus = Bus(QUEUE, settings=options.bus_settings(scratch.schema))
-    first: list[float] = []
-
-    @bus.handler
-    async def noop(msg: Tick, ctx: Context) -> None:
-        if not first:
-            first.append(time.perf_counter())
-
+    bus, first = noop_bus(options, scratch.schema)
     async with bus:
         await wait_until(lambda: bus.worker.handled >= total, drain_timeout(total) * 4)
         elapsed = time.perf_counter() - first[0]

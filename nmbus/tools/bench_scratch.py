@@ -8,12 +8,15 @@ the database it is pointed at.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
 
+from nmbus.bus import Bus
+from nmbus.context import Context
 from nmbus.messages import Message, type_name
 from nmbus.postgres.pubsub import create_queue_on
 from nmbus.postgres.schema import install_schema
@@ -126,3 +129,17 @@ class Scratch:
     async def count(self, subqueue: str, queue: str = QUEUE) -> int:
         sql = render("bench_count_subqueue", self.schema, queue)
         return int(await self.c.fetchval(sql, subqueue))
+
+
+def noop_bus(options: BenchOptions, schema: str) -> tuple[Bus, list[float]]:
+    """A bus on the bench queue whose one handler does nothing, and the list its
+    first call puts its ``perf_counter`` time in (a drain is timed from there)."""
+    bus = Bus(QUEUE, settings=options.bus_settings(schema))
+    first: list[float] = []
+
+    @bus.handler
+    async def noop(msg: Tick, ctx: Context) -> None:
+        if not first:
+            first.append(time.perf_counter())
+
+    return bus, first

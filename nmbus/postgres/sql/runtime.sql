@@ -142,22 +142,29 @@ ready AS (
 -- Fragment of every claim: lease the rows of `ready` to client {:client} for
 -- {:lease} seconds and count the attempt (see claim); returns what the worker
 -- reads of a claimed row. The last column is the expired flag, which
--- claim_after_finish names (AS expired). The rows are named as an array of ids
--- too: over segments, a generic plan would join `ready` by reading every segment
--- whole; the array keeps it on the primary key, and the ready floor {:floor}
--- on the segments that can hold them.
+-- claim_after_finish names (AS expired). The rows are named as an array of ids,
+-- never joined to `ready`: the planner's estimate of `ready` comes from the
+-- statistics of a queue that was empty, or nearly all in X, when last analyzed,
+-- and a join planned for two rows ran once per row of a batch of 500 (a probe
+-- of the primary key each, or a comparison with every other row). The array
+-- keeps the update on one scan of the primary key, and the
+-- ready floor {:floor} on the segments that can hold them. `recovered` is
+-- looked up in arrays of the few rows a lease had held (empty in the common
+-- case).
 UPDATE {queue} AS q
 SET retry_count = least(q.retry_count, 2147483646) + 1,
     isolated = false,
     handling_client_id = {:client},
     lease_expires = now() + make_interval(secs => {:lease})
-FROM ready
-WHERE q.id = ready.id
-  AND q.id = ANY (ARRAY(SELECT id FROM ready))
+WHERE q.id = ANY (ARRAY(SELECT id FROM ready))
   AND q.id >= {:floor}
 RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
           q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
-          ready.recovered, q.priority, coalesce(q.expires_at <= now(), false) AS expired
+          CASE WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 1)) THEN 1
+               WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 2)) THEN 2
+               WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 3)) THEN 3
+               ELSE 0 END AS recovered,
+          q.priority, coalesce(q.expires_at <= now(), false) AS expired
 
 -- finish --
 -- Record the outcome of a claimed batch in one statement. Per row:

@@ -25,19 +25,23 @@ inline. Rows sent, retried or moved by retention go to the segment being
 written or stay where they are counted, never below the floor. A row comes
 back below it only by hand, when an operator requeues an F or X row of an
 older segment; it then waits about :data:`REFRESH_SECONDS` before a claim
-sees it.
+sees it. Each read in the background also analyzes the segments full claims
+took rows from, where their planner statistics say they hold almost no ready
+rows: a burst has outgrown them (nmbus/postgres/outgrown.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import structlog
 
+from nmbus.messages import StoredMessage
+from nmbus.postgres.outgrown import AGAIN_SECONDS, FULL_CLAIM, analyze_outgrown, claimed_from
 from nmbus.postgres.segments import LOWEST_ID, Segment, segment_of
 from nmbus.postgres.sql import SEGMENT_SPAN, quote_ident, render
 
@@ -94,6 +98,10 @@ class ReadyFloors:
         # None: on the caller's connection, as the first read always is.
         self._connection = connection
         self._reading: dict[str, asyncio.Task[None]] = {}
+        # Per queue, the segments full claims took rows from since the last look.
+        self._full: dict[str, set[int]] = {}
+        # When this process may analyze each (queue, segment) again.
+        self._analyzed: dict[tuple[str, int], float] = {}
 
     def cached(self, queue: str) -> int:
         """The floor last read (NO_FLOOR before the first read), without a query."""
@@ -133,7 +141,8 @@ class ReadyFloors:
         try:
             async with self._connection() as conn:
                 value, grouped = await read_floor_and_groups(conn, self._schema, queue)
-            self._floors[queue] = (value, grouped, time.monotonic())
+                self._floors[queue] = (value, grouped, time.monotonic())
+                await self._renew_statistics(conn, queue)
         except Exception as exc:  # the loops' own statements will say what is wrong
             log.warning("ready_floor_not_read", queue=queue, error=str(exc))
             found = self._floors.get(queue)
@@ -141,6 +150,29 @@ class ReadyFloors:
                 self._floors[queue] = (found[0], found[1], time.monotonic())
         finally:
             self._reading.pop(queue, None)
+
+    def claimed(self, queue: str, messages: Sequence[StoredMessage]) -> None:
+        """Note a claim's rows: a full batch marks the segments they came from."""
+        if len(messages) >= FULL_CLAIM:
+            self._full.setdefault(queue, set()).update(claimed_from(messages))
+
+    async def _renew_statistics(self, conn: Any, queue: str) -> None:
+        """Analyze the marked segments a burst has outgrown (nmbus/postgres/outgrown.py)."""
+        marked = self._full.pop(queue, None)
+        now = time.monotonic()
+        if marked:
+            marked = {n for n in marked if now >= self._analyzed.get((queue, n), now)}
+        if not marked:
+            return
+        try:
+            for number in await analyze_outgrown(conn, self._schema, queue, marked):
+                self._analyzed[(queue, number)] = now + AGAIN_SECONDS
+        except Exception as exc:  # autovacuum still comes; the floor was read
+            # Not tried again for a while (a statement_timeout shorter than an
+            # analyze would otherwise fail, and say so, every second).
+            for number in marked:
+                self._analyzed[(queue, number)] = now + AGAIN_SECONDS
+            log.warning("statistics_not_renewed", queue=queue, error=str(exc))
 
     def forget(self, queue: str) -> None:
         """Read the floor of ``queue`` again before its next use."""

@@ -223,7 +223,7 @@ class Forwarder:
             with wrap_errors("forward from the outbox"):
                 async with local.transaction():
                     key = f"nmbus.outbox.{self.schema}.{queue}"
-                    if not await local.fetchval(render("outbox_lock", self.schema), key):
+                    if not await local.fetchval(render("try_advisory_lock", self.schema), key):
                         return None
                     rows = await local.fetch(
                         render("outbox_take", self.schema), queue, self.batch_size

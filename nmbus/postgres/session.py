@@ -207,7 +207,9 @@ class PostgresBatch:
                 floor,
             )
         finished = int(rows[0]["finished"]) if rows else 0
-        return finished, claimed(rows)
+        messages = claimed(rows)
+        self._floors.claimed(queue, messages)
+        return finished, messages
 
 
 class PostgresSession:
@@ -254,7 +256,9 @@ class PostgresSession:
                 rows = await self._conn.fetch(
                     render("claim", self._schema, queue), limit, client_id, lease, floor
                 )
-        return claimed(rows)
+        messages = claimed(rows)
+        self._floors.claimed(queue, messages)
+        return messages
 
     async def _claim_fair(
         self, queue: str, limit: int, client_id: str, lease: float, floor: int

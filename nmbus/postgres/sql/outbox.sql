@@ -20,11 +20,6 @@ WITH ins AS (
 )
 SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
 
--- outbox_lock --
--- Become the one forwarder of a destination queue until this transaction ends,
--- or learn that another one is. $1: lock key text.
-SELECT pg_try_advisory_xact_lock(hashtext($1));
-
 -- outbox_take --
 -- The oldest $2 outbox rows bound for queue $1, in the order they were written.
 SELECT id, from_endpoint, deliver_at, correlation_id, label, msg_text, msg_headers::text,

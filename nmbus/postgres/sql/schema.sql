@@ -22,6 +22,13 @@
 -- Serialise schema changes of one schema across processes. $1: lock key text.
 SELECT pg_advisory_xact_lock(hashtext($1));
 
+-- try_advisory_lock --
+-- Become the one holder of lock $1 (key text) until this transaction ends, or
+-- learn that another process holds it: the forwarder of a destination queue
+-- (nmbus/postgres/forwarder.py), the analyze of a segment
+-- (nmbus/postgres/outgrown.py).
+SELECT pg_try_advisory_xact_lock(hashtext($1));
+
 -- create_schema --
 -- Create the schema and its shared tables (idempotent).
 CREATE SCHEMA IF NOT EXISTS {schema};

@@ -18,7 +18,8 @@ ORDER BY number;
 -- (see segment_list), in no order.
 SELECT c.relname AS name,
        substr(c.relname, length(p.relname) + 3)::bigint AS number,
-       obj_description(c.oid, 'pg_class') AS note
+       obj_description(c.oid, 'pg_class') AS note,
+       c.oid AS relid
 FROM pg_inherits AS i
 JOIN pg_class AS c ON c.oid = i.inhrelid
 JOIN pg_class AS p ON p.oid = i.inhparent
@@ -54,6 +55,32 @@ SELECT min(CASE WHEN EXISTS (
                WHERE q.subqueue IN ('I', 'R') AND q.retry_time < 'infinity'
                  AND q.msg_headers ? 'nmbus-group') AS grouped
 FROM ({segment_catalog}) AS s;
+
+-- outgrown_segments --
+-- Of segments $2 (numbers) of queue table $1 (see segment_list), those whose
+-- planner statistics a burst has outgrown (nmbus/postgres/outgrown.py): the
+-- worker's claims took a full batch from each, while its statistics say it
+-- holds fewer than $3 ready rows (its rows at the last analyze times the share
+-- of every value of `subqueue` but X and F, the values left out of the most
+-- common ones included). Left out: a segment this role may not analyze (it
+-- does not own it).
+SELECT s.number
+FROM ({segment_catalog}) AS s
+JOIN pg_class AS c ON c.oid = s.relid
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE s.number = ANY ($2::bigint[])
+  AND pg_has_role(c.relowner, 'USAGE')
+  AND greatest(c.reltuples, 0) * coalesce(
+        (SELECT 1 - coalesce(sum(m.f) FILTER (WHERE m.v IN ('X', 'F')), 0)
+         FROM pg_stats AS p,
+              unnest(p.most_common_vals::text::text[], p.most_common_freqs) AS m(v, f)
+         WHERE p.schemaname = n.nspname AND p.tablename = s.name
+           AND p.attname = 'subqueue'), 1) < $3
+ORDER BY s.number;
+
+-- analyze_segment --
+-- Renew the planner statistics of one segment (nmbus/postgres/outgrown.py).
+ANALYZE {segment};
 
 -- segment_floor --
 -- Fragment of ready_floor: the lowest id segment s.number holds (segment 0

@@ -41,7 +41,7 @@ from typing import Any
 import structlog
 
 from nmbus.messages import StoredMessage
-from nmbus.postgres.outgrown import AGAIN_SECONDS, FULL_CLAIM, analyze_outgrown, claimed_from
+from nmbus.postgres.outgrown import AGAIN_SECONDS, analyze_outgrown, claimed_from
 from nmbus.postgres.segments import LOWEST_ID, Segment, segment_of
 from nmbus.postgres.sql import SEGMENT_SPAN, quote_ident, render
 
@@ -153,8 +153,9 @@ class ReadyFloors:
 
     def claimed(self, queue: str, messages: Sequence[StoredMessage]) -> None:
         """Note a claim's rows: a full batch marks the segments they came from."""
-        if len(messages) >= FULL_CLAIM:
-            self._full.setdefault(queue, set()).update(claimed_from(messages))
+        segments = claimed_from(messages)
+        if segments:
+            self._full.setdefault(queue, set()).update(segments)
 
     async def _renew_statistics(self, conn: Any, queue: str) -> None:
         """Analyze the marked segments a burst has outgrown (nmbus/postgres/outgrown.py)."""

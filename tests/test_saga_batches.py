@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from nmbus import Bus, Context, Message, Saga
 from nmbus.postgres.sagas import PostgresSagaTable
+from nmbus.store import SagaSave
 from nmbus.testing import drain
 from tests.saga_workers import Counter, Increment
 from tests.waits import wait_until
@@ -430,3 +431,81 @@ async def test_a_batch_claimed_later_waits_for_an_older_one_left_waiting_for_the
         await drain(bus, timeout=20)
         state = await saga.load("a")
     assert state is not None and state.seen == [0, 1, 2, 4, 5]
+
+
+async def test_a_handler_started_before_a_stop_takes_its_saga_again_after_the_part_commit(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+) -> None:
+    # Handlers at once. G (saga "g") holds the batch's connection until let go; H
+    # (saga "a") has started, in a handler before its saga handler. The worker
+    # stops, G ends, and its part is committed: that commit let go of the batch's
+    # lock on "a", and another transaction changes "a". H's saga handler must lock
+    # and read "a" again, not work on the state the batch read before the commit.
+    bus = make_bus("counting", handler_concurrency=2, batch_size=10, batch_commit_interval=0.05)
+    saga = bus.saga(Counter, key="counter")
+    g_runs, h_runs, g_go, h_go = (asyncio.Event() for _ in range(4))
+
+    @bus.handler
+    async def before(msg: Increment, ctx: Context) -> None:
+        if msg.n == 1:
+            h_runs.set()
+            await h_go.wait()
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        if msg.n == 0:
+            g_runs.set()
+            await g_go.wait()
+        state.count += 1
+        state.seen.append(msg.n)
+
+    # Saga "a" exists already: counted once by an earlier worker.
+    seed = make_bus("counting")
+    seeded = seed.saga(Counter, key="counter")
+
+    @seeded.handler(start=True)
+    async def seed_count(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+        state.seen.append(msg.n)
+
+    await _send_all(make_bus, "counting", [Increment(counter="a", n=7)])
+    async with seed:
+        await drain(seed)
+    await _send_all(
+        make_bus, "counting", [Increment(counter="g", n=0), Increment(counter="a", n=1)]
+    )
+    table = PostgresSagaTable(None, "nmbus", "counting")
+    await bus.start()
+    stopping: asyncio.Task[None] | None = None
+    try:
+        await asyncio.wait_for(g_runs.wait(), 20)
+        await asyncio.wait_for(h_runs.wait(), 20)
+        stopping = asyncio.create_task(bus.stop())
+        await wait_until(lambda: bus.worker._stopping.is_set(), timeout=5)
+        g_go.set()
+        g_done = "SELECT subqueue FROM nmbus.counting WHERE msg_text::jsonb->>'n' = '0'"
+        assert await wait_until(g_done, db=db, until=lambda sq: sq == "X", timeout=20) == "X"
+        # Another worker's batch counts 100 into "a" (free since the part commit).
+        other = await asyncpg.connect(dsn)
+        try:
+            async with other.transaction():
+                await table.lock_keys(other, [("Counter", "a")])
+                row = (await table.lock_rows(other, [("Counter", "a")]))[("Counter", "a")]
+                state = Counter.model_validate_json(row.state)
+                state.count += 100
+                save = SagaSave("Counter", "a", state.model_dump_json(), row.instance, 1)
+                await table.write(other, [save], [])
+        finally:
+            await other.close()
+        h_go.set()
+        await asyncio.wait_for(stopping, 20)
+    finally:
+        g_go.set()
+        h_go.set()
+        if stopping is None:
+            await bus.stop()
+    row = (await table.lock_rows(db, [("Counter", "a")]))[("Counter", "a")]
+    a = Counter.model_validate_json(row.state)
+    assert (a.count, a.seen) == (102, [7, 1])
+    rows = await db.fetch("SELECT subqueue FROM nmbus.counting ORDER BY id")
+    assert [r["subqueue"] for r in rows] == ["X", "X", "X"]

@@ -40,6 +40,9 @@ class SagaLike(Protocol):
 #: in a third of a page.
 MAX_KEY_LENGTH = MAX_KEY_BYTES
 
+#: What a saga key may be (a tuple: ``str | int | UUID`` would be built on every call).
+KEY_TYPES = (str, int, uuid.UUID)
+
 
 def key_text(value: object) -> str:
     """The stored form of a saga key: ``str`` of a str, int or UUID; anything else is refused.
@@ -47,7 +50,7 @@ def key_text(value: object) -> str:
     ``saga.load(42)`` and ``saga.load("42")`` name the same saga. Raises
     PermanentError (the message goes to F) for a key that can never work.
     """
-    if isinstance(value, bool) or not isinstance(value, str | int | uuid.UUID):
+    if isinstance(value, bool) or not isinstance(value, KEY_TYPES):
         raise PermanentError(
             f"a saga key must be a str, an int or a UUID, got {type(value).__name__}"
         )

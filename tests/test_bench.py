@@ -17,7 +17,9 @@ from nmbus import Bus
 from nmbus.cli import app
 from nmbus.tools import bench_graphile
 from nmbus.tools.bench import BenchOptions, run
-from nmbus.tools.bench_scenarios import percentile
+from nmbus.tools.bench_scenarios import measure_ceiling, percentile
+from nmbus.tools.bench_scratch import QUEUE, Scratch
+from nmbus.tools.sql import render
 from tests.messages import Ping
 
 SMALL = [
@@ -313,3 +315,16 @@ async def test_flow_measures_concurrency_rate_and_the_claim_with_many_groups(dsn
     assert figures["fairness_drain_per_s"] > 0
     assert result.settings["groups"] == 10_000
     assert await _schemas(dsn) == []
+
+
+async def test_the_single_write_ceiling_writes_each_row_once_and_leaves_no_record(
+    dsn: str,
+) -> None:
+    # Two loops over 1,000 rows in batches of 100: each row claimed by one batch,
+    # its attempt counted once, and every batch's record gone with its commit.
+    options = BenchOptions(dsn=dsn, messages=1_000, batch_size=100, concurrency=2)
+    async with Scratch(dsn) as scratch:
+        assert await measure_ceiling(options, scratch, single=True) > 0
+        rows = await scratch.c.fetch(render("bench_attempts", scratch.schema, QUEUE))
+        assert [tuple(r) for r in rows] == [("X", 1, 1_000)]
+        assert await scratch.c.fetchval(render("bench_single_write_left", scratch.schema)) == 0

@@ -6,12 +6,15 @@ at (:mod:`nmbus.tools.bench_scratch`). Each mode is measured by a function of
 :mod:`nmbus.tools.bench_scenarios`; this module repeats them and gathers the
 medians, with the settings they ran under. The modes:
 
-``ceiling``        two bare asyncpg loops nmbus is measured against. One-statement:
+``ceiling``        bare asyncpg loops nmbus is measured against. One-statement:
                    claim up to a batch of ready rows with ``FOR UPDATE SKIP
                    LOCKED`` and mark them X, one autocommitted statement per
                    batch. Crash-safe: nmbus's own two writes (the claim that
                    counts the attempt and takes a lease, then one statement that
                    marks a batch X and claims the next), with no framework.
+                   Single-write: a claim that writes each row once (row locks
+                   in the batch's transaction, a per-batch record committed on
+                   a second connection), the design nmbus does not have.
 ``peers``          pgqueuer (the ``peers`` extra) draining as many jobs at batch
                    sizes 10 and 100, and graphile-worker (Node.js, installed
                    beforehand: nmbus/tools/bench_graphile.py) at its default
@@ -232,11 +235,16 @@ async def run(
                 dsn, partial(measure_ceiling, options, safe=True, cpu_used=safe_cpu)
             )
             if "ceiling" in results:
+                progress(f"single-write ceiling, run {rep}")
+                single = await _scratch_run(dsn, partial(measure_ceiling, options, single=True))
                 res = results["ceiling"]
                 res.add("messages_per_s", ceiling, "msg/s")
                 res.add("crash_safe_messages_per_s", safe, "msg/s")
                 res.add("crash_safe_ratio", safe / ceiling, "x")
                 res.add("crash_safe_cpu_us_per_msg", safe_cpu[0], "us")
+                res.add("single_write_messages_per_s", single, "msg/s")
+                res.add("single_write_ratio", single / ceiling, "x")
+                res.add("single_write_to_crash_safe", single / safe, "x")
         drain = None
         if "drain" in results:
             progress(f"drain, run {rep}")

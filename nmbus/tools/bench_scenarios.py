@@ -7,6 +7,7 @@ the modes are described there.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -61,70 +62,98 @@ async def measure_ceiling(
     scratch: Scratch,
     *,
     safe: bool = False,
+    single: bool = False,
     loops: int | None = None,
     cpu_used: list[float] | None = None,
 ) -> float:
     """Messages per second of a bare asyncpg loop, ``loops`` (default ``concurrency``) of them.
 
-    One-statement (``safe=False``): claim and mark X in one autocommitted
+    One-statement (neither flag): claim and mark X in one autocommitted
     statement per batch, what a queue that forgets a message its worker died
     on can do at best. Crash-safe (``safe=True``): the two writes nmbus itself
     makes, with nmbus's own statements: a claim that counts the attempt and
     takes a lease, then one statement per batch that marks the batch X and
     claims the next one. No decoding, no handler, no framework: the limit of
-    nmbus's design on this server.
+    nmbus's design on this server. Single-write (``single=True``): a claim that
+    writes each row once, the design nmbus does not have (docs/performance.md):
+    the batch's transaction locks its rows, a record of them is committed on a
+    second connection before the handlers would run (crash accounting), and
+    one UPDATE counts the attempt, marks X and drops the record at the commit.
     """
     await scratch.create_queue()
     await scratch.preload(options.messages)
     await scratch.checkpoint()
-    if safe:
-        claim = core_sql.render("claim", scratch.schema, QUEUE)
-        finish = core_sql.render("finish_claim_processed", scratch.schema, QUEUE)
-        statements = [claim, finish]
-    else:
-        sql = render("bench_ceiling", scratch.schema, QUEUE)
-        statements = [sql]
     count = options.concurrency if loops is None else loops
+    batch, lease, client = options.claim_size, 60.0, "bench-ceiling"
+    done = 0
+    record = ""
+
+    async def one_statement(conn: asyncpg.Connection, _: int) -> None:
+        nonlocal done
+        while rows := await conn.fetch(statements[0], batch):
+            done += len(rows)
+
+    async def crash_safe(conn: asyncpg.Connection, _: int) -> None:
+        nonlocal done
+        claim, finish = statements
+        rows = await conn.fetch(claim, batch, client, lease, floor)
+        while rows:
+            ids = [r[0] for r in rows]
+            rows = await conn.fetch(finish, ids, client, batch, lease, floor)
+            done += rows[0][13]
+            if rows[0][0] is None:
+                return
+
+    async def single_write(conn: asyncpg.Connection, index: int) -> None:
+        nonlocal done
+        claim, finish = statements
+        side = sides[index]
+        holder = secrets.randbits(62)  # the advisory lock that says this loop lives
+        while True:
+            async with conn.transaction():
+                rows = await conn.fetch(claim, batch, holder)
+                if not rows:
+                    return
+                ids = [r[0] for r in rows]
+                number = await side.fetchval(record, holder, ids)
+                await conn.execute(finish, ids, number)
+            done += len(rows)
+
+    loop: Callable[[asyncpg.Connection, int], Coroutine[Any, Any, None]]
+    if single:
+        await scratch.c.execute(render("bench_single_write_create", scratch.schema))
+        names = ("bench_single_write_claim", "bench_single_write_finish")
+        statements = [render(name, scratch.schema, QUEUE) for name in names]
+        record = render("bench_single_write_record", scratch.schema)
+        loop = single_write
+    elif safe:
+        names = ("claim", "finish_claim_processed")
+        statements = [core_sql.render(name, scratch.schema, QUEUE) for name in names]
+        loop = crash_safe
+    else:
+        statements = [render("bench_ceiling", scratch.schema, QUEUE)]
+        loop = one_statement
+    floor = await read_floor(scratch.c, scratch.schema, QUEUE)
     # The server settings of a worker connection (its plans), as nmbus's own workers.
     conns = [
         await asyncpg.connect(options.dsn, server_settings=WORKER_SERVER_SETTINGS)
         for _ in range(count)
     ]
-    batch, lease, client = options.claim_size, 60.0, "bench-ceiling"
+    sides = [await asyncpg.connect(options.dsn) for _ in range(count if single else 0)]
     try:
-        for conn in conns:  # prepare outside the timed part, as asyncpg's cache would
+        # Prepared outside the timed part, as asyncpg's statement cache would be.
+        for conn in conns:
             for statement in statements:
                 await conn.prepare(statement)
-        done = 0
-
-        async def one_statement(conn: asyncpg.Connection) -> None:
-            nonlocal done
-            while True:
-                rows = await conn.fetch(sql, batch)
-                if not rows:
-                    return
-                done += len(rows)
-
-        floor = await read_floor(scratch.c, scratch.schema, QUEUE)
-
-        async def crash_safe(conn: asyncpg.Connection) -> None:
-            nonlocal done
-            rows = await conn.fetch(claim, batch, client, lease, floor)
-            while rows:
-                ids = [r[0] for r in rows]
-                rows = await conn.fetch(finish, ids, client, batch, lease, floor)
-                done += rows[0][13]
-                if rows[0][0] is None:
-                    return
-
-        loop = crash_safe if safe else one_statement
+        for conn in sides:
+            await conn.prepare(record)
         cpu = time.process_time()
         started = time.perf_counter()
-        await asyncio.gather(*(loop(c) for c in conns))
+        await asyncio.gather(*(loop(c, i) for i, c in enumerate(conns)))
         elapsed = time.perf_counter() - started
         cpu = time.process_time() - cpu
     finally:
-        for conn in conns:
+        for conn in conns + sides:
             await conn.close()
     if done != options.messages:
         raise RuntimeError(f"ceiling loop marked {done} rows, expected {options.messages}")

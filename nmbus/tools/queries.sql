@@ -79,6 +79,51 @@ WHERE q.id = ANY (ARRAY(
 RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
           q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id;
 
+-- bench_single_write_create --
+-- The per-batch record of a claim that writes each row once (the single-write
+-- ceiling): which rows a batch holds, and the advisory lock its transaction
+-- holds while it lives (so a record whose holder is not locked is a crash).
+CREATE TABLE {schema}.bench_in_flight (
+    batch bigserial PRIMARY KEY,
+    holder bigint NOT NULL,
+    ids bigint[] NOT NULL
+);
+
+-- bench_single_write_claim --
+-- The single-write claim, in the batch's own transaction: lock up to $1 ready
+-- rows with SKIP LOCKED (a row lock, no new row version) and take the advisory
+-- lock $2 that says the holder lives (once: an InitPlan). The same columns as
+-- the claim returns; the attempt is counted when the batch finishes.
+SELECT q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
+       q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id
+FROM {queue} AS q
+WHERE q.subqueue IN ('I', 'R') AND q.retry_time <= now() AND q.retry_time < 'infinity'
+  AND (SELECT pg_try_advisory_xact_lock($2::bigint))
+ORDER BY q.priority DESC, q.retry_time, q.id
+LIMIT $1
+FOR UPDATE OF q SKIP LOCKED;
+
+-- bench_single_write_record --
+-- Before the handlers run, on a connection of its own (committed at once): the
+-- batch's record, holder $1, rows $2. Returns its number.
+INSERT INTO {schema}.bench_in_flight (holder, ids) VALUES ($1::bigint, $2) RETURNING batch;
+
+-- bench_single_write_finish --
+-- The batch's one write of its rows $1, in its own transaction: the attempt
+-- counted, X, and its record $2 gone with the same commit.
+WITH ended AS (DELETE FROM {schema}.bench_in_flight WHERE batch = $2)
+UPDATE {queue} AS q
+SET subqueue = 'X', retry_count = q.retry_count + 1, last_processed = clock_timestamp()
+WHERE q.id = ANY ($1::bigint[]);
+
+-- bench_single_write_left --
+-- The records of batches of the single-write ceiling still there (0 after a run).
+SELECT count(*) FROM {schema}.bench_in_flight;
+
+-- bench_attempts --
+-- A queue's rows by subqueue and attempts counted, for checks.
+SELECT subqueue, retry_count, count(*) AS n FROM {queue} GROUP BY 1, 2 ORDER BY 1, 2;
+
 -- bench_claim_one --
 -- The one-message-per-transaction baseline: lock one ready row.
 SELECT id, label, msg_text FROM {queue}

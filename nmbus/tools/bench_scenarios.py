@@ -134,13 +134,14 @@ async def measure_ceiling(
         statements = [render("bench_ceiling", scratch.schema, QUEUE)]
         loop = one_statement
     floor = await read_floor(scratch.c, scratch.schema, QUEUE)
-    # The server settings of a worker connection (its plans), as nmbus's own workers.
-    conns = [
-        await asyncpg.connect(options.dsn, server_settings=WORKER_SERVER_SETTINGS)
-        for _ in range(count)
-    ]
-    sides = [await asyncpg.connect(options.dsn) for _ in range(count if single else 0)]
+    conns: list[asyncpg.Connection] = []
+    sides: list[asyncpg.Connection] = []
     try:
+        for _ in range(count):
+            # The server settings of a worker connection (its plans), as nmbus's own workers.
+            conns.append(await asyncpg.connect(options.dsn, server_settings=WORKER_SERVER_SETTINGS))
+        for _ in range(count if single else 0):
+            sides.append(await asyncpg.connect(options.dsn))
         # Prepared outside the timed part, as asyncpg's statement cache would be.
         for conn in conns:
             for statement in statements:

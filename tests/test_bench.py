@@ -17,7 +17,7 @@ from nmbus import Bus
 from nmbus.cli import app
 from nmbus.tools import bench_graphile
 from nmbus.tools.bench import BenchOptions, run
-from nmbus.tools.bench_scenarios import measure_ceiling, percentile
+from nmbus.tools.bench_scenarios import _check_single_write, measure_ceiling, percentile
 from nmbus.tools.bench_scratch import QUEUE, Scratch
 from nmbus.tools.sql import render
 from tests.messages import Ping
@@ -328,3 +328,23 @@ async def test_the_single_write_ceiling_writes_each_row_once_and_leaves_no_recor
         rows = await scratch.c.fetch(render("bench_attempts", scratch.schema, QUEUE))
         assert [tuple(r) for r in rows] == [("X", 1, 1_000)]
         assert await scratch.c.fetchval(render("bench_single_write_left", scratch.schema)) == 0
+
+
+async def test_the_single_write_ceiling_fails_when_a_row_or_a_record_is_not_as_it_must_be(
+    dsn: str,
+) -> None:
+    # Its own check, on what a broken loop would leave: rows never marked, and the
+    # record of a batch that never finished.
+    async with Scratch(dsn) as scratch:
+        await scratch.create_queue()
+        await scratch.preload(10)
+        await scratch.c.execute(render("bench_single_write_create", scratch.schema))
+        with pytest.raises(RuntimeError, match=r"left rows \[\('I', 0, 10\)\]"):
+            await _check_single_write(scratch, 10)
+        await scratch.c.execute(
+            f"UPDATE {scratch.schema}.bench SET subqueue = 'X', retry_count = 1"
+        )
+        await _check_single_write(scratch, 10)
+        await scratch.c.fetchval(render("bench_single_write_record", scratch.schema), 1, [1, 2])
+        with pytest.raises(RuntimeError, match="and 1 records"):
+            await _check_single_write(scratch, 10)

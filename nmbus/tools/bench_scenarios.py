@@ -158,9 +158,25 @@ async def measure_ceiling(
             await conn.close()
     if done != options.messages:
         raise RuntimeError(f"ceiling loop marked {done} rows, expected {options.messages}")
+    if single:
+        await _check_single_write(scratch, options.messages)
     if cpu_used is not None:
         cpu_used.append(cpu * 1e6 / done)
     return done / elapsed
+
+
+async def _check_single_write(scratch: Scratch, messages: int) -> None:
+    """The single-write loop checks itself: each row marked X once, its attempt
+    counted once, and no batch's record left behind."""
+    rows = [
+        tuple(r) for r in await scratch.c.fetch(render("bench_attempts", scratch.schema, QUEUE))
+    ]
+    left = await scratch.c.fetchval(render("bench_single_write_left", scratch.schema))
+    if rows != [("X", 1, messages)] or left:
+        raise RuntimeError(
+            f"the single-write loop left rows {rows} (subqueue, attempts, count) and {left} "
+            f"records, expected [('X', 1, {messages})] and none"
+        )
 
 
 # -- drain and transactional ----------------------------------------------------------

@@ -50,10 +50,6 @@ log = structlog.get_logger("nmbus.worker")
 #: How long a worker trusts a queue's ready floor before reading it again.
 REFRESH_SECONDS = 1.0
 
-#: A full claim this long after the last one is a burst's first: its segments are
-#: looked at at once (ReadyFloors.claimed).
-QUIET_SECONDS = 10.0
-
 #: The lowest bigint: the floor of a queue before it is read (every segment).
 NO_FLOOR = LOWEST_ID
 
@@ -102,11 +98,8 @@ class ReadyFloors:
         # None: on the caller's connection, as the first read always is.
         self._connection = connection
         self._reading: dict[str, asyncio.Task[None]] = {}
-        # Per queue, the segments full claims took rows from since the last look,
-        # when a full claim was last made, and a look started by one (claimed).
+        # Per queue, the segments full claims took rows from since the last look.
         self._full: dict[str, set[int]] = {}
-        self._last_full: dict[str, float] = {}
-        self._looking: dict[str, asyncio.Task[None]] = {}
         # When this process may analyze each (queue, segment) again.
         self._analyzed: dict[tuple[str, int], float] = {}
 
@@ -159,32 +152,10 @@ class ReadyFloors:
             self._reading.pop(queue, None)
 
     def claimed(self, queue: str, messages: Sequence[StoredMessage]) -> None:
-        """Note a claim's rows: a full batch marks the segments they came from.
-
-        The first full claim after a quiet spell (a burst) has the marked
-        segments looked at now, not with the next floor read: until a segment
-        the burst outgrew is analyzed, each claim sorts the whole backlog.
-        """
+        """Note a claim's rows: a full batch marks the segments they came from."""
         segments = claimed_from(messages)
-        if not segments:
-            return
-        self._full.setdefault(queue, set()).update(segments)
-        now = time.monotonic()
-        quiet = now - self._last_full.get(queue, -QUIET_SECONDS) >= QUIET_SECONDS
-        self._last_full[queue] = now
-        if quiet and self._connection is not None and queue not in self._looking:
-            task = asyncio.get_running_loop().create_task(self._look_now(queue))
-            self._looking[queue] = task
-
-    async def _look_now(self, queue: str) -> None:
-        assert self._connection is not None
-        try:
-            async with self._connection() as conn:
-                await self._renew_statistics(conn, queue)
-        except Exception as exc:  # the floor reads look again, about once a second
-            log.warning("statistics_not_renewed", queue=queue, error=str(exc))
-        finally:
-            self._looking.pop(queue, None)
+        if segments:
+            self._full.setdefault(queue, set()).update(segments)
 
     async def _renew_statistics(self, conn: Any, queue: str) -> None:
         """Analyze the marked segments a burst has outgrown (nmbus/postgres/outgrown.py)."""

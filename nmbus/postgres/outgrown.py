@@ -15,8 +15,7 @@ segments its rows came from (:class:`nmbus.postgres.floor.ReadyFloors`), and
 the loops' background read of the ready floor, about once a second while they
 claim, analyzes those of them whose statistics say they hold fewer than
 :data:`THOUGHT_READY` ready rows: what autovacuum would do, without waiting for
-its turn. The first full claim after a quiet spell (a burst's first) starts
-that look itself, at once. Analyzed with the burst in it, a segment's statistics count its
+its turn. Analyzed with the burst in it, a segment's statistics count its
 ready rows, so the drain that follows triggers no other analyze; and a
 process analyzes a segment at most once in :data:`AGAIN_SECONDS` (should a
 sample of a huge segment miss its few ready rows, say). The

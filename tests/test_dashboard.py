@@ -121,6 +121,40 @@ def cell(browser: Any, queue: str, column: str) -> str:
     return str(text)
 
 
+def queue_names(browser: Any) -> list[str]:
+    """The queue names in the table, read in one script run (see `cell`)."""
+    found = browser.execute_script(
+        "return Array.from(document.querySelectorAll('td.name'), td => td.innerText.trim());"
+    )
+    return [str(name) for name in found]
+
+
+def click_id(browser: Any, element_id: str) -> None:
+    """Click an element the page may swap between the find and the click."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    for _ in range(10):
+        try:
+            browser.find_element(By.ID, element_id).click()
+            return
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"#{element_id} was swapped under every one of 10 clicks")
+
+
+def text_of(browser: Any, element_id: str) -> str:
+    """One element's text, read in one script run (see `cell`)."""
+    text = browser.execute_script(
+        "const el = document.getElementById(arguments[0]);"
+        "return el === null ? null : el.innerText.trim();",
+        element_id,
+    )
+    if text is None:
+        raise AssertionError(f"no #{element_id} on the page")
+    return str(text)
+
+
 # -- in the browser ------------------------------------------------------------------------
 
 
@@ -131,7 +165,7 @@ async def test_queues_page_shows_every_queue_and_its_counts(
 
     server = await serve("--token", TOKEN)
     browser.get(server.url + "/")
-    names = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "td.name")]
+    names = queue_names(browser)
     assert names == ["billing", "shipping"]
     # ops_data: billing has 6 I, 3 R, 165 X, 3 F; shipping 1 I.
     assert [cell(browser, "billing", c) for c in "IRXF"] == ["6", "3", "165", "3"]
@@ -246,7 +280,7 @@ async def test_hostile_text_from_the_database_is_shown_as_text(
         assert browser.execute_script("return window.pwned === undefined;")
         assert not browser.find_elements(By.CSS_SELECTOR, "main script, main img, main b")
     browser.get(server.url + "/")
-    names = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "td.name")]
+    names = queue_names(browser)
     assert HOSTILE_QUEUE in names
     assert browser.execute_script("return window.pwned === undefined;")
     assert not browser.find_elements(By.CSS_SELECTOR, "main b")
@@ -659,7 +693,7 @@ async def test_the_queues_page_pages_many_queues_attention_first(
     total = len(many) + 4
 
     def names() -> list[str]:
-        return [e.text for e in browser.find_elements(By.CSS_SELECTOR, "td.name")]
+        return queue_names(browser)
 
     server = await serve("--token", TOKEN, "--refresh", "1")
     status, page, _ = server.get("/")
@@ -668,19 +702,19 @@ async def test_the_queues_page_pages_many_queues_attention_first(
     # Failed messages first (billing has waited longer), then the longest wait.
     assert names()[:4] == ["billing", "zzz_failing", "zzz_waiting", "shipping"]
     assert names()[4:] == many[:46]
-    assert browser.find_element(By.ID, "paging").text.startswith(f"Queues 1–50 of {total}")
-    browser.find_element(By.ID, "next").click()
+    assert text_of(browser, "paging").startswith(f"Queues 1–50 of {total}")
+    click_id(browser, "next")
     await wait_until(lambda: browser.current_url, until=lambda url: "page=2" in url)
     assert names() == many[46:96]
     browser.execute_script("window.notReloaded = true;")
     # After a refresh of the table (the script stamps it) it is still page 2.
     await wait_until(
-        lambda: browser.find_element(By.ID, "updated").text,
+        lambda: text_of(browser, "updated"),
         until=lambda text: text.startswith("updated"),
     )
     assert names() == many[46:96]
     assert browser.execute_script("return window.notReloaded === true;")
-    browser.find_element(By.ID, "next").click()
+    click_id(browser, "next")
     await wait_until(lambda: browser.current_url, until=lambda url: "page=3" in url)
     assert names() == many[96:]
     assert not browser.find_elements(By.ID, "next")
@@ -689,7 +723,7 @@ async def test_the_queues_page_pages_many_queues_attention_first(
     query.submit()
     await wait_until(lambda: browser.current_url, until=lambda url: "q=MANY01" in url)
     assert names() == many[10:20]
-    assert "10 of" in browser.find_element(By.ID, "paging").text
+    assert "10 of" in text_of(browser, "paging")
 
 
 async def test_metrics_read_every_queue_in_a_few_statements(

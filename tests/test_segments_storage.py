@@ -82,6 +82,26 @@ async def test_a_new_segment_does_not_wait_for_open_transactions(
     assert await numbers(db) == [0, 1, 2]
 
 
+async def test_a_roll_behind_a_held_queue_lock_gives_up_at_once_and_rolls_next_time(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await make_queue(dsn)
+    await add(db, 1, "I")
+    other = await asyncpg.connect(dsn)
+    try:
+        async with other.transaction():  # a drop (or an operator) holds the whole table
+            await other.execute("LOCK TABLE nmbus.billing IN ACCESS EXCLUSIVE MODE")
+            started = time.perf_counter()
+            assert await advance(db, "nmbus", "billing") is None
+            assert time.perf_counter() - started < 2.0  # LOCK_TIMEOUT, not the holder's time
+            assert await db.fetchval("SHOW lock_timeout") == "0"  # only the roll's transaction
+    finally:
+        await other.close()
+    assert await numbers(db) == [0, 1]
+    assert await advance(db, "nmbus", "billing") == 1
+    assert await numbers(db) == [0, 1, 2]
+
+
 def test_segment_seconds_is_checked() -> None:
     assert Settings(segment_seconds=2).segment_seconds == 2.0
     for bad in (0, 0.5, float("inf"), float("nan"), 40 * 86400):

@@ -33,7 +33,7 @@ import asyncpg
 import structlog
 
 from nmbus.messages import StoredMessage
-from nmbus.postgres.segments import queue_regclass, segment_of
+from nmbus.postgres.segments import bound_lock_wait, queue_regclass, segment_of
 from nmbus.postgres.sql import render, render_segment
 
 log = structlog.get_logger("nmbus.worker")
@@ -82,7 +82,7 @@ async def analyze_outgrown(
                 # Another process may have analyzed it since the look above.
                 if not await _outgrown(conn, schema, queue, [number]):
                     continue
-                await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                await bound_lock_wait(conn, schema, LOCK_TIMEOUT)
                 await conn.execute(render_segment("analyze_segment", schema, queue, number))
         except (asyncpg.LockNotAvailableError, asyncpg.UndefinedTableError):
             continue  # busy, or dropped meanwhile: the next full claim marks it again

@@ -43,6 +43,7 @@ from nmbus.postgres.segments import (
     LOCK_TIMEOUT,
     LOWEST_ID,
     Segment,
+    bound_lock_wait,
     current_segment,
     lock_key,
     segments,
@@ -116,7 +117,7 @@ async def _reclaim(
             rows = {"X": int(counted["x"]), "F": int(counted["f"])}
         try:
             async with conn.transaction():
-                await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                await bound_lock_wait(conn, schema, LOCK_TIMEOUT)
                 await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
                 await conn.execute(render("segment_lock_queue", schema, queue))
                 if await _pins(conn, schema, queue, n, policy):

@@ -83,6 +83,14 @@ def queue_regclass(schema: str, queue: str) -> str:
     return f"{quote_ident(schema)}.{quote_ident(queue)}"
 
 
+async def bound_lock_wait(conn: Any, schema: str, timeout: str) -> None:
+    """In the caller's transaction, give up on a lock not had within ``timeout``.
+
+    A lock that waits longer raises ``asyncpg.LockNotAvailableError``.
+    """
+    await conn.execute(render("bound_lock_wait", schema), timeout)
+
+
 async def create_segment(conn: Any, schema: str, queue: str, number: int) -> None:
     """Create segment ``number`` of ``queue`` unless it exists (in the caller's transaction)."""
     await conn.execute(render("create_segment", schema), schema, queue, int(number))
@@ -129,7 +137,7 @@ async def _ahead(conn: Any, schema: str, queue: str) -> int:
     """Create the segment after the one being written, under the queue's segment lock."""
     async with conn.transaction():
         await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
-        await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+        await bound_lock_wait(conn, schema, LOCK_TIMEOUT)
         current = await current_segment(conn, schema, queue)
         await create_segment(conn, schema, queue, current + 1)
     return current
@@ -140,6 +148,7 @@ async def _advance(conn: Any, schema: str, queue: str, older_than: float | None)
     await _ahead(conn, schema, queue)
     async with conn.transaction():
         await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
+        await bound_lock_wait(conn, schema, LOCK_TIMEOUT)
         current = await current_segment(conn, schema, queue)
         now: datetime = await conn.fetchval("SELECT now()")
         present = await segments(conn, schema, queue)
@@ -172,13 +181,16 @@ async def _advance(conn: Any, schema: str, queue: str, older_than: float | None)
                 reason="a transaction older than the next segment is open",
             )
             return None
+        # The note first: it waits for the segment's lock (bounded) and goes with
+        # the transaction, while the move of the sequence below is kept even if
+        # the transaction is not (sequences are not transactional).
+        await conn.execute(render_segment("segment_opened", schema, queue, current + 1, now))
         # Forward only: under the lock, from the segment the sequence is in now.
         await conn.fetchval(
             render("segment_advance", schema),
             (current + 1) * SEGMENT_SPAN,
             queue_regclass(schema, queue),
         )
-        await conn.execute(render_segment("segment_opened", schema, queue, current + 1, now))
     await _ahead(conn, schema, queue)
     log.debug("segment_rolled", queue=queue, segment=current + 1)
     return current + 1

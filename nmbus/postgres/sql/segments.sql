@@ -183,6 +183,11 @@ FROM {segment} ORDER BY id;
 SELECT count(*) FILTER (WHERE subqueue = 'X') AS x, count(*) FILTER (WHERE subqueue = 'F') AS f
 FROM {segment} WHERE subqueue IN ('X', 'F');
 
+-- bound_lock_wait --
+-- For the rest of the caller's transaction, a lock not granted within $1 (text:
+-- '200ms') fails with lock_not_available instead of waiting on.
+SELECT set_config('lock_timeout', $1, true);
+
 -- segment_lock_queue --
 -- Take the queue table for the drop of a segment (DROP takes the same lock: taken
 -- first, the wait for it is bounded by the caller's lock_timeout).

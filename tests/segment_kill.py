@@ -1,11 +1,13 @@
-"""A retention run over segments, killed at one of two points (SIGKILL by the test).
+"""A retention run over segments, killed at one of three points (SIGKILL by the test).
 
-    python -m tests.segment_kill <dsn> <archive_dir> <max_age_seconds> before-drop|before-publish
+    python -m tests.segment_kill <dsn> <archive_dir> <max_age_seconds> <point>
 
 ``before-drop``: the segment's rows are in pending archive files and the
 transaction that drops it holds the queue's lock, not yet committed.
 ``before-publish``: the drop committed, the pending files are not yet renamed.
-Either way the run prints ``stuck`` and waits for ever.
+``after-sequence-move``: a roll has moved the queue's identity sequence to the
+next segment (which no rollback takes back) and not yet committed.
+Each time the run prints ``stuck`` and waits for ever.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import asyncpg
 from nmbus.operations import RetentionPolicy
 from nmbus.postgres import reclaim
 from nmbus.postgres.retention import clean_queue
+from nmbus.postgres.segments import advance
+from nmbus.postgres.sql import render
 
 
 def stuck(*_: Any, **__: Any) -> Any:
@@ -30,8 +34,28 @@ def stuck(*_: Any, **__: Any) -> Any:
         time.sleep(60)
 
 
+class _StopsAfterTheMove:
+    """The roll's connection; stuck once the sequence move has run, before the commit."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+        self._move = render("segment_advance", "nmbus")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        found = await self._conn.fetchval(query, *args)
+        if query == self._move:
+            stuck()
+        return found
+
+
 async def main(dsn: str, archive: str, max_age: float, point: str) -> None:
     conn = await asyncpg.connect(dsn)
+    if point == "after-sequence-move":
+        await advance(_StopsAfterTheMove(conn), "nmbus", "billing")
+        return
     if point == "before-publish":
         reclaim.publish = stuck  # type: ignore[assignment]
     else:

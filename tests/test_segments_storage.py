@@ -301,6 +301,39 @@ async def test_a_run_killed_between_archive_and_drop_archives_each_row_once(
 # -- the seed's SQL, and the upgrade ---------------------------------------------------------
 
 
+async def test_a_roll_killed_after_its_sequence_move_leaves_inserts_a_segment(
+    dsn: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    await make_queue(dsn)
+    await add(db, 2, "I")
+    proc = Proc("tests.segment_kill", dsn, str(tmp_path), "0", "after-sequence-move")
+    try:
+        await proc.wait_for("stuck")
+    finally:
+        proc.kill()
+    await wait_until(  # the server has seen the client go and rolled back
+        lambda: db.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+            "database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ),
+        until=lambda n: n == 0,
+    )
+    # The move of the sequence stays (sequences are not transactional); the
+    # segment it moved into was committed before it, so inserts go on.
+    assert await current_segment(db, "nmbus", "billing") == 1
+    assert await numbers(db) == [0, 1]
+    await add(db, 3, "I", prefix="after")
+    assert await db.fetchval('SELECT count(*) FROM nmbus."billing$s1"') == 3
+    # The next roll makes the segment ahead again and moves on, no id twice.
+    assert await advance(db, "nmbus", "billing") == 2
+    assert await numbers(db) == [0, 1, 2, 3]
+    await add(db, 1, "I", prefix="later")
+    assert await db.fetchval('SELECT count(*) FROM nmbus."billing$s2"') == 1
+    assert await db.fetchval("SELECT count(DISTINCT id) FROM nmbus.billing") == 6
+    floor = await read_floor(db, "nmbus", "billing")
+    assert len(await db.fetch(render("claim", "nmbus", "billing"), 10, "w", 30.0, floor)) == 6
+
+
 async def test_the_seed_sql_runs_verbatim_over_segments(dsn: str, db: asyncpg.Connection) -> None:
     await make_queue(dsn)
     await add(db, 5, "X", ago="1 minute")

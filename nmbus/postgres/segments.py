@@ -124,7 +124,8 @@ async def advance(
 ) -> int | None:
     """Move the queue's new rows to the next segment (only if the one being written
     has a row ``older_than`` seconds, when given). Returns the new segment's number,
-    or None when it did not move (nothing old enough, or the queue's lock was busy).
+    or None when it did not move (nothing old enough, or a lock it needed was busy
+    for longer than LOCK_TIMEOUT: then nothing changed).
     """
     try:
         return await _advance(conn, schema, queue, older_than)
@@ -136,8 +137,8 @@ async def advance(
 async def _ahead(conn: Any, schema: str, queue: str) -> int:
     """Create the segment after the one being written, under the queue's segment lock."""
     async with conn.transaction():
+        await bound_lock_wait(conn, schema, LOCK_TIMEOUT)  # the advisory lock's wait too
         await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
-        await bound_lock_wait(conn, schema, LOCK_TIMEOUT)
         current = await current_segment(conn, schema, queue)
         await create_segment(conn, schema, queue, current + 1)
     return current
@@ -147,8 +148,8 @@ async def _advance(conn: Any, schema: str, queue: str, older_than: float | None)
     # The next segment first, committed before any id can fall in it.
     await _ahead(conn, schema, queue)
     async with conn.transaction():
+        await bound_lock_wait(conn, schema, LOCK_TIMEOUT)  # the advisory lock's wait too
         await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
-        await bound_lock_wait(conn, schema, LOCK_TIMEOUT)
         current = await current_segment(conn, schema, queue)
         now: datetime = await conn.fetchval("SELECT now()")
         present = await segments(conn, schema, queue)
@@ -191,7 +192,12 @@ async def _advance(conn: Any, schema: str, queue: str, older_than: float | None)
             (current + 1) * SEGMENT_SPAN,
             queue_regclass(schema, queue),
         )
-    await _ahead(conn, schema, queue)
+    # The move is committed: whatever happens to the segment ahead, this rolled.
+    try:
+        await _ahead(conn, schema, queue)
+    except asyncpg.LockNotAvailableError:
+        # The next run makes it, before it moves again (its first step).
+        log.info("segment_ahead_deferred", queue=queue, reason="queue table busy")
     log.debug("segment_rolled", queue=queue, segment=current + 1)
     return current + 1
 

@@ -698,37 +698,34 @@ async def test_the_queues_page_pages_many_queues_attention_first(
     )
     total = len(many) + 4
 
-    def names() -> list[str]:
-        return queue_names(browser)
-
     server = await serve("--token", TOKEN, "--refresh", "1")
     status, page, _ = server.get("/")
     assert status == 200 and page.count("<tr data-queue=") == 50
     browser.get(server.url + "/")
     # Failed messages first (billing has waited longer), then the longest wait.
-    assert names()[:4] == ["billing", "zzz_failing", "zzz_waiting", "shipping"]
-    assert names()[4:] == many[:46]
+    assert queue_names(browser)[:4] == ["billing", "zzz_failing", "zzz_waiting", "shipping"]
+    assert queue_names(browser)[4:] == many[:46]
     assert text_of(browser, "paging").startswith(f"Queues 1–50 of {total}")
     click_id(browser, "next")
     await wait_until(lambda: browser.current_url, until=lambda url: "page=2" in url)
-    assert names() == many[46:96]
+    assert queue_names(browser) == many[46:96]
     browser.execute_script("window.notReloaded = true;")
     # After a refresh of the table (the script stamps it) it is still page 2.
     await wait_until(
         lambda: text_of(browser, "updated"),
         until=lambda text: text.startswith("updated"),
     )
-    assert names() == many[46:96]
+    assert queue_names(browser) == many[46:96]
     assert browser.execute_script("return window.notReloaded === true;")
     click_id(browser, "next")
     await wait_until(lambda: browser.current_url, until=lambda url: "page=3" in url)
-    assert names() == many[96:]
+    assert queue_names(browser) == many[96:]
     assert not browser.find_elements(By.ID, "next")
     query = browser.find_element(By.ID, "q")
     query.send_keys("MANY01")
     query.submit()
     await wait_until(lambda: browser.current_url, until=lambda url: "q=MANY01" in url)
-    assert names() == many[10:20]
+    assert queue_names(browser) == many[10:20]
     assert "10 of" in text_of(browser, "paging")
 
 

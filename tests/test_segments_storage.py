@@ -46,6 +46,17 @@ async def numbers(db: asyncpg.Connection) -> list[int]:
 # -- the layout and the roll -------------------------------------------------------------
 
 
+async def killed_session_gone(db: asyncpg.Connection) -> None:
+    """Wait until the server has seen a killed client go: its advisory locks are free."""
+    await wait_until(
+        lambda: db.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+            "database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ),
+        until=lambda n: n == 0,
+    )
+
+
 @contextlib.asynccontextmanager
 async def holding(dsn: str, statement: str, *args: object) -> AsyncIterator[None]:
     """Another session's open transaction, which has run ``statement`` (and holds its locks)."""
@@ -312,13 +323,7 @@ async def test_a_run_killed_between_archive_and_drop_archives_each_row_once(
             await proc.wait_for("stuck")
         finally:
             proc.kill()
-        await wait_until(
-            lambda: db.fetchval(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
-                "database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            ),
-            until=lambda n: n == 0,
-        )
+        await killed_session_gone(db)
     policy = RetentionPolicy(max_age=timedelta(days=1), archive_dir=tmp_path)
     result = await clean_queue(db, "nmbus", "billing", policy)
     assert result.recovered_files >= 1
@@ -327,9 +332,6 @@ async def test_a_run_killed_between_archive_and_drop_archives_each_row_once(
     ids = sorted(archived.column("id").to_pylist())
     assert ids == expected  # every row, each exactly once
     assert not await asyncio.to_thread(lambda: list(tmp_path.rglob(".pending-*")))
-
-
-# -- the seed's SQL, and the upgrade ---------------------------------------------------------
 
 
 async def test_a_roll_killed_after_its_sequence_move_leaves_inserts_a_segment(
@@ -344,13 +346,7 @@ async def test_a_roll_killed_after_its_sequence_move_leaves_inserts_a_segment(
         await proc.wait_for("stuck")
     finally:
         proc.kill()
-    await wait_until(  # the server has seen the client go and rolled back
-        lambda: db.fetchval(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
-            "database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-        ),
-        until=lambda n: n == 0,
-    )
+    await killed_session_gone(db)
     # The move of the sequence stays (sequences are not transactional); the
     # segment it moved into was made and committed before it, so inserts go on.
     assert await current_segment(db, "nmbus", "billing") == 1
@@ -364,6 +360,9 @@ async def test_a_roll_killed_after_its_sequence_move_leaves_inserts_a_segment(
     assert await db.fetchval('SELECT count(*) FROM nmbus."billing$s2"') == 1
     floor = await read_floor(db, "nmbus", "billing")
     assert len(await db.fetch(render("claim", "nmbus", "billing"), 10, "w", 30.0, floor)) == 6
+
+
+# -- the seed's SQL, and the upgrade ---------------------------------------------------------
 
 
 async def test_the_seed_sql_runs_verbatim_over_segments(dsn: str, db: asyncpg.Connection) -> None:

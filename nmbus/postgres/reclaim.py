@@ -40,13 +40,11 @@ from nmbus.errors import RetentionError
 from nmbus.operations import ProgressCallback, RetentionPolicy, RetentionResult
 from nmbus.postgres.archive import publish, write_pending
 from nmbus.postgres.segments import (
-    LOCK_TIMEOUT,
     LOWEST_ID,
     Segment,
-    bound_lock_wait,
     current_segment,
-    lock_key,
     segments,
+    take_segment_lock,
 )
 from nmbus.postgres.sql import render, render_segment
 
@@ -117,8 +115,7 @@ async def _reclaim(
             rows = {"X": int(counted["x"]), "F": int(counted["f"])}
         try:
             async with conn.transaction():
-                await bound_lock_wait(conn, schema, LOCK_TIMEOUT)
-                await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
+                await take_segment_lock(conn, schema, queue)
                 await conn.execute(render("segment_lock_queue", schema, queue))
                 if await _pins(conn, schema, queue, n, policy):
                     raise _Kept

@@ -91,6 +91,13 @@ async def bound_lock_wait(conn: Any, schema: str, timeout: str) -> None:
     await conn.execute(render("bound_lock_wait", schema), timeout)
 
 
+async def take_segment_lock(conn: Any, schema: str, queue: str) -> None:
+    """In the caller's transaction: bound every lock wait by LOCK_TIMEOUT, then take
+    the queue's segment lock (the roll's and the drop's; released at the commit)."""
+    await bound_lock_wait(conn, schema, LOCK_TIMEOUT)
+    await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
+
+
 async def create_segment(conn: Any, schema: str, queue: str, number: int) -> None:
     """Create segment ``number`` of ``queue`` unless it exists (in the caller's transaction)."""
     await conn.execute(render("create_segment", schema), schema, queue, int(number))
@@ -137,8 +144,7 @@ async def advance(
 async def _ahead(conn: Any, schema: str, queue: str) -> int:
     """Create the segment after the one being written, under the queue's segment lock."""
     async with conn.transaction():
-        await bound_lock_wait(conn, schema, LOCK_TIMEOUT)  # the advisory lock's wait too
-        await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
+        await take_segment_lock(conn, schema, queue)
         current = await current_segment(conn, schema, queue)
         await create_segment(conn, schema, queue, current + 1)
     return current
@@ -148,8 +154,7 @@ async def _advance(conn: Any, schema: str, queue: str, older_than: float | None)
     # The next segment first, committed before any id can fall in it.
     await _ahead(conn, schema, queue)
     async with conn.transaction():
-        await bound_lock_wait(conn, schema, LOCK_TIMEOUT)  # the advisory lock's wait too
-        await conn.execute(render("advisory_lock", schema), lock_key(schema, queue))
+        await take_segment_lock(conn, schema, queue)
         current = await current_segment(conn, schema, queue)
         now: datetime = await conn.fetchval("SELECT now()")
         present = await segments(conn, schema, queue)

@@ -203,8 +203,12 @@ async def test_flow_limits_report_their_waits_and_what_they_hold_back(
 
         # One runs, the concurrency limit holds the other three back.
         await wait_until(held, until=lambda n: n == 3, timeout=30)
-        found = samples(await asyncio.to_thread(scrape, port))
-        assert value(found, "nmbus_flow_waits_total", queue="limited") >= 1
+        # A loop's wait for room is counted when it ends (every poll interval).
+        found = await wait_until(
+            lambda: asyncio.to_thread(lambda: samples(scrape(port))),
+            until=lambda found: value(found, "nmbus_flow_waits_total", queue="limited") >= 1,
+            timeout=30,
+        )
         assert value(found, "nmbus_flow_wait_seconds_total", queue="limited") > 0
         release.set()
         await wait_until(held, until=lambda n: n == 0, timeout=30)

@@ -141,6 +141,13 @@ class Settings(BaseSettings):
         default=0.5, gt=0, description="commit what a batch has handled at least this often"
     )
     lease_seconds: float = Field(default=60.0, gt=0, description="visibility timeout")
+    held_batches: bool = Field(
+        default=False,
+        description=(
+            "a batch's transaction holds its rows and writes each once, as it finishes "
+            "(docs/reliability.md, held batches); else each claim leases its rows"
+        ),
+    )
     poll_interval: float = Field(default=5.0, ge=0.01, description="fallback poll, seconds")
     handler_timeout: float = Field(default=30.0, ge=0.01, description="per-handler limit")
     shutdown_timeout: float = Field(default=30.0, ge=0, description="wait for in-flight work")

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from nmbus.flow import FlowLimits, LimitStatus
     from nmbus.settings import Settings
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 
 class Outcomes:
@@ -252,6 +252,12 @@ class Batch(HandlerTransaction, Protocol):
         """Record ``outcomes`` of rows still held by ``client_id``; returns how many changed."""
         ...
 
+    async def lease_rest(self, ids: Sequence[int]) -> int:
+        """Before a part commit of a held batch (WorkerSession.claim with held
+        batches): lease its rows ``ids`` not finished yet, so that the commit does
+        not let go of them; the batch goes on leased. 0 for a leased batch."""
+        ...
+
     async def finish_and_claim(
         self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
     ) -> tuple[int, list[StoredMessage]]:
@@ -279,6 +285,11 @@ class WorkerSession(Protocol):
 
     async def release_sequences(self, queue: str) -> int:
         """Make due any sequence head left parked (see insert_messages); how many."""
+        ...
+
+    async def recover(self, queue: str) -> int:
+        """Make the rows of held batches whose holder died claimable as a crash's
+        suspects, their attempt counted; how many."""
         ...
 
     async def isolate(
@@ -416,9 +427,13 @@ class Store(Protocol):
         ...
 
     def worker_session(
-        self, flow: FlowLimits | None = None
+        self, flow: FlowLimits | None = None, held: bool = False
     ) -> AbstractAsyncContextManager[WorkerSession]:
-        """A worker loop's session; its claims keep to ``flow``'s limits when given."""
+        """A worker loop's session; its claims keep to ``flow``'s limits when given.
+
+        ``held``: its batches are held (setting held_batches) where the store
+        has them; a store without them leases every batch.
+        """
         ...
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:

@@ -197,13 +197,15 @@ class Worker:
         self.flow = self.dispatcher.registry.flow_limits(self.settings.handler_concurrency)
         self._mark_starts()
         sizer = BatchSizer(self.settings.batch_size)
-        async with self.store.worker_session(self.flow) as session:
+        async with self.store.worker_session(self.flow, self._held()) as session:
             ahead: list[StoredMessage] = []
             while True:
                 batch = ahead or await session.claim(
                     self.queue, sizer.limit, self.client_id, self.settings.lease_seconds
                 )
                 if not batch:
+                    if await session.recover(self.queue):
+                        continue
                     if await session.release_sequences(self.queue):
                         continue
                     break
@@ -298,7 +300,7 @@ class Worker:
         backoff = Backoff(reconnect)
 
         async def connected() -> None:
-            async with self.store.worker_session(self.flow) as session:
+            async with self.store.worker_session(self.flow, self._held()) as session:
                 if backoff.failures:
                     log.info("worker_reconnected", queue=self.queue, loop=index)
                 backoff.reset()
@@ -337,9 +339,11 @@ class Worker:
         sizer = BatchSizer(settings.batch_size)
         while ahead or not self._stopping.is_set():
             if time.monotonic() - released >= settings.poll_interval:
-                # A sequence head a race left parked is released within a poll interval.
+                # A sequence head a race left parked is released within a poll interval,
+                # and a held batch whose worker died is recovered.
                 released = time.monotonic()
                 await session.release_sequences(self.queue)
+                await session.recover(self.queue)
             self._wakeups.claiming()
             if ahead:
                 batch, ahead = ahead, []
@@ -352,7 +356,7 @@ class Worker:
                     self._wakeups.one()  # a full claim: more may be waiting
                 ahead = await self._run_gated(session, batch, sizer)
                 continue
-            if await session.release_sequences(self.queue):
+            if await session.recover(self.queue) or await session.release_sequences(self.queue):
                 released = time.monotonic()
                 continue
             wait = settings.poll_interval
@@ -367,6 +371,13 @@ class Worker:
                 await self._wakeups.wait(wait)
             if held and self.metrics is not None:
                 self.metrics.flow_waited(time.monotonic() - began)
+
+    def _held(self) -> bool:
+        """Whether this worker's batches are held (setting held_batches): not with flow
+        limits (their claims lease, to count what is in flight) nor with handlers
+        run concurrently (their part commits come while other handlers run)."""
+        settings = self.settings
+        return settings.held_batches and self.flow is None and settings.handler_concurrency == 1
 
     async def _run_gated(
         self, session: WorkerSession, batch: list[StoredMessage], sizer: BatchSizer

@@ -19,6 +19,9 @@ from nmbus.testing import drain
 from tests.saga_workers import Counter, Increment
 from tests.waits import wait_until
 
+# Every test here holds with batches leased and held (tests/conftest.py, claims).
+pytestmark = pytest.mark.usefixtures("claims")
+
 
 class Close(Message, type_name="test.saga_batch.Close"):
     counter: str

@@ -97,6 +97,9 @@ class MemoryBatch:
         self._finishes.append((queue, outcomes, client_id))
         return held
 
+    async def lease_rest(self, ids: Sequence[int]) -> int:
+        return 0  # every batch here is leased
+
     async def finish_and_claim(
         self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
     ) -> tuple[int, list[StoredMessage]]:
@@ -178,6 +181,9 @@ class MemorySession:
 
     async def release_sequences(self, queue: str) -> int:
         return 0  # the in-memory claim finds sequence heads itself: nothing is parked
+
+    async def recover(self, queue: str) -> int:
+        return 0  # held batches are PostgreSQL's (worker_session ignores held): none here
 
     async def isolate(
         self,
@@ -476,7 +482,9 @@ class MemoryStore(MemoryOperations):
                 )
 
     @asynccontextmanager
-    async def worker_session(self, flow: FlowLimits | None = None) -> AsyncIterator[MemorySession]:
+    async def worker_session(
+        self, flow: FlowLimits | None = None, held: bool = False
+    ) -> AsyncIterator[MemorySession]:
         if flow is not None:
             raise ConfigurationError(
                 "flow limits (concurrency=, rate=, group_concurrency=) are enforced by "

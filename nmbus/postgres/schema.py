@@ -16,7 +16,7 @@ from nmbus.errors import QueueNotFound, SchemaVersionError
 from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.pubsub import create_queue_on
-from nmbus.postgres.sql import QUERIES, render
+from nmbus.postgres.sql import QUERIES, names_a_queue, render
 from nmbus.store import SCHEMA_VERSION
 
 log = structlog.get_logger("nmbus.postgres")
@@ -24,7 +24,7 @@ log = structlog.get_logger("nmbus.postgres")
 
 # Schema changes after version 1, by the version they bring the schema to: names
 # of the blocks in sql/migrations/, run once per schema, or once per queue table when the
-# block names {queue}.
+# block names a queue's table or one of its objects (names_a_queue).
 MIGRATIONS: dict[int, list[str]] = {
     2: ["migrate_2_fillfactor"],
     3: ["migrate_3_names", "migrate_3_queue"],
@@ -36,6 +36,7 @@ MIGRATIONS: dict[int, list[str]] = {
     9: ["migrate_9_periodic_due"],
     10: ["migrate_10_function", "migrate_10_segments", "migrate_10_publish"],
     11: ["migrate_11_flow", "migrate_11_group_index"],
+    12: ["migrate_12_held"],
 }
 
 
@@ -58,7 +59,7 @@ async def install_schema(conn: Any, schema: str) -> None:
         for target in range(version + 1, SCHEMA_VERSION + 1):
             queues = [r[0] for r in await conn.fetch(render("list_queues", schema), schema)]
             for name in MIGRATIONS.get(target, []):
-                if "{queue}" in QUERIES[name]:
+                if names_a_queue(QUERIES[name]):
                     for queue in queues:
                         await conn.execute(render(name, schema, queue))
                 else:

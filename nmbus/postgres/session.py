@@ -21,6 +21,14 @@ from nmbus.messages import Envelope, StoredMessage
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import claim_limited, held_back
+from nmbus.postgres.held import (
+    OVERLAP_TRIES,
+    HeldBatch,
+    Holder,
+    lease_held,
+    new_batch_key,
+    recover_held,
+)
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.pubsub import publish_args, publish_on
 from nmbus.postgres.rows import claimed, envelope_arrays, insert_args
@@ -72,6 +80,9 @@ class PostgresBatch:
         # asyncpg's own Transaction, so a handler may still nest conn.transaction().
         self.transaction: Transaction | None = None
         self._unreleased = False
+        #: A held batch (nmbus/postgres/held.py), until its finish or its lease;
+        #: None for a leased batch.
+        self.held: HeldBatch | None = None
 
     @property
     def begun(self) -> bool:
@@ -146,6 +157,8 @@ class PostgresBatch:
         return await publish_on(self._conn, self._schema, args)
 
     async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
+        if self.held is not None:
+            return await self._finish_held(queue, outcomes, self.held.number)
         if self._flow is not None and self._flow.rated_keys:
             # A start whose mark is still on its way (nmbus/dispatch/marks.py) is
             # marked before its lease ends, so that it counts without a gap.
@@ -171,6 +184,34 @@ class PostgresBatch:
             )
         )
 
+    async def _finish_held(self, queue: str, outcomes: Outcomes, batch: int) -> int:
+        """finish for a held batch: each row's one write, its record dropped."""
+        if outcomes.all_processed:
+            sql = render("finish_held_processed", self._schema, queue)
+            return int(await self._conn.fetchval(sql, outcomes.ids, batch))
+        return int(
+            await self._conn.fetchval(
+                render("finish_held", self._schema, queue),
+                outcomes.ids,
+                outcomes.subqueue,
+                outcomes.delay,
+                outcomes.error_info,
+                outcomes.correction,
+                batch,
+            )
+        )
+
+    async def lease_rest(self, ids: Sequence[int]) -> int:
+        """A held batch's rows ``ids`` (those not finished yet) leased, before a part
+        commit lets go of their locks: the batch goes on as a leased one. How many
+        were leased (0 for a leased batch)."""
+        held, self.held = self.held, None
+        if held is None or not ids:
+            return 0
+        return await lease_held(
+            self._conn, self._schema, held.queue, held.number, ids, held.client_id, held.lease
+        )
+
     async def finish_and_claim(
         self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
     ) -> tuple[int, list[StoredMessage]]:
@@ -178,9 +219,10 @@ class PostgresBatch:
 
         With flow limits, only ``finish``: the next claim needs a transaction
         of its own (nmbus/postgres/flow.py), which the loop's next claim runs;
-        the same when the queue's ready rows carry groups (claim_fair).
+        the same when the queue's ready rows carry groups (claim_fair), and for
+        a held batch, whose next batch is claimed in a transaction of its own.
         """
-        if self._flow is not None or self._floors.grouped(queue):
+        if self.held is not None or self._flow is not None or self._floors.grouped(queue):
             return await self.finish(queue, outcomes, client_id), []
         floor = await self._floors.floor(self._conn, queue)
         if outcomes.all_processed:
@@ -223,6 +265,7 @@ class PostgresSession:
         routed: frozenset[str] = frozenset(),
         floors: ReadyFloors | None = None,
         flow: FlowLimits | None = None,
+        holder: Holder | None = None,
     ) -> None:
         self._conn = conn
         self._schema = schema
@@ -230,6 +273,10 @@ class PostgresSession:
         self._routed = routed
         self._floors = floors or ReadyFloors(schema)
         self._flow = flow
+        #: Held batches (nmbus/postgres/held.py) when set: claims hold their rows.
+        self._holder = holder
+        #: The held batch the last claim began, until batch() takes it.
+        self._held: HeldBatch | None = None
         #: Seconds after which to claim again though nothing woke the loop: set when
         #: the last claim held limited messages back (nmbus/flow.py), else None.
         self.recheck: float | None = None
@@ -252,6 +299,8 @@ class PostgresSession:
                     )
             elif self._floors.grouped(queue):
                 rows = await self._claim_fair(queue, limit, client_id, lease, floor)
+            elif self._holder is not None:
+                rows = await self._claim_held(self._holder, queue, limit, client_id, lease, floor)
             else:
                 rows = await self._conn.fetch(
                     render("claim", self._schema, queue), limit, client_id, lease, floor
@@ -259,6 +308,52 @@ class PostgresSession:
         messages = claimed(rows)
         self._floors.claimed(queue, messages)
         return messages
+
+    async def _claim_held(
+        self, holder: Holder, queue: str, limit: int, client_id: str, lease: float, floor: int
+    ) -> list[Any]:
+        """claim_held in a transaction left open for the batch; its record committed.
+
+        A claim that met a record naming one of its rows (see held_record) is
+        rolled back and tried again (its next snapshot sees the record); after
+        OVERLAP_TRIES, the loop claims leased this once. A batch with a
+        recovered row (a crash's suspect) is leased at once: isolating it is
+        the leased path's.
+        """
+        conn = self._conn
+        sql = render("claim_held", self._schema, queue)
+        for _ in range(OVERLAP_TRIES):
+            transaction = conn.transaction()
+            await transaction.start()
+            try:
+                rows: list[Any] = await conn.fetch(sql, limit, floor)
+                if not rows:
+                    await transaction.rollback()
+                    return rows
+                batch = new_batch_key()
+                ids = [r[0] for r in rows]
+                if not await holder.record(self._schema, queue, batch, client_id, ids):
+                    await transaction.rollback()
+                    continue
+                if any(r["recovered"] for r in rows):
+                    await lease_held(conn, self._schema, queue, batch, ids, client_id, lease)
+                    await transaction.commit()
+                    return rows
+            except BaseException:
+                if not conn.is_closed():
+                    await asyncio.shield(transaction.rollback())
+                raise
+            self._held = HeldBatch(transaction, batch, ids, queue, client_id, lease)
+            return rows
+        return list(
+            await conn.fetch(render("claim", self._schema, queue), limit, client_id, lease, floor)
+        )
+
+    async def recover(self, queue: str) -> int:
+        """Held batches whose holder is gone become recovered rows (recover_held); how many."""
+        own = self._holder.key if self._holder is not None else 0
+        with wrap_errors(f"recover held batches of {queue}"):
+            return await recover_held(self._conn, self._schema, queue, own)
 
     async def _claim_fair(
         self, queue: str, limit: int, client_id: str, lease: float, floor: int
@@ -311,11 +406,22 @@ class PostgresSession:
             batch = PostgresBatch(
                 self._conn, self._schema, self._known, self._routed, self._floors, self._flow
             )
+            if self._held is not None:
+                # The held batch the last claim began goes on in its transaction.
+                batch.held, self._held = self._held, None
+                batch.transaction = batch.held.transaction
+            committing = False
             try:
                 yield batch
+                if batch.transaction is not None:
+                    committing = True
+                    await batch.transaction.commit()
             except BaseException:
-                if batch.transaction is not None and not self._conn.is_closed():
+                # A COMMIT that failed has rolled back already.
+                if batch.transaction is not None and not committing and not self._conn.is_closed():
                     await asyncio.shield(batch.transaction.rollback())
+                if batch.held is not None and not self._conn.is_closed():
+                    # Rolled back: what comes next (a replay, a split, a stop) is the
+                    # leased path's, so its rows are leased now, as a claim would have.
+                    await asyncio.shield(batch.lease_rest(batch.held.ids))
                 raise
-            if batch.transaction is not None:
-                await batch.transaction.commit()

@@ -29,6 +29,7 @@ from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import flow_status_on
+from nmbus.postgres.held import Holder
 from nmbus.postgres.listen import close_quietly as _close_quietly
 from nmbus.postgres.listen import listen_loop, notify_channel
 from nmbus.postgres.pubsub import (
@@ -429,14 +430,23 @@ class PostgresStore:
 
     @asynccontextmanager
     async def worker_session(
-        self, flow: FlowLimits | None = None
+        self, flow: FlowLimits | None = None, held: bool = False
     ) -> AsyncIterator[PostgresSession]:
         conn = await self.connect()
+        side: asyncpg.Connection | None = None
         try:
+            holder = None
+            if held:
+                # The records of held batches commit on a connection of their own.
+                side = await self.connect()
+                with wrap_errors("take a holder lock"):
+                    holder = await Holder.take(conn, side, self.schema)
             yield PostgresSession(
-                conn, self.schema, self._known_queues, self.routed, self._floors, flow
+                conn, self.schema, self._known_queues, self.routed, self._floors, flow, holder
             )
         finally:
+            if side is not None:
+                await _close_quietly(side)
             await _close_quietly(conn)
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:

@@ -16,7 +16,8 @@ from nmbus import Bus
 from tests.messages import Ping
 from tests.waits import wait_until
 
-pytestmark = pytest.mark.reliability
+# The guarantees hold with batches leased and held (tests/conftest.py, claims).
+pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("claims")]
 
 ROOT = Path(__file__).resolve().parents[2]
 

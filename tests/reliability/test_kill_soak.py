@@ -7,7 +7,8 @@ import pytest
 
 from nmbus.tools.soak import run_soak
 
-pytestmark = pytest.mark.reliability
+# The guarantees hold with batches leased and held (tests/conftest.py, claims).
+pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("claims")]
 
 
 @pytest.mark.timeout(400)

@@ -21,7 +21,8 @@ from nmbus import Bus
 from tests.messages import Ping
 from tests.procs import Proc
 
-pytestmark = pytest.mark.reliability
+# The guarantees hold with batches leased and held (tests/conftest.py, claims).
+pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("claims")]
 
 MESSAGES = 10
 MAX_ATTEMPTS = 3  # tests/workers.py

@@ -15,7 +15,8 @@ from tests.messages import Ping
 from tests.reliability.pgserver import PrivateServer
 from tests.waits import wait_until
 
-pytestmark = pytest.mark.reliability
+# The guarantees hold with batches leased and held (tests/conftest.py, claims).
+pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("claims")]
 
 
 async def _send_through(

@@ -6,6 +6,7 @@ by :func:`load`:
 - ``schema.sql``: the schema's shared tables, the queue table, the queue registry;
 - ``migrations/NNN_*.sql``: what brings an older schema to version NNN;
 - ``runtime.sql``: insert, claim, finish, leases, isolation, sequences;
+- ``held.sql``: the claim, record, finish, lease and recovery of held batches;
 - ``pubsub.sql``, ``sagas.sql``, ``outbox.sql``: publish/subscribe, sagas, routes;
 - ``operations.sql`` and ``retention.sql``: what operators and retention read and change;
 - ``segments.sql``: the segments of a queue table, rolled and dropped.
@@ -70,12 +71,23 @@ IDENTIFIERS = frozenset(
         "unique_pkey",
         "subqueue_check",
         "unique_ids",
+        "held",
+        "held_pkey",
         "segment",
         "lower",
         "upper",
         "opened",
     }
 )
+
+
+#: The names fill() puts in only for a queue: a block that uses one is run per queue.
+QUEUE_IDENTIFIERS = IDENTIFIERS - {"schema", "segment", "lower", "upper", "opened"}
+
+
+def names_a_queue(sql: str) -> bool:
+    """Whether ``sql`` uses the name of a queue's table or of one of its objects."""
+    return any("{" + name + "}" in sql for name in QUEUE_IDENTIFIERS)
 
 
 @dataclass(frozen=True)
@@ -195,7 +207,7 @@ def own_name(table: str, role: str) -> str:
     """The name of nmbus's object ``role`` of ``table``.
 
     Roles: ready, group, uid, seq, done, pkey, id_seq, saga, unique (and unique$pkey,
-    unique$id), s<n> (segment n).
+    unique$id), held (and held$pkey), s<n> (segment n).
     """
     name = f"{table}${role}"
     if len(name.encode()) > MAX_IDENTIFIER_BYTES:
@@ -219,6 +231,8 @@ def fill(sql: str, schema: str, queue: str | None = None) -> str:
         values["unique_pkey"] = quote_ident(own_name(queue, "unique$pkey"))
         values["unique_ids"] = quote_ident(own_name(queue, "unique$id"))
         values["subqueue_check"] = quote_ident(own_name(queue, "subqueue"))
+        values["held"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'held'))}"
+        values["held_pkey"] = quote_ident(own_name(queue, "held$pkey"))
         if "{saga" in sql:
             saga = own_name(queue, "saga")
             values["saga"] = f"{quote_ident(schema)}.{quote_ident(saga)}"

@@ -187,6 +187,7 @@ WITH limits AS (
       AND (r.lease_expires IS NULL OR r.lease_expires < now())
       AND r.id >= $4
       AND {sequence_head(floor => $4, filter => '')}
+      AND {not_held(row => r)}
 ), free_rows AS (
     SELECT c.* FROM candidates AS c
     WHERE coalesce(c.label, '') <> ALL ($6::text[])

@@ -120,11 +120,21 @@ ready AS (
       AND (lease_expires IS NULL OR lease_expires < now())
       AND id >= {:floor}
       AND {sequence_head(floor => {:floor}, filter => {:sequence_filter})}
+      AND {not_held(row => r)}
       {:row_filter}
     ORDER BY priority DESC, retry_time, id
     LIMIT {:limit}
     FOR UPDATE SKIP LOCKED
 )
+
+-- not_held --
+-- Fragment of every claim (and of the status's in-flight count): row {:row} is
+-- in no held batch's record (a live
+-- batch's rows are locked too, but a crashed one's are not: they wait for
+-- recover_held, which counts the attempt that died). A hashed subplan over the
+-- few records there are (one per held batch in flight); none without
+-- held_batches.
+{:row}.id NOT IN (SELECT unnest(h.ids) FROM {held} AS h)
 
 -- sequence_head --
 -- Fragment of claim_ready and has_ready: row r of {queue} is in no sequence,
@@ -158,13 +168,19 @@ SET retry_count = least(q.retry_count, 2147483646) + 1,
     lease_expires = now() + make_interval(secs => {:lease})
 WHERE q.id = ANY (ARRAY(SELECT id FROM ready))
   AND q.id >= {:floor}
-RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
-          q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
-          CASE WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 1)) THEN 1
-               WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 2)) THEN 2
-               WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 3)) THEN 3
-               ELSE 0 END AS recovered,
-          q.priority, coalesce(q.expires_at <= now(), false) AS expired
+RETURNING {claimed_columns(attempt => q.retry_count)}
+
+-- claimed_columns --
+-- Fragment of claim_lease and claim_held: what the worker reads of a claimed
+-- row q of `ready` (nmbus/postgres/rows.py), {:attempt} the number of this
+-- attempt.
+q.id, q.from_endpoint, q.insert_time, {:attempt} AS retry_count, q.retry_time,
+q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
+CASE WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 1)) THEN 1
+     WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 2)) THEN 2
+     WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 3)) THEN 3
+     ELSE 0 END AS recovered,
+q.priority, coalesce(q.expires_at <= now(), false) AS expired
 
 -- finish --
 -- Record the outcome of a claimed batch in one statement. Per row:
@@ -173,7 +189,7 @@ RETURNING q.id, q.from_endpoint, q.insert_time, q.retry_count, q.retry_time,
 -- $5 attempt correction[] (-1 when the attempt must not count). $6 client id.
 -- Only rows still leased by $6 change; returns how many did. A sequence member
 -- moved to X unparks the next member of its sequence (see insert_messages).
-WITH {finish_done(floor => lowest_id)},
+WITH {finish_done(floor => lowest_id, counted => leased_attempt, owned => leased_by_client)},
 {unparked(floor => lowest_id)}
 SELECT count(*) FROM done;
 
@@ -192,8 +208,11 @@ WITH done AS (
 SELECT count(*) FROM done;
 
 -- finish_done --
--- Fragment of finish and finish_claim: the CTE `done`, the outcome of each row
--- still leased by $6 (see finish for $1..$6); returns the rows it changed.
+-- Fragment of finish, finish_claim and finish_held: the CTE `done`, the outcome
+-- of each row of the batch (see finish for $1..$5) that is {:owned} (leased by $6,
+-- or held: held_row); its retry_count becomes {:counted} plus the correction
+-- (held_attempt counts the attempt there, for a held batch); returns the rows it
+-- changed.
 -- The rows are at or above {:floor} (the ready floor they were claimed at, or
 -- the lowest of their ids), so only the segments that can hold them are searched.
 done AS (
@@ -205,15 +224,23 @@ done AS (
                           THEN clock_timestamp() + make_interval(secs => v.delay)
                           ELSE q.retry_time END,
         error_info = coalesce(v.error_info, q.error_info),
-        retry_count = greatest(0, q.retry_count + v.correction),
+        retry_count = greatest(0, {:counted} + v.correction),
         handling_client_id = NULL,
         lease_expires = NULL
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
          AS v(id, subqueue, delay, error_info, correction)
-    WHERE q.id = v.id AND q.handling_client_id = $6
+    WHERE q.id = v.id AND {:owned}
       AND q.id >= {:floor}
     RETURNING q.id, q.subqueue, q.sequence_key
 )
+
+-- leased_attempt --
+-- Fragment of finish and finish_claim: the attempt was counted by the claim.
+q.retry_count
+
+-- leased_by_client --
+-- Fragment of finish and finish_claim: the row is still leased by client $6.
+q.handling_client_id = $6
 
 -- unparked --
 -- Fragment of every finish (finish, finish_processed, finish_claim,
@@ -240,7 +267,7 @@ unparked AS (
 -- above the ready floor $9, as claim does, never one of the rows being finished. Saves a round trip and a commit
 -- per batch. One row per claimed message, with the count of finished rows in
 -- `finished`; a single row of NULLs beside it when nothing was claimed.
-WITH {finish_done(floor => $9)},
+WITH {finish_done(floor => $9, counted => leased_attempt, owned => leased_by_client)},
 {unparked(floor => $9)},
 {claim_after_finish(limit => $7, client => $6, lease => $8, floor => $9)};
 
@@ -444,6 +471,7 @@ WITH RECURSIVE walk(g, n) AS (
       AND r.id >= $4
       AND r.subqueue IN ('I', 'R') AND r.retry_time <= now() AND r.retry_time < 'infinity'
       AND (r.lease_expires IS NULL OR r.lease_expires < now())
+      AND {not_held(row => r)}
     FOR UPDATE SKIP LOCKED
 ), claimed AS (
     {claim_lease(client => $2, lease => $3, floor => $4)}

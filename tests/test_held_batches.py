@@ -1,0 +1,271 @@
+"""Held batches (setting held_batches): each row written once, and what a crash leaves.
+
+The guarantees' own tests (test_guarantees.py, tests/reliability/) run in both
+claim modes (the ``claims`` fixture of tests/conftest.py); these look at what
+only a held batch does: its rows are locked, not leased, while it runs; a
+record on a second connection stands for them; a part commit or a rollback
+leases the rest; a record whose holder died is recovered, once, as a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+import asyncpg
+import pytest
+
+from nmbus import Bus, Context
+from nmbus.testing import drain
+from tests import procs
+from tests.messages import Ping, Slow
+from tests.waits import wait_until
+
+HELD = 'nmbus."billing$held"'
+
+
+class Worker(procs.Proc):
+    """tests/workers.py's worker, its batches held."""
+
+    def __init__(self, dsn: str, queue: str, lease: str = "1.0") -> None:
+        os.environ["NMBUS_HELD_BATCHES"] = "true"
+        try:
+            super().__init__("tests.workers", "worker", dsn, queue, lease)
+        finally:
+            del os.environ["NMBUS_HELD_BATCHES"]
+
+
+async def count_updates(db: asyncpg.Connection, queue: str = "billing") -> None:
+    """Count every row version the queue's rows get from now on (table updates)."""
+    await db.execute(
+        """
+        CREATE TABLE updates (n bigint NOT NULL DEFAULT 0);
+        INSERT INTO updates VALUES (0);
+        CREATE FUNCTION count_update() RETURNS trigger LANGUAGE plpgsql AS $f$
+        BEGIN UPDATE updates SET n = n + 1; RETURN NULL; END $f$;
+        """
+    )
+    await db.execute(
+        f'CREATE TRIGGER counted AFTER UPDATE ON nmbus."{queue}" '
+        "FOR EACH ROW EXECUTE FUNCTION count_update()"
+    )
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "leased"])
+async def test_a_held_batch_writes_each_row_once_and_leaves_no_record(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, held: bool
+) -> None:
+    async with make_bus("billing", concurrency=0) as sender:
+        await count_updates(db)
+        for n in range(300):
+            await sender.send(Ping(n=n), to="billing")
+    bus = make_bus("billing", held_batches=held, batch_size=100)
+    seen: list[tuple[int, int, str | None, bool]] = []
+
+    @bus.handler
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        if msg.n % 100 == 0:
+            # What another connection sees of the row being handled, and of the record.
+            row = await db.fetchrow(
+                'SELECT retry_count, handling_client_id FROM nmbus."billing" WHERE id = $1',
+                ctx.message_id,
+            )
+            recorded = await db.fetchval(
+                f"SELECT count(*) FROM {HELD} WHERE $1 = ANY(ids)", ctx.message_id
+            )
+            seen.append(
+                (ctx.retry_count, row["retry_count"], row["handling_client_id"], bool(recorded))
+            )
+
+    async with bus:
+        await drain(bus)
+    counts = await db.fetch(
+        'SELECT subqueue, retry_count, count(*) FROM nmbus."billing" GROUP BY 1, 2'
+    )
+    assert [tuple(r) for r in counts] == [("X", 1, 300)]
+    assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 0
+    assert len(seen) == 3
+    if held:
+        # Locked, not leased: the row is as sent until its finish, the record names it.
+        assert seen == [(1, 0, None, True)] * 3
+        assert await db.fetchval("SELECT n FROM updates") == 300
+    else:
+        assert all(s[:2] == (1, 1) and s[2] is not None and not s[3] for s in seen)
+        assert await db.fetchval("SELECT n FROM updates") == 600
+
+
+async def test_a_held_batch_that_commits_a_part_leases_the_rest(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    async with make_bus("billing", concurrency=0) as sender:
+        for n in range(6):
+            await sender.send(Ping(n=n), to="billing")
+    bus = make_bus("billing", held_batches=True, batch_commit_interval=0.05)
+    states: dict[int, tuple[str, str | None, int]] = {}
+
+    @bus.handler
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        row = await db.fetchrow(
+            'SELECT subqueue, handling_client_id, retry_count FROM nmbus."billing" WHERE id = $1',
+            ctx.message_id,
+        )
+        states[msg.n] = (row["subqueue"], row["handling_client_id"], row["retry_count"])
+        await asyncio.sleep(0.08)  # longer than the commit interval: a part commits after each
+
+    async with bus:
+        await drain(bus)
+    # The first ran held (the row untouched); the part commit after it leased the
+    # rest to this worker, their attempt counted then, as a claim would have.
+    assert states[0] == ("I", None, 0)
+    for n in range(1, 6):
+        assert states[n][0] == "I" and states[n][1] is not None and states[n][2] == 1, states
+    counts = await db.fetch(
+        'SELECT subqueue, retry_count, count(*) FROM nmbus."billing" GROUP BY 1, 2'
+    )
+    assert [tuple(r) for r in counts] == [("X", 1, 6)]
+    assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 0
+
+
+async def test_a_held_batch_killed_mid_handler_is_recovered_once_as_a_crash(
+    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    async with make_bus("orders", concurrency=0) as sender:
+        # Both sent before the worker starts: one batch holds them.
+        await sender.send(Slow(n=7), to="billing")
+        await sender.send(Ping(n=8), to="billing")
+    doomed = Worker(dsn, "billing")
+    try:
+        await doomed.wait_for("ready")
+        await doomed.wait_for("started 7")
+        (row_id, ping_id) = [
+            r[0] for r in await db.fetch('SELECT id FROM nmbus."billing" ORDER BY id')
+        ]
+        # While it lives: nothing written to the rows, the record names them.
+        assert await db.fetchval(f"SELECT ids FROM {HELD}") == [row_id, ping_id]
+        doomed.kill()
+    finally:
+        doomed.kill()
+    await db.execute("CREATE TABLE effects (n int, pid int)")
+    # Killed: the record stays, and the rows are as sent (no attempt written yet).
+    rows = await db.fetch(
+        'SELECT subqueue, retry_count, handling_client_id FROM nmbus."billing" ORDER BY id'
+    )
+    assert [tuple(r) for r in rows] == [("I", 0, None), ("I", 0, None)]
+    assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 1
+
+    # A leased worker's claim leaves them alone until the record is recovered.
+    bus = make_bus("billing", poll_interval=0.3, lease_seconds=1.0)
+    handled: list[tuple[int, int, int]] = []
+
+    @bus.handler
+    async def on_slow(msg: Slow, ctx: Context) -> None:
+        handled.append((msg.n, ctx.retry_count, ctx.message_id))
+
+    @bus.handler
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        handled.append((msg.n, ctx.retry_count, ctx.message_id))
+
+    async with bus:
+        await wait_until(lambda: len(handled) == 2, timeout=15)
+        await drain(bus)
+    # The dead attempt counted once for each (both were in the dead batch, as with
+    # a lease); then, as after a lease ran out, one suspect runs alone (its second
+    # attempt) and the other is given its attempts back (nothing says it was the
+    # one that killed the worker): its first.
+    assert sorted(handled) == [(7, 2, row_id), (8, 1, ping_id)]
+    rows = await db.fetch('SELECT subqueue, retry_count FROM nmbus."billing" ORDER BY id')
+    assert [tuple(r) for r in rows] == [("X", 2), ("X", 1)]
+    assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 0
+
+
+async def test_a_live_holder_is_never_taken_for_dead(
+    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    live = Worker(dsn, "billing", "10.0")
+    try:
+        await live.wait_for("ready")
+        async with make_bus("orders", concurrency=0) as sender:
+            await sender.send(Slow(n=1), to="billing")
+        await live.wait_for("started 1")
+        recover = 'SELECT count(*) FROM nmbus."billing$held"'
+        # Other workers recover (on empty claims and every poll): the record stays.
+        bus = make_bus("billing", poll_interval=0.1)
+        async with bus:
+            await asyncio.sleep(1.0)
+            assert await db.fetchval(recover) == 1
+        (row,) = await db.fetch(
+            'SELECT subqueue, retry_count, handling_client_id FROM nmbus."billing"'
+        )
+        assert tuple(row) == ("I", 0, None)
+    finally:
+        live.kill()
+
+
+async def test_a_record_naming_a_row_another_record_names_is_refused(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    from nmbus.postgres.sql import render
+
+    async with make_bus("billing", concurrency=0):
+        pass
+    record = render("held_record", "nmbus", "billing")
+    assert await db.fetchval(record, 1, 2**40, "a", [10, 11]) == 1
+    assert await db.fetchval(record, 2, 2**40 + 1, "b", [12, 11]) == 0
+    assert await db.fetchval(record, 3, 2**40 + 1, "b", [12, 13]) == 1
+    assert [r[0] for r in await db.fetch(f"SELECT batch FROM {HELD} ORDER BY batch")] == [1, 3]
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "cheap"])
+async def test_the_status_counts_a_held_batch_in_flight_not_waiting(
+    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection, exact: bool
+) -> None:
+    from nmbus.admin import Admin
+    from nmbus.settings import Settings
+
+    async with make_bus("orders", concurrency=0) as sender:
+        await sender.send(Slow(n=1), to="billing")
+        await sender.send(Ping(n=2), to="billing")
+    live = Worker(dsn, "billing", "10.0")
+    try:
+        await live.wait_for("ready")
+        await live.wait_for("started 1")
+        async with Admin.from_settings(Settings(dsn=dsn)) as admin:
+            (billing,) = [s for s in await admin.queue_status(exact=exact) if s.queue == "billing"]
+        assert (billing.ready, billing.in_flight) == (2, 2)
+        assert billing.oldest_ready_seconds is None  # nothing waits for a worker
+    finally:
+        live.kill()
+
+
+async def test_a_held_handler_running_past_a_lease_keeps_its_message(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # No lease to renew: the batch's locks and its record keep a rival polling hard
+    # away for as long as the handler runs (its timeout bounds the transaction).
+    bus = make_bus("billing", held_batches=True, lease_seconds=1.0, handler_timeout=30)
+    runs: list[str] = []
+    started, done = asyncio.Event(), asyncio.Event()
+
+    @bus.handler
+    async def slow(msg: Slow, ctx: Context) -> None:
+        runs.append("owner")
+        started.set()
+        await done.wait()
+
+    rival = make_bus("billing", lease_seconds=1.0, poll_interval=0.1)
+
+    @rival.handler
+    async def steal(msg: Slow, ctx: Context) -> None:
+        runs.append("rival")
+
+    async with bus:
+        await bus.send(Slow(n=1), to="billing")
+        await asyncio.wait_for(started.wait(), 10)
+        async with rival:
+            await asyncio.sleep(3.0)  # three leases' time, the rival claiming every 0.1 s
+            done.set()
+            await wait_until("SELECT subqueue FROM nmbus.billing", db=db, until=lambda s: s == "X")
+    assert runs == ["owner"]
+    row = await db.fetchrow("SELECT retry_count, handling_client_id FROM nmbus.billing")
+    assert tuple(row) == (1, None)

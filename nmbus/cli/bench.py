@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import Annotated
 
 import typer
@@ -84,6 +85,14 @@ def bench(
         int, typer.Option(min=1, help="delivery: members of each sequence")
     ] = 1_000,
     repeat: Annotated[int, typer.Option(min=1, help="runs per mode; figures are medians")] = 1,
+    held_batches: Annotated[
+        bool,
+        typer.Option(
+            "--held-batches",
+            help="nmbus's workers hold their batches (setting held_batches; its worker "
+            "processes too): each row written once",
+        ),
+    ] = False,
     unconfigured_logging: Annotated[
         bool,
         typer.Option(
@@ -128,7 +137,11 @@ def bench(
         repeat=repeat,
         processes=processes,
         sagas=sagas,
+        held_batches=held_batches,
     )
+    if held_batches:
+        # The worker processes some modes start read their settings from here.
+        os.environ["NMBUS_HELD_BATCHES"] = "true"
     err = Console(stderr=True)
 
     def progress(text: str) -> None:

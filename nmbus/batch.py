@@ -381,12 +381,9 @@ class BatchRunner:
         await self._write(tx, received, batch, part, effects)
         # Nothing done yet (the whole batch waits for its sagas): no statement.
         changed = await tx.finish(self.queue, part, self.client_id) if len(part) else 0
-        # A held batch's rows are locked only until this commit: the rest are leased
-        # first, and the batch goes on as a leased one.
-        finished = set(part.ids)
-        await tx.lease_rest(
-            [r.row.id for r in received if r.row.id not in committed and r.row.id not in finished]
-        )
+        # A held batch's rows are locked only until this commit: all the rest of it
+        # (those waiting for a saga too) are leased first; it goes on leased.
+        await tx.lease_rest(set(part.ids))
         lost = len(part) - changed
         if lost and tx.begun:
             raise LeaseLost(

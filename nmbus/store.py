@@ -11,7 +11,7 @@ stays in I or R with ``handling_client_id`` and ``lease_expires`` set.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -252,10 +252,10 @@ class Batch(HandlerTransaction, Protocol):
         """Record ``outcomes`` of rows still held by ``client_id``; returns how many changed."""
         ...
 
-    async def lease_rest(self, ids: Sequence[int]) -> int:
+    async def lease_rest(self, finished: Collection[int] = ()) -> int:
         """Before a part commit of a held batch (WorkerSession.claim with held
-        batches): lease its rows ``ids`` not finished yet, so that the commit does
-        not let go of them; the batch goes on leased. 0 for a leased batch."""
+        batches): lease its rows but ``finished``, so that the commit does not let
+        go of them; the batch goes on leased once it is done. 0 for a leased batch."""
         ...
 
     async def finish_and_claim(

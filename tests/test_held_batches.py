@@ -17,9 +17,11 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, Context
+from nmbus.postgres.sagas import PostgresSagaTable
 from nmbus.testing import drain
 from tests import procs
 from tests.messages import Ping, Slow
+from tests.saga_workers import Counter, Increment
 from tests.waits import wait_until
 
 HELD = 'nmbus."billing$held"'
@@ -34,6 +36,17 @@ class Worker(procs.Proc):
             super().__init__("tests.workers", "worker", dsn, queue, lease)
         finally:
             del os.environ["NMBUS_HELD_BATCHES"]
+
+
+def rival_of(make_bus: Callable[..., Bus], runs: list[str]) -> Bus:
+    """A leased worker on billing claiming every 0.1 s; a Slow it runs adds "rival"."""
+    rival = make_bus("billing", lease_seconds=1.0, poll_interval=0.1)
+
+    @rival.handler
+    async def steal(msg: Slow, ctx: Context) -> None:
+        runs.append("rival")
+
+    return rival
 
 
 async def count_updates(db: asyncpg.Connection, queue: str = "billing") -> None:
@@ -253,11 +266,7 @@ async def test_a_held_handler_running_past_a_lease_keeps_its_message(
         started.set()
         await done.wait()
 
-    rival = make_bus("billing", lease_seconds=1.0, poll_interval=0.1)
-
-    @rival.handler
-    async def steal(msg: Slow, ctx: Context) -> None:
-        runs.append("rival")
+    rival = rival_of(make_bus, runs)
 
     async with bus:
         await bus.send(Slow(n=1), to="billing")
@@ -269,3 +278,147 @@ async def test_a_held_handler_running_past_a_lease_keeps_its_message(
     assert runs == ["owner"]
     row = await db.fetchrow("SELECT retry_count, handling_client_id FROM nmbus.billing")
     assert tuple(row) == (1, None)
+
+
+async def test_a_part_commit_leases_the_messages_waiting_for_a_saga_too(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+) -> None:
+    # A message whose saga another transaction holds waits for it after the
+    # first part commits: it must stay this worker's (leased, not let go with the
+    # locks) and run once. A hostile review found it let go and run twice.
+    bus = make_bus("counting", batch_size=10, held_batches=True, batch_commit_interval=0.05)
+    saga = bus.saga(Counter, key="counter")
+    handled: list[tuple[str, int, int]] = []
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        handled.append((msg.counter, msg.n, ctx.retry_count))
+        await asyncio.sleep(0.08)
+
+    async with make_bus("counting", concurrency=0) as sender:
+        for n, key in enumerate(["free", "free", "free", "taken"]):
+            await sender.send(Increment(counter=key, n=n), to="counting")
+    holder = await asyncpg.connect(dsn)
+    try:
+        taken = holder.transaction()
+        await taken.start()
+        await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "taken")])
+        async with bus:
+            done = "SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'"
+            await wait_until(done, db=db, until=lambda n: n == 3)
+            waiting = await db.fetchrow(
+                "SELECT subqueue, handling_client_id FROM nmbus.counting WHERE id = 4"
+            )
+            assert waiting["subqueue"] == "I" and waiting["handling_client_id"] is not None
+            await taken.commit()
+            await drain(bus)
+    finally:
+        await holder.close()
+    assert sorted(handled) == [("free", 0, 1), ("free", 1, 1), ("free", 2, 1), ("taken", 3, 1)]
+    counts = await db.fetch(
+        "SELECT subqueue, retry_count, count(*) FROM nmbus.counting GROUP BY 1, 2"
+    )
+    assert [tuple(r) for r in counts] == [("X", 1, 4)]
+    assert await db.fetchval('SELECT count(*) FROM nmbus."counting$held"') == 0
+
+
+async def test_a_part_commit_that_fails_leaves_nothing_held(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # A deferred constraint fails the part's COMMIT: the rolled-back batch is leased
+    # and split as a leased one would be, and nothing stays behind its record.
+    await db.execute("CREATE TABLE once (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    await db.execute("INSERT INTO once VALUES (1)")
+    async with make_bus("billing", concurrency=0) as sender:
+        for n in range(3):
+            await sender.send(Ping(n=n), to="billing")
+    bus = make_bus(
+        "billing", held_batches=True, batch_commit_interval=0.05, max_attempts=3, retry_delay=60
+    )
+    runs: list[tuple[int, int]] = []
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        runs.append((msg.n, ctx.retry_count))
+        if msg.n == 0:
+            await ctx.connection.execute("INSERT INTO once VALUES (1)")  # fails at COMMIT
+        await asyncio.sleep(0.08)
+
+    async with bus:
+        await drain(bus)
+    rows = await db.fetch('SELECT subqueue, retry_count FROM nmbus."billing" ORDER BY id')
+    assert [tuple(r) for r in rows] == [("R", 1), ("X", 1), ("X", 1)]
+    assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 0
+
+
+async def test_recovery_counts_the_dead_attempt_of_a_row_a_stale_claim_leased(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # A leased claim whose snapshot predates a record can lock its row once the
+    # holder died (its lease then runs). Recovery leaves that lease alone and
+    # still counts the attempt that died; a row nobody took becomes a suspect.
+    from nmbus.postgres.held import recover_held
+
+    async with make_bus("orders", concurrency=0) as sender:
+        await sender.send(Ping(n=1), to="billing")
+        await sender.send(Ping(n=2), to="billing")
+    taken, free = [r[0] for r in await db.fetch('SELECT id FROM nmbus."billing" ORDER BY id')]
+    await db.execute(
+        'UPDATE nmbus."billing" SET retry_count = 1, handling_client_id = $2, '
+        "lease_expires = now() + interval '1 minute' WHERE id = $1",
+        taken,
+        "stale-claim",
+    )
+    gone_holder = 2**40 + 7  # no session holds it
+    await db.execute(
+        f"INSERT INTO {HELD} (batch, holder, client, ids) VALUES (1, $1, 'dead', $2)",
+        gone_holder,
+        [taken, free],
+    )
+    assert await recover_held(db, "nmbus", "billing", 0) == 2
+    rows = await db.fetch(
+        "SELECT retry_count, handling_client_id, lease_expires > now() AS live "
+        'FROM nmbus."billing" ORDER BY id'
+    )
+    assert [tuple(r) for r in rows] == [(2, "stale-claim", True), (1, "dead", False)]
+    assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 0
+    assert await recover_held(db, "nmbus", "billing", 0) == 0  # once
+
+
+async def test_a_held_batch_claimed_and_never_begun_goes_back_untouched(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # A loop stopped between its claim and its batch (waiting at the process's gate
+    # while a suspect runs alone): its session gives the batch back, no record left
+    # for a recovery to take as a crash.
+    async with make_bus("billing", concurrency=0) as bus:
+        await bus.send(Ping(n=1), to="billing")
+        async with bus.store.worker_session(None, held=True) as session:
+            (claimed,) = await session.claim("billing", 10, "me", 10.0)
+            assert await db.fetchval(f"SELECT ids FROM {HELD}") == [claimed.id]
+    row = await db.fetchrow('SELECT subqueue, retry_count, handling_client_id FROM nmbus."billing"')
+    assert tuple(row) == ("I", 0, None)
+    assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 0
+
+
+async def test_a_server_idle_timeout_does_not_end_a_held_batch_mid_handler(
+    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # Managed servers often end sessions idle in a transaction; a held batch idles
+    # in its own while its handlers run. Its loop turns the timeout off for itself,
+    # or a rival would run the message beside the handler still running it.
+    database = await db.fetchval("SELECT current_database()")
+    await db.execute(f'ALTER DATABASE "{database}" SET idle_in_transaction_session_timeout = 500')
+    owner = Worker(dsn, "billing", "10.0")
+    try:
+        await owner.wait_for("ready")
+        async with make_bus("orders", concurrency=0) as sender:
+            await sender.send(Slow(n=1), to="billing")
+        await owner.wait_for("started 1")
+        runs: list[str] = []
+        async with rival_of(make_bus, runs):
+            await asyncio.sleep(2.0)  # four timeouts' time, the rival claiming every 0.1 s
+        assert runs == []
+        assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 1
+    finally:
+        owner.kill()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -97,7 +97,7 @@ class MemoryBatch:
         self._finishes.append((queue, outcomes, client_id))
         return held
 
-    async def lease_rest(self, ids: Sequence[int]) -> int:
+    async def lease_rest(self, finished: Collection[int] = ()) -> int:
         return 0  # every batch here is leased
 
     async def finish_and_claim(

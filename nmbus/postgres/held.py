@@ -31,6 +31,10 @@ from nmbus.postgres.sql import render
 #: Holder keys are drawn at or above this (the hashtext keys of other advisory
 #: locks are 32-bit) and below 2**62.
 HOLDER_BASE = 2**32
+#: The savepoint a held batch's claim sets: a batch that fails rolls back to it,
+#: keeping the claim's row locks until the lease that follows commits.
+HELD_SAVEPOINT_NAME = "nmbus_held"
+HELD_SAVEPOINT = f"SAVEPOINT {HELD_SAVEPOINT_NAME}"
 #: Claims of one held batch in a row that may meet a record naming one of their
 #: rows (held_record) before the loop claims leased instead.
 OVERLAP_TRIES = 3

@@ -9,11 +9,12 @@ finish-and-claim statement and takes the sends and publishes of its handlers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
+import structlog
 from asyncpg.transaction import Transaction
 
 from nmbus.flow import FlowLimits
@@ -22,6 +23,8 @@ from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import claim_limited, held_back
 from nmbus.postgres.held import (
+    HELD_SAVEPOINT,
+    HELD_SAVEPOINT_NAME,
     OVERLAP_TRIES,
     HeldBatch,
     Holder,
@@ -35,6 +38,8 @@ from nmbus.postgres.rows import claimed, envelope_arrays, insert_args
 from nmbus.postgres.schema import ensure_queue_on
 from nmbus.postgres.sql import render
 from nmbus.store import Outcomes
+
+log = structlog.get_logger("nmbus.worker")
 
 
 async def insert_outbox(
@@ -131,6 +136,9 @@ class PostgresBatch:
         self._unreleased = False  # COMMIT releases every savepoint
         if transaction is not None:
             await transaction.commit()
+            # A held batch's part commit: its rest was leased (lease_rest) in what
+            # just committed; a COMMIT that failed leaves it held (and rolled back).
+            self.held = None
 
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
         await self.begin()
@@ -201,15 +209,17 @@ class PostgresBatch:
             )
         )
 
-    async def lease_rest(self, ids: Sequence[int]) -> int:
-        """A held batch's rows ``ids`` (those not finished yet) leased, before a part
-        commit lets go of their locks: the batch goes on as a leased one. How many
-        were leased (0 for a leased batch)."""
-        held, self.held = self.held, None
-        if held is None or not ids:
+    async def lease_rest(self, finished: Collection[int] = ()) -> int:
+        """Lease a held batch's rows but ``finished`` (those the part being
+        committed finishes), in its transaction, before a part commit lets go of
+        their locks: the batch goes on as a leased one once that commit is done.
+        How many were leased (0 for a leased batch)."""
+        held = self.held
+        if held is None:
             return 0
+        rest = [i for i in held.ids if i not in finished] if finished else held.ids
         return await lease_held(
-            self._conn, self._schema, held.queue, held.number, ids, held.client_id, held.lease
+            self._conn, self._schema, held.queue, held.number, rest, held.client_id, held.lease
         )
 
     async def finish_and_claim(
@@ -332,7 +342,17 @@ class PostgresSession:
                     return rows
                 batch = new_batch_key()
                 ids = [r[0] for r in rows]
-                if not await holder.record(self._schema, queue, batch, client_id, ids):
+                # The record commits on the second connection while this one sets the
+                # savepoint a failed batch rolls back to: it keeps the claim's locks.
+                written, saved = await asyncio.gather(
+                    holder.record(self._schema, queue, batch, client_id, ids),
+                    conn.execute(HELD_SAVEPOINT),
+                    return_exceptions=True,
+                )
+                for outcome in (written, saved):
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                if not written:
                     await transaction.rollback()
                     continue
                 if any(r["recovered"] for r in rows):
@@ -348,6 +368,19 @@ class PostgresSession:
         return list(
             await conn.fetch(render("claim", self._schema, queue), limit, client_id, lease, floor)
         )
+
+    async def close(self) -> None:
+        """Before the session's connections close: a held batch claimed and never
+        begun (its loop stopped first) goes back as it was, its record dropped,
+        no attempt counted, as a claimed batch that never started is given back."""
+        held, self._held = self._held, None
+        if held is None or self._conn.is_closed():
+            return
+        with wrap_errors("give back a held batch"):
+            await held.transaction.rollback()
+            await lease_held(
+                self._conn, self._schema, held.queue, held.number, [], held.client_id, 0.0
+            )
 
     async def recover(self, queue: str) -> int:
         """Held batches whose holder is gone become recovered rows (recover_held); how many."""
@@ -417,11 +450,29 @@ class PostgresSession:
                     committing = True
                     await batch.transaction.commit()
             except BaseException:
-                # A COMMIT that failed has rolled back already.
-                if batch.transaction is not None and not committing and not self._conn.is_closed():
-                    await asyncio.shield(batch.transaction.rollback())
-                if batch.held is not None and not self._conn.is_closed():
-                    # Rolled back: what comes next (a replay, a split, a stop) is the
-                    # leased path's, so its rows are leased now, as a claim would have.
-                    await asyncio.shield(batch.lease_rest(batch.held.ids))
+                if not self._conn.is_closed():
+                    await asyncio.shield(self._roll_back(batch, committing))
                 raise
+
+    async def _roll_back(self, batch: PostgresBatch, committing: bool) -> None:
+        """Roll back a batch that failed. What comes after a held one (a replay, a
+        split, a stop) is the leased path's: its rows are leased as it rolls back,
+        as a claim would have leased them. Rolled back to the savepoint its claim
+        set, it keeps their locks until that lease commits, so no other claim
+        takes them meanwhile; a COMMIT that failed (it has rolled back already)
+        leases them afterwards, behind the record that still keeps claims away."""
+        transaction, held = batch.transaction, batch.held
+        if transaction is not None and not committing:
+            if held is not None:
+                try:
+                    await self._conn.execute(f"ROLLBACK TO SAVEPOINT {HELD_SAVEPOINT_NAME}")
+                    await batch.lease_rest()
+                    await transaction.commit()
+                    batch.held = None
+                    return
+                except Exception as exc:  # the connection's trouble: roll back all
+                    log.warning("held_batch_lease_failed", error=str(exc))
+            await transaction.rollback()
+        if batch.held is not None:
+            await batch.lease_rest()
+            batch.held = None

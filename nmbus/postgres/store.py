@@ -441,9 +441,13 @@ class PostgresStore:
                 side = await self.connect()
                 with wrap_errors("take a holder lock"):
                     holder = await Holder.take(conn, side, self.schema)
-            yield PostgresSession(
+            session = PostgresSession(
                 conn, self.schema, self._known_queues, self.routed, self._floors, flow, holder
             )
+            try:
+                yield session
+            finally:
+                await asyncio.shield(session.close())
         finally:
             if side is not None:
                 await _close_quietly(side)

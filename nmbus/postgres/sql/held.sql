@@ -87,11 +87,13 @@ SELECT count(*) FROM leased;
 -- recover_held --
 -- The records of held batches whose holder is gone (its connection closed: a
 -- crash, a lost connection) are taken as what a lease that ran out leaves:
--- their rows still in I or R, not leased, get the attempt that died counted and
--- an expired lease of the record's client, so the next claim takes them as
--- recovered (isolate). A holder is gone when its advisory lock can be taken;
--- $1, a holder this connection holds itself (or 0), is never taken for gone.
--- Returns how many rows.
+-- their rows still in I or R get the attempt that died counted and, when not
+-- leased, an expired lease of the record's client, so the next claim takes them
+-- as recovered (isolate). A row leased meanwhile was taken by a leased claim
+-- whose snapshot predated the record (it locked the row once the holder died):
+-- its lease is left to run, its count still gets the dead attempt. A holder is
+-- gone when its advisory lock can be taken; $1, a holder this connection holds
+-- itself (or 0), is never taken for gone. Returns how many rows.
 WITH dead AS (
     DELETE FROM {held} AS h
     WHERE h.holder <> $1 AND pg_try_advisory_xact_lock(h.holder)
@@ -99,9 +101,12 @@ WITH dead AS (
 ), recovered AS (
     UPDATE {queue} AS q
     SET retry_count = {held_attempt},
-        handling_client_id = d.client, lease_expires = 'epoch', isolated = false
+        handling_client_id = CASE WHEN q.lease_expires IS NULL THEN d.client
+                                  ELSE q.handling_client_id END,
+        isolated = q.isolated AND q.lease_expires IS NOT NULL,
+        lease_expires = coalesce(q.lease_expires, 'epoch')
     FROM dead AS d
-    WHERE q.id = ANY(d.ids) AND q.subqueue IN ('I', 'R') AND q.lease_expires IS NULL
+    WHERE q.id = ANY(d.ids) AND q.subqueue IN ('I', 'R')
     RETURNING 1
 )
 SELECT count(*) FROM recovered;
@@ -109,8 +114,12 @@ SELECT count(*) FROM recovered;
 -- take_holder --
 -- The advisory lock that says a loop's connection lives, held for its session
 -- (released when it closes): key $1 (at or above 2^32, out of the range of the
--- hashtext keys of advisory_lock). Whether it was free.
-SELECT pg_try_advisory_lock($1::bigint);
+-- hashtext keys of advisory_lock). Whether it was free. The session's
+-- idle_in_transaction_session_timeout is turned off: a held batch's
+-- transaction waits for its handlers (bounded by their timeouts), and a server
+-- that ended it would let another worker run them while they still run.
+SELECT pg_try_advisory_lock($1::bigint),
+       set_config('idle_in_transaction_session_timeout', '0', false);
 
 -- held_attempt --
 -- Fragment of the held statements: the attempt counted where a held batch

@@ -387,6 +387,25 @@ async def test_create_and_drop_queues(admin: Admin, db: asyncpg.Connection) -> N
     assert await db.fetchval("SELECT to_regclass('nmbus.alpha')") is None
 
 
+async def test_a_queue_dropped_and_created_again_starts_empty_of_unique_ids(
+    admin: Admin, dsn: str, db: asyncpg.Connection
+) -> None:
+    # The unique table outlived its queue: a send reusing a unique_id of the
+    # dropped queue was taken for a duplicate and silently not stored.
+    from nmbus import Bus
+    from tests.messages import Ping
+
+    await admin.create_queues(["alpha"])
+    async with Bus("sender", dsn=dsn, concurrency=0) as bus:
+        await bus.send(Ping(n=1), to="alpha", unique_id="u1")
+        assert await admin.drop_queues(["alpha"]) == ["alpha"]
+        left = "SELECT count(*) FROM pg_class WHERE relname LIKE 'alpha$%'"
+        assert await db.fetchval(left) == 0
+        await admin.create_queues(["alpha"])
+        await bus.send(Ping(n=2), to="alpha", unique_id="u1")
+    assert await db.fetchval("SELECT count(*) FROM nmbus.alpha WHERE unique_id = 'u1'") == 1
+
+
 async def test_create_queues_installs_a_missing_schema(dsn: str, db: asyncpg.Connection) -> None:
     async with Admin(dsn, "nmbus_new") as admin:
         assert not await admin.schema_exists()

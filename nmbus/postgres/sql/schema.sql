@@ -299,8 +299,13 @@ WHERE to_regclass(format('%I.%I', $1::text, name)) IS NOT NULL
 ORDER BY name;
 
 -- drop_queue --
--- Drop a queue table and the records of its held batches.
+-- Drop a queue table (its segments with it) and the tables of its own: its
+-- unique table with the trigger function that wrote it (kept, a queue created
+-- again under the name would take the dropped queue's unique_ids for
+-- duplicates) and the records of its held batches.
 DROP TABLE IF EXISTS {queue};
+DROP TABLE IF EXISTS {unique_table};
+DROP FUNCTION IF EXISTS {unique_table}();
 DROP TABLE IF EXISTS {held};
 
 -- forget_queue --

@@ -67,12 +67,14 @@ async def claim_plan(dsn: str) -> str:
 
 
 @pytest.mark.usefixtures("outgrown_queue")
-async def test_a_claim_planned_at_rest_sorts_the_whole_burst_until_the_segment_is_analyzed(
+async def test_a_segment_outgrown_by_a_burst_is_analyzed_and_the_claim_reads_the_ready_index(
     dsn: str, db: asyncpg.Connection
 ) -> None:
-    # What the statistics of the queue at rest make of the claim: every ready row
-    # read and sorted to take 500.
-    assert "Sort Method" in await claim_plan(dsn)
+    # With the statistics of the queue at rest the claim used to read and sort
+    # every ready row to take 500. Since schema 12 added its filter on held
+    # batches' records (not_held, a hashed subplan), EXPLAIN shows the plan at
+    # rest in this setup reading the ready index in order as well; the look
+    # still analyzes the outgrown segment, so no plan rests on those statistics.
     assert await look(db) == [0]
     plan = await claim_plan(dsn)
     assert "Sort Method" not in plan, plan  # the ready index, in order

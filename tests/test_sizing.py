@@ -74,8 +74,13 @@ async def preload(dsn: str, count: int) -> None:
 
 
 async def test_a_deep_backlog_of_quick_handlers_drains_in_batches_of_500(
-    dsn: str, observed: list[int]
+    dsn: str, observed: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A batch doubles when it took under half of TARGET_SECONDS: 25 ms for 320
+    # no-ops holds on a quiet machine, not always under a full test run's load
+    # (a CI run saw the sizes stop at 320). Ten times the target keeps quick
+    # handlers quick there; the unit tests above check the target itself.
+    monkeypatch.setattr("nmbus.sizing.TARGET_SECONDS", TARGET_SECONDS * 10)
     await preload(dsn, 3000)
     handled = 0
     # batch_size left unset, as a new user has it; one loop, so that its claims

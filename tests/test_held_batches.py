@@ -10,8 +10,9 @@ leases the rest; a record whose holder died is recovered, once, as a crash.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import asyncpg
 import pytest
@@ -36,6 +37,21 @@ class Worker(procs.Proc):
             super().__init__("tests.workers", "worker", dsn, queue, lease)
         finally:
             del os.environ["NMBUS_HELD_BATCHES"]
+
+
+@contextlib.asynccontextmanager
+async def holding_a_slow_message(dsn: str, make_bus: Callable[..., Bus]) -> AsyncIterator[None]:
+    """A held worker process inside the handler of a Slow sent to billing (it never
+    returns); killed on the way out."""
+    worker = Worker(dsn, "billing", "10.0")
+    try:
+        await worker.wait_for("ready")
+        async with make_bus("orders", concurrency=0) as sender:
+            await sender.send(Slow(n=1), to="billing")
+        await worker.wait_for("started 1")
+        yield
+    finally:
+        worker.kill()
 
 
 def rival_of(make_bus: Callable[..., Bus], runs: list[str]) -> Bus:
@@ -195,12 +211,7 @@ async def test_a_held_batch_killed_mid_handler_is_recovered_once_as_a_crash(
 async def test_a_live_holder_is_never_taken_for_dead(
     dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
-    live = Worker(dsn, "billing", "10.0")
-    try:
-        await live.wait_for("ready")
-        async with make_bus("orders", concurrency=0) as sender:
-            await sender.send(Slow(n=1), to="billing")
-        await live.wait_for("started 1")
+    async with holding_a_slow_message(dsn, make_bus):
         recover = 'SELECT count(*) FROM nmbus."billing$held"'
         # Other workers recover (on empty claims and every poll): the record stays.
         bus = make_bus("billing", poll_interval=0.1)
@@ -211,8 +222,6 @@ async def test_a_live_holder_is_never_taken_for_dead(
             'SELECT subqueue, retry_count, handling_client_id FROM nmbus."billing"'
         )
         assert tuple(row) == ("I", 0, None)
-    finally:
-        live.kill()
 
 
 async def test_a_record_naming_a_row_another_record_names_is_refused(
@@ -409,16 +418,9 @@ async def test_a_server_idle_timeout_does_not_end_a_held_batch_mid_handler(
     # or a rival would run the message beside the handler still running it.
     database = await db.fetchval("SELECT current_database()")
     await db.execute(f'ALTER DATABASE "{database}" SET idle_in_transaction_session_timeout = 500')
-    owner = Worker(dsn, "billing", "10.0")
-    try:
-        await owner.wait_for("ready")
-        async with make_bus("orders", concurrency=0) as sender:
-            await sender.send(Slow(n=1), to="billing")
-        await owner.wait_for("started 1")
+    async with holding_a_slow_message(dsn, make_bus):
         runs: list[str] = []
         async with rival_of(make_bus, runs):
             await asyncio.sleep(2.0)  # four timeouts' time, the rival claiming every 0.1 s
         assert runs == []
         assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 1
-    finally:
-        owner.kill()

@@ -166,7 +166,8 @@ class PostgresBatch:
 
     async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
         if self.held is not None:
-            return await self._finish_held(queue, outcomes, self.held.number)
+            # Each row's one write, its record dropped.
+            return await self._finish(queue, outcomes, "finish_held", self.held.number)
         if self._flow is not None and self._flow.rated_keys:
             # A start whose mark is still on its way (nmbus/dispatch/marks.py) is
             # marked before its lease ends, so that it counts without a gap.
@@ -177,35 +178,24 @@ class PostgresBatch:
                 self._flow.rated_keys,
                 outcomes.ids,
             )
-        if outcomes.all_processed:
-            finish = render("finish_processed", self._schema, queue)
-            return int(await self._conn.fetchval(finish, outcomes.ids, client_id))
-        return int(
-            await self._conn.fetchval(
-                render("finish", self._schema, queue),
-                outcomes.ids,
-                outcomes.subqueue,
-                outcomes.delay,
-                outcomes.error_info,
-                outcomes.correction,
-                client_id,
-            )
-        )
+        return await self._finish(queue, outcomes, "finish", client_id)
 
-    async def _finish_held(self, queue: str, outcomes: Outcomes, batch: int) -> int:
-        """finish for a held batch: each row's one write, its record dropped."""
+    async def _finish(self, queue: str, outcomes: Outcomes, name: str, owner: object) -> int:
+        """Statement ``name`` (finish, finish_held), or its ``_processed`` form when
+        every message was processed; ``owner`` is the client (leased) or the
+        record (held) whose rows these are."""
         if outcomes.all_processed:
-            sql = render("finish_held_processed", self._schema, queue)
-            return int(await self._conn.fetchval(sql, outcomes.ids, batch))
+            sql = render(f"{name}_processed", self._schema, queue)
+            return int(await self._conn.fetchval(sql, outcomes.ids, owner))
         return int(
             await self._conn.fetchval(
-                render("finish_held", self._schema, queue),
+                render(name, self._schema, queue),
                 outcomes.ids,
                 outcomes.subqueue,
                 outcomes.delay,
                 outcomes.error_info,
                 outcomes.correction,
-                batch,
+                owner,
             )
         )
 

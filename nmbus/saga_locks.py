@@ -89,7 +89,6 @@ class SagaLocks:
     __slots__ = (
         "_handlers",
         "_let_go",
-        "_order",
         "_orders",
         "_owned",
         "_registry",
@@ -110,11 +109,10 @@ class SagaLocks:
         self._owned: dict[int, set[SagaKey]] = {}
         self._let_go: asyncio.Event | None = None
         # The sagas batches of this process left for later and wait for (by
-        # transaction), how many want each, and the order the batches came in.
+        # transaction), how many want each, and each batch's place: its first id.
         self._wants: dict[int, set[SagaKey]] = {}
         self._wanted: Counter[SagaKey] = Counter()
         self._orders: dict[int, int] = {}
-        self._order = 0
 
     @classmethod
     def of(cls, registry: Registry) -> SagaLocks:
@@ -166,9 +164,10 @@ class SagaLocks:
             # The sagas another loop's batch holds in this process, or waits for, are
             # left for later without a statement (a batch claimed after the waiting
             # one never runs its saga's messages first); of the rest, those free in
-            # PostgreSQL are taken.
-            self._order += 1
-            self._orders[id(tx)] = self._order
+            # PostgreSQL are taken. A batch's place among the waiting is its first
+            # message's place in the queue, not when it got here: two loops' claims
+            # answer in any order (a held claim commits its record first).
+            self._orders[id(tx)] = min(received.row.id for received in batch)
             mine = keys - self._taken - self._wanted.keys()
             self._hold(tx, mine)
             taken = set()

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import asyncpg
 import pytest
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, Message, Saga
+from nmbus.messages import StoredMessage
 from nmbus.postgres.sagas import PostgresSagaTable
+from nmbus.postgres.session import PostgresSession
+from nmbus.saga_locks import SagaLocks
 from nmbus.store import SagaSave
 from nmbus.testing import drain
 from tests.saga_workers import Counter, Increment
@@ -419,21 +423,70 @@ async def test_a_batch_claimed_later_waits_for_an_older_one_left_waiting_for_the
         state.count += 1
         state.seen.append(msg.n)
 
+    async def one_batch(*messages: Increment) -> None:
+        async with db.transaction():  # one commit: one claim takes them all
+            for message in messages:
+                await sender.send(message, to="counting", connection=db)
+
     async with make_bus("counting", concurrency=0) as sender, bus:
-        for n in (0, 1):
-            await sender.send(Increment(counter="a", n=n), to="counting")
+        await one_batch(Increment(counter="a", n=0), Increment(counter="a", n=1))
         await asyncio.wait_for(started[0].wait(), 20)
-        async with db.transaction():  # one commit: one claim takes both
-            await sender.send(Increment(counter="a", n=2), to="counting", connection=db)
-            await sender.send(Increment(counter="b", n=3), to="counting", connection=db)
+        await one_batch(Increment(counter="a", n=2), Increment(counter="b", n=3))
         await asyncio.wait_for(started[3].wait(), 20)  # W runs b3; a2 left for later
         # H is done with "a" (b3 runs for 1.5 s more): now N is claimed.
         await wait_until(lambda: bus.worker.handled >= 2, timeout=20)
-        for n in (4, 5):
-            await sender.send(Increment(counter="a", n=n), to="counting")
+        await one_batch(Increment(counter="a", n=4), Increment(counter="a", n=5))
         await drain(bus, timeout=20)
         state = await saga.load("a")
     assert state is not None and state.seen == [0, 1, 2, 4, 5]
+
+
+async def test_batches_waiting_for_a_saga_take_it_in_queue_order_whichever_claim_answered_first(
+    make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Batch H [a0] holds saga "a". Loops X and Y claim [a1] and [a2] while it runs,
+    # and X's claim answers last (a held claim commits its record on a second
+    # connection first; here the claim is slowed on purpose). Both wait for "a";
+    # when H ends, X's a1 must run before Y's a2: the place of a waiting batch is
+    # its first message's place in the queue, not the moment its claim answered.
+    bus = make_bus("counting", concurrency=3, batch_size=1, poll_interval=0.2)
+    saga = bus.saga(Counter, key="counter")
+    running, go = asyncio.Event(), asyncio.Event()
+    claimed: list[int] = []
+    claim = PostgresSession.claim
+
+    async def slow_for_a1(self: PostgresSession, *args: Any) -> list[StoredMessage]:
+        rows = await claim(self, *args)
+        ns = [Increment.model_validate_json(r.msg_text or "").n for r in rows]
+        if 1 in ns:
+            await asyncio.sleep(0.5)
+        claimed.extend(ns)
+        return rows
+
+    monkeypatch.setattr(PostgresSession, "claim", slow_for_a1)
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        if msg.n == 0:
+            running.set()
+            await go.wait()
+        state.count += 1
+        state.seen.append(msg.n)
+
+    hook = next(h for h in bus.registry.batch_hooks if isinstance(h, SagaLocks))
+    async with make_bus("counting", concurrency=0) as sender, bus:
+        await sender.send(Increment(counter="a", n=0), to="counting")
+        await asyncio.wait_for(running.wait(), 20)
+        for n in (1, 2):
+            await sender.send(Increment(counter="a", n=n), to="counting")
+        await wait_until(lambda: 1 in claimed and 2 in claimed, timeout=20)
+        # Both batches wait for "a" (read from the hook: the wait has no other sign).
+        await wait_until(lambda: len(hook._wants) == 2, timeout=20)
+        go.set()
+        await drain(bus, timeout=20)
+        state = await saga.load("a")
+    assert claimed.index(2) < claimed.index(1)  # the claims answered the other way round
+    assert state is not None and state.seen == [0, 1, 2]
 
 
 async def test_a_handler_started_before_a_stop_takes_its_saga_again_after_the_part_commit(

@@ -150,6 +150,29 @@ def test_bench_rejects_an_unknown_mode_and_a_missing_dsn(monkeypatch: pytest.Mon
     assert line.startswith("error: Invalid value: unknown mode 'nonsense'; choose from ceiling,")
 
 
+def test_bench_peer_measures_only_the_peer_asked_for_and_refuses_an_unknown_one(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def not_asked(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("graphile-worker was not asked for")
+
+    monkeypatch.setattr(bench_graphile, "measure_graphile", not_asked)
+    args = ["bench", "peers", "--dsn", dsn, "--json", "--peer", "pgqueuer", *SMALL]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    [peers] = json.loads(result.output)
+    assert peers["settings"]["graphile_worker"] == "not asked for"
+    assert peers["settings"]["pgqueuer"].startswith("1.")
+    assert not any(name.startswith("graphile") for name in peers["figures"])
+    assert peers["figures"]["ratio_nmbus_to_best_pgqueuer"] > 0
+    assert not any("graphile" in note for note in peers["notes"])  # not "not installed"
+
+    result = CliRunner().invoke(app, ["bench", "peers", "--dsn", dsn, "--peer", "rabbit"])
+    assert (result.exit_code, result.stdout) == (2, ""), result.output
+    (line,) = result.stderr.splitlines()
+    assert "unknown peer 'rabbit'; choose from pgqueuer, graphile-worker" in line
+
+
 async def test_xrows_compares_an_empty_and_a_loaded_table_and_explains_the_claim(
     dsn: str,
 ) -> None:
@@ -278,9 +301,11 @@ async def test_peers_runs_graphile_worker_at_both_settings_and_leaves_nothing(ds
     why = bench_graphile.missing()
     if why is not None:
         pytest.skip(why)  # CI installs it (.ci/run): there a skip fails the run
-    options = BenchOptions(dsn=dsn, messages=2000, batch_size=50)
+    options = BenchOptions(dsn=dsn, messages=2000, batch_size=50, peers=("graphile-worker",))
     [result] = await asyncio.wait_for(run(["peers"], options), timeout=300)
     figures = result.figures
+    assert not any(name.startswith("pgqueuer") for name in figures)  # not asked for
+    assert result.settings["pgqueuer"] == "not asked for"
     assert figures["graphile_default_per_s"] > 0 and figures["graphile_tuned_per_s"] > 0
     assert figures["ratio_nmbus_to_graphile_tuned"] == pytest.approx(
         figures["nmbus_messages_per_s"] / figures["graphile_tuned_per_s"]

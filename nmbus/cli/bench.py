@@ -85,6 +85,13 @@ def bench(
         int, typer.Option(min=1, help="delivery: members of each sequence")
     ] = 1_000,
     repeat: Annotated[int, typer.Option(min=1, help="runs per mode; figures are medians")] = 1,
+    peer: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="peers: a peer to measure, pgqueuer or graphile-worker (repeatable; unset: both)",
+            show_default=False,
+        ),
+    ] = None,
     held_batches: Annotated[
         bool,
         typer.Option(
@@ -104,7 +111,7 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Measure nmbus on a scratch schema it creates and drops; print figures and settings."""
-    from nmbus.tools.bench import ALL_MODES, MODES, BenchOptions, run
+    from nmbus.tools.bench import ALL_MODES, MODES, PEERS, BenchOptions, run
 
     if not dsn:
         raise typer.BadParameter("give --dsn or set NMBUS_DSN", param_hint="--dsn")
@@ -115,6 +122,12 @@ def bench(
                 raise typer.BadParameter(f"unknown mode {m!r}; choose from {MODES_HELP}")
             if m not in chosen:
                 chosen.append(m)
+    peers = tuple(dict.fromkeys(peer or PEERS))
+    for name in peers:
+        if name not in PEERS:
+            raise typer.BadParameter(
+                f"unknown peer {name!r}; choose from {', '.join(PEERS)}", param_hint="--peer"
+            )
     # Logging is the root's (warnings and errors unless --log-level says otherwise):
     # the figures are about a worker whose debug logging is off.
     options = BenchOptions(
@@ -138,6 +151,7 @@ def bench(
         processes=processes,
         sagas=sagas,
         held_batches=held_batches,
+        peers=peers,
     )
     if held_batches:
         # The worker processes some modes start read their settings from here.

@@ -14,13 +14,15 @@ medians, with the settings they ran under. The modes:
                    marks a batch X and claims the next), with no framework.
                    Single-write: a claim that writes each row once (row locks
                    in the batch's transaction, a per-batch record committed on
-                   a second connection), the design nmbus does not have.
+                   a second connection), held batches' design (setting
+                   held_batches) without the framework.
 ``peers``          pgqueuer (the ``peers`` extra) draining as many jobs at batch
                    sizes 10 and 100, and graphile-worker (Node.js, installed
                    beforehand: nmbus/tools/bench_graphile.py) at its default
                    and at its performance page's settings, beside an nmbus
-                   drain of the same run. A peer not installed is named in a
-                   note, with how to install it; nothing is downloaded.
+                   drain of the same run; ``--peer`` picks one of them. A
+                   peer not installed is named in a note, with how to install
+                   it; nothing is downloaded.
 ``drain``          pre-load N messages, time a worker draining them with a typed
                    no-op handler, at ``concurrency`` loops and at 2 loops,
                    against both ceilings (the crash-safe one at as many loops).
@@ -93,10 +95,10 @@ from nmbus.tools.bench_scenarios import (
     measure_latency,
     measure_per_message_transactions,
 )
-from nmbus.tools.bench_scratch import BenchOptions, Scratch
+from nmbus.tools.bench_scratch import PEERS, BenchOptions, Scratch
 from nmbus.tools.sql import render
 
-__all__ = ["ALL_MODES", "MODES", "BenchOptions", "Result", "run"]
+__all__ = ["ALL_MODES", "MODES", "PEERS", "BenchOptions", "Result", "run"]
 
 SCALING_LOOPS = (1, 2, 4)
 #: The flow mode's units, by how a figure's name ends.
@@ -182,34 +184,47 @@ async def _scratch_run(dsn: str, body: Callable[[Scratch], Awaitable[Any]]) -> A
 async def _measure_peers(
     res: Result, options: BenchOptions, drain: float, rep: int, progress: Progress
 ) -> None:
-    """pgqueuer and graphile-worker, each where it is installed, beside nmbus's drain."""
-    dsn = options.dsn
+    """The peers of ``options.peers`` beside nmbus's drain, each where it is installed."""
     res.add("nmbus_messages_per_s", drain, "msg/s")
     notes = []
-    if bench_peers.available():
-        best = 0.0
-        for size in bench_peers.BATCHES:
-            progress(f"pgqueuer, batch {size}, run {rep}")
-            rate = await _scratch_run(
-                dsn, partial(bench_peers.measure_pgqueuer, options, batch_size=size)
-            )
-            res.add(f"pgqueuer_batch_{size}_per_s", rate, "jobs/s")
-            best = max(best, rate)
-        res.add("ratio_nmbus_to_best_pgqueuer", drain / best, "x")
-    else:
-        notes.append("pgqueuer is not installed: pip install 'nmbus[peers]'")
-    why = bench_graphile.missing()
-    if why is None:
-        rates = {}
-        for setting in ("default", "tuned"):
-            progress(f"graphile-worker, {setting} settings, run {rep}")
-            measure = partial(bench_graphile.measure_graphile, options, mode=setting)
-            rates[setting], _ = await _scratch_run(dsn, measure)
-            res.add(f"graphile_{setting}_per_s", rates[setting], "jobs/s")
-        res.add("ratio_nmbus_to_graphile_tuned", drain / rates["tuned"], "x")
-    else:
-        notes.append(why)
+    if "pgqueuer" in options.peers:
+        if bench_peers.available():
+            await _measure_pgqueuer(res, options, drain, rep, progress)
+        else:
+            notes.append("pgqueuer is not installed: pip install 'nmbus[peers]'")
+    if "graphile-worker" in options.peers:
+        why = bench_graphile.missing()
+        if why is None:
+            await _measure_graphile(res, options, drain, rep, progress)
+        else:
+            notes.append(why)
     res.notes = notes
+
+
+async def _measure_pgqueuer(
+    res: Result, options: BenchOptions, drain: float, rep: int, progress: Progress
+) -> None:
+    best = 0.0
+    for size in bench_peers.BATCHES:
+        progress(f"pgqueuer, batch {size}, run {rep}")
+        rate = await _scratch_run(
+            options.dsn, partial(bench_peers.measure_pgqueuer, options, batch_size=size)
+        )
+        res.add(f"pgqueuer_batch_{size}_per_s", rate, "jobs/s")
+        best = max(best, rate)
+    res.add("ratio_nmbus_to_best_pgqueuer", drain / best, "x")
+
+
+async def _measure_graphile(
+    res: Result, options: BenchOptions, drain: float, rep: int, progress: Progress
+) -> None:
+    rates = {}
+    for setting in ("default", "tuned"):
+        progress(f"graphile-worker, {setting} settings, run {rep}")
+        measure = partial(bench_graphile.measure_graphile, options, mode=setting)
+        rates[setting], _ = await _scratch_run(options.dsn, measure)
+        res.add(f"graphile_{setting}_per_s", rates[setting], "jobs/s")
+    res.add("ratio_nmbus_to_graphile_tuned", drain / rates["tuned"], "x")
 
 
 async def run(
@@ -438,6 +453,10 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
     if mode == "peers":
         found = bench_peers.version() if bench_peers.available() else "not installed"
         graphile = "not installed" if bench_graphile.missing() else bench_graphile.version()
+        if "pgqueuer" not in o.peers:
+            found = "not asked for"
+        if "graphile-worker" not in o.peers:
+            graphile = "not asked for"
         return {
             **base,
             "messages": o.messages,

@@ -40,6 +40,10 @@ TICK = type_name(Tick)
 DEFAULT_LOOPS: int = Settings.model_fields["concurrency"].default
 
 
+#: The peers ``nmbus bench peers`` can measure beside nmbus.
+PEERS = ("pgqueuer", "graphile-worker")
+
+
 @dataclass
 class BenchOptions:
     """What to measure and how much of it."""
@@ -64,6 +68,8 @@ class BenchOptions:
     processes: int = 1
     sagas: int = 3
     held_batches: bool = False
+    #: peers: the peers measured beside nmbus (of PEERS), each where it is installed.
+    peers: tuple[str, ...] = PEERS
 
     @property
     def claim_size(self) -> int:

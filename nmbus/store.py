@@ -11,11 +11,11 @@ stays in I or R with ``handling_client_id`` and ``lease_expires`` set.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from nmbus.messages import Envelope, StoredMessage
 
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from nmbus.settings import Settings
 
 SCHEMA_VERSION = 12
+
+
+#: What a guarded batch returns (WorkerSession.guarded).
+T = TypeVar("T")
 
 
 class Outcomes:
@@ -310,6 +314,11 @@ class WorkerSession(Protocol):
         ...
 
     def batch(self) -> AbstractAsyncContextManager[Batch]: ...
+
+    async def guarded(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` (a batch, its handlers included); a session whose batches are
+        held stops it when its connection ends, raising DatabaseUnavailable."""
+        ...
 
 
 class Store(Protocol):

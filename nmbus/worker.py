@@ -397,11 +397,11 @@ class Worker:
             # Held while it waits for the process to go quiet: keep its lease alive.
             self.in_flight.add(suspect.id)
             async with gate.alone():
-                return await self.batches.process(session, [suspect], ahead=sizer)
+                return await session.guarded(self.batches.process(session, [suspect], ahead=sizer))
         if gate.closed:
             self.in_flight.update(m.id for m in batch)
         await gate.enter()
         try:
-            return await self.batches.process(session, batch, ahead=sizer)
+            return await session.guarded(self.batches.process(session, batch, ahead=sizer))
         finally:
             gate.leave()

@@ -40,16 +40,16 @@ class Worker(procs.Proc):
 
 
 @contextlib.asynccontextmanager
-async def holding_a_slow_message(dsn: str, make_bus: Callable[..., Bus]) -> AsyncIterator[None]:
+async def holding_a_slow_message(dsn: str, make_bus: Callable[..., Bus]) -> AsyncIterator[Worker]:
     """A held worker process inside the handler of a Slow sent to billing (it never
-    returns); killed on the way out."""
+    returns, unless cancelled: it says "stopped 1"); killed on the way out."""
     worker = Worker(dsn, "billing", "10.0")
     try:
         await worker.wait_for("ready")
         async with make_bus("orders", concurrency=0) as sender:
             await sender.send(Slow(n=1), to="billing")
         await worker.wait_for("started 1")
-        yield
+        yield worker
     finally:
         worker.kill()
 
@@ -287,6 +287,28 @@ async def test_a_held_handler_running_past_a_lease_keeps_its_message(
     assert runs == ["owner"]
     row = await db.fetchrow("SELECT retry_count, handling_client_id FROM nmbus.billing")
     assert tuple(row) == (1, None)
+
+
+async def test_a_backend_ended_under_a_held_batch_stops_its_handlers(
+    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # An operator's pg_terminate_backend (or a failover) ends a held worker's backend:
+    # its row locks and its holder lock go, and any worker recovers the batch at its
+    # next poll. The handler still running it must stop as soon as its connection is
+    # lost, as in a crash, not run on beside the next run.
+    async with holding_a_slow_message(dsn, make_bus) as worker:
+        ended = await db.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND state = 'idle in transaction'"
+        )
+        assert ended == 1  # the held batch's backend, in its transaction
+        await worker.wait_for("stopped 1", timeout=5)
+        # The loop connects again, recovers its own batch as a crash's and runs the
+        # message anew, its ended attempt counted: leased now, as a suspect is.
+        await worker.wait_for("started 1")
+        row = await db.fetchrow("SELECT retry_count, handling_client_id FROM nmbus.billing")
+        assert row["retry_count"] == 2 and row["handling_client_id"] is not None
+        assert await db.fetchval(f"SELECT count(*) FROM {HELD}") == 0
 
 
 async def test_a_part_commit_leases_the_messages_waiting_for_a_saga_too(

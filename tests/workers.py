@@ -40,7 +40,11 @@ async def worker(dsn: str, queue: str, lease: float) -> None:
     @bus.handler
     async def on_slow(msg: Slow, ctx: Context) -> None:
         print(f"started {msg.n}", flush=True)
-        await asyncio.sleep(3600)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            print(f"stopped {msg.n}", flush=True)
+            raise
 
     async with bus:
         print("ready", flush=True)

@@ -8,6 +8,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from nmbus.cancellation import Cancel
+from nmbus.messages import StoredMessage
 from nmbus.rows import QueueRow
 
 
@@ -44,3 +45,22 @@ def cancel_rows(table: dict[int, QueueRow], request: Cancel) -> int:
             lease_expires=None,
         )
     return len(picked)
+
+
+def claimed_message(row: QueueRow, recovered: int, now: datetime) -> StoredMessage:
+    """What a claim returns of ``row`` (already claimed): the message, as PostgreSQL's."""
+    return StoredMessage(
+        id=row.id,
+        from_endpoint=row.from_endpoint,
+        insert_time=row.insert_time,
+        retry_count=row.retry_count,
+        retry_time=row.retry_time,
+        correlation_id=row.correlation_id,
+        label=row.label,
+        msg_text=row.msg_text,
+        msg_headers=row.msg_headers,
+        unique_id=row.unique_id,
+        recovered=recovered,
+        priority=row.priority,
+        expired=row.expires_at is not None and row.expires_at <= now,
+    )

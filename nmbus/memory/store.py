@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from nmbus.cancellation import Cancel
 from nmbus.errors import ConfigurationError, QueueNotFound
 from nmbus.flow import FlowLimits
-from nmbus.memory.claims import cancel_rows, recovery
+from nmbus.memory.claims import cancel_rows, claimed_message, recovery
 from nmbus.memory.operations import MemoryOperations, sequence_heads
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.names import validate_queue_name
@@ -36,6 +36,9 @@ def _now() -> datetime:
 
 
 _LONG_AGO = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+T = TypeVar("T")
 
 
 class MemoryBatch:
@@ -151,23 +154,7 @@ class MemorySession:
                 handling_client_id=client_id,
                 lease_expires=now + timedelta(seconds=lease),
             )
-            claimed.append(
-                StoredMessage(
-                    id=row.id,
-                    from_endpoint=row.from_endpoint,
-                    insert_time=row.insert_time,
-                    retry_count=row.retry_count,
-                    retry_time=row.retry_time,
-                    correlation_id=row.correlation_id,
-                    label=row.label,
-                    msg_text=row.msg_text,
-                    msg_headers=row.msg_headers,
-                    unique_id=row.unique_id,
-                    recovered=recovery(held),
-                    priority=row.priority,
-                    expired=row.expires_at is not None and row.expires_at <= now,
-                )
-            )
+            claimed.append(claimed_message(row, recovery(held), now))
         return claimed
 
     async def next_due(self, queue: str) -> float | None:
@@ -184,6 +171,9 @@ class MemorySession:
 
     async def recover(self, queue: str) -> int:
         return 0  # held batches are PostgreSQL's (worker_session ignores held): none here
+
+    async def guarded(self, work: Coroutine[Any, Any, T]) -> T:
+        return await work  # no connection to end under it
 
     async def isolate(
         self,

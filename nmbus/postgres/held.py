@@ -19,14 +19,19 @@ See docs/reliability.md, "Held batches".
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import asyncpg
 from asyncpg.transaction import Transaction
 
+from nmbus.errors import DatabaseUnavailable
 from nmbus.postgres.sql import render
+
+T = TypeVar("T")
 
 #: Holder keys are drawn at or above this (the hashtext keys of other advisory
 #: locks are 32-bit) and below 2**62.
@@ -102,3 +107,35 @@ async def lease_held(
 async def recover_held(conn: asyncpg.Connection, schema: str, queue: str, own: int) -> int:
     """Turn the records of dead holders into expired leases; how many rows."""
     return int(await conn.fetchval(render("recover_held", schema, queue), own))
+
+
+async def stopped_with(conn: asyncpg.Connection, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` (a held batch), cancelled as soon as ``conn`` ends under it.
+
+    A held batch's rows are kept by this backend: ended under it (an operator's
+    pg_terminate_backend, a failover), its locks and its holder lock go, and any
+    worker recovers the batch at its next poll. Its handlers are stopped as a
+    crash would stop them, rather than running on beside that recovery; the
+    loop then connects again (DatabaseUnavailable).
+    """
+    task = asyncio.ensure_future(work)
+    lost: list[bool] = []
+
+    def ended(_: object) -> None:
+        if not task.done():
+            lost.append(True)
+            task.cancel()
+
+    conn.add_termination_listener(ended)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if lost and (current is None or not current.cancelling()):
+            raise DatabaseUnavailable(
+                "the worker's connection ended under a held batch: its handlers were "
+                "stopped, and its messages go to another worker as after a crash"
+            ) from None
+        raise
+    finally:
+        conn.remove_termination_listener(ended)

@@ -9,9 +9,9 @@ finish-and-claim statement and takes the sends and publishes of its handlers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import structlog
@@ -31,6 +31,7 @@ from nmbus.postgres.held import (
     lease_held,
     new_batch_key,
     recover_held,
+    stopped_with,
 )
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.pubsub import publish_args, publish_on
@@ -254,6 +255,9 @@ class PostgresBatch:
         return finished, messages
 
 
+T = TypeVar("T")
+
+
 class PostgresSession:
     """A worker loop's dedicated connection."""
 
@@ -371,6 +375,11 @@ class PostgresSession:
             await lease_held(
                 self._conn, self._schema, held.queue, held.number, [], held.client_id, 0.0
             )
+
+    async def guarded(self, work: Coroutine[Any, Any, T]) -> T:
+        if self._holder is None:
+            return await work  # a leased batch keeps its rows until its lease runs out
+        return await stopped_with(self._conn, work)
 
     async def recover(self, queue: str) -> int:
         """Held batches whose holder is gone become recovered rows (recover_held); how many."""

@@ -185,46 +185,32 @@ async def _measure_peers(
     res: Result, options: BenchOptions, drain: float, rep: int, progress: Progress
 ) -> None:
     """The peers of ``options.peers`` beside nmbus's drain, each where it is installed."""
+    dsn, notes, peers = options.dsn, [], options.peers
     res.add("nmbus_messages_per_s", drain, "msg/s")
-    notes = []
-    if "pgqueuer" in options.peers:
-        if bench_peers.available():
-            await _measure_pgqueuer(res, options, drain, rep, progress)
-        else:
-            notes.append("pgqueuer is not installed: pip install 'nmbus[peers]'")
-    if "graphile-worker" in options.peers:
-        why = bench_graphile.missing()
-        if why is None:
-            await _measure_graphile(res, options, drain, rep, progress)
-        else:
-            notes.append(why)
+    if "pgqueuer" in peers and not bench_peers.available():
+        notes.append("pgqueuer is not installed: pip install 'nmbus[peers]'")
+    elif "pgqueuer" in peers:
+        best = 0.0
+        for size in bench_peers.BATCHES:
+            progress(f"pgqueuer, batch {size}, run {rep}")
+            rate = await _scratch_run(
+                dsn, partial(bench_peers.measure_pgqueuer, options, batch_size=size)
+            )
+            res.add(f"pgqueuer_batch_{size}_per_s", rate, "jobs/s")
+            best = max(best, rate)
+        res.add("ratio_nmbus_to_best_pgqueuer", drain / best, "x")
+    why = bench_graphile.missing()
+    if "graphile-worker" in peers and why is not None:
+        notes.append(why)
+    elif "graphile-worker" in peers:
+        rates = {}
+        for setting in ("default", "tuned"):
+            progress(f"graphile-worker, {setting} settings, run {rep}")
+            measure = partial(bench_graphile.measure_graphile, options, mode=setting)
+            rates[setting], _ = await _scratch_run(dsn, measure)
+            res.add(f"graphile_{setting}_per_s", rates[setting], "jobs/s")
+        res.add("ratio_nmbus_to_graphile_tuned", drain / rates["tuned"], "x")
     res.notes = notes
-
-
-async def _measure_pgqueuer(
-    res: Result, options: BenchOptions, drain: float, rep: int, progress: Progress
-) -> None:
-    best = 0.0
-    for size in bench_peers.BATCHES:
-        progress(f"pgqueuer, batch {size}, run {rep}")
-        rate = await _scratch_run(
-            options.dsn, partial(bench_peers.measure_pgqueuer, options, batch_size=size)
-        )
-        res.add(f"pgqueuer_batch_{size}_per_s", rate, "jobs/s")
-        best = max(best, rate)
-    res.add("ratio_nmbus_to_best_pgqueuer", drain / best, "x")
-
-
-async def _measure_graphile(
-    res: Result, options: BenchOptions, drain: float, rep: int, progress: Progress
-) -> None:
-    rates = {}
-    for setting in ("default", "tuned"):
-        progress(f"graphile-worker, {setting} settings, run {rep}")
-        measure = partial(bench_graphile.measure_graphile, options, mode=setting)
-        rates[setting], _ = await _scratch_run(options.dsn, measure)
-        res.add(f"graphile_{setting}_per_s", rates[setting], "jobs/s")
-    res.add("ratio_nmbus_to_graphile_tuned", drain / rates["tuned"], "x")
 
 
 async def run(

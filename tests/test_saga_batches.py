@@ -405,21 +405,23 @@ async def test_loops_of_one_process_take_turns_on_a_saga_without_meeting_in_post
 async def test_a_batch_claimed_later_waits_for_an_older_one_left_waiting_for_the_same_saga(
     make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
-    # Three loops. Batch H [a0, a1] holds saga "a" (slowly). Batch W [a2, b3],
-    # claimed next, leaves a2 for later and runs b3 (slower). H ends while b3
-    # runs; batch N [a4, a5], claimed after that, must leave "a" to W, whose a2
-    # is older: each saga runs its messages in the order they were claimed.
-    bus = make_bus("counting", concurrency=3, batch_size=2, poll_interval=0.2)
+    # Two loops, so that each batch below is claimed whole by the one idle loop (two
+    # idle loops may split a batch between them). Batch H [a0] holds saga "a". Batch
+    # W [a2, b3], claimed next, leaves a2 for later and runs b3. H ends while b3
+    # runs; batch N [a4, a5], claimed after that, must leave "a" to W, whose a2 is
+    # older: each saga runs its messages in the order they were claimed.
+    bus = make_bus("counting", concurrency=2, batch_size=2, poll_interval=0.2)
     saga = bus.saga(Counter, key="counter")
     started: dict[int, asyncio.Event] = {n: asyncio.Event() for n in range(6)}
+    h_go, w_go = asyncio.Event(), asyncio.Event()
 
     @saga.handler(start=True)
     async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
         started[msg.n].set()
-        if msg.n in (0, 1):
-            await asyncio.sleep(0.3)
+        if msg.n == 0:
+            await h_go.wait()
         elif msg.counter == "b":
-            await asyncio.sleep(1.5)
+            await w_go.wait()
         state.count += 1
         state.seen.append(msg.n)
 
@@ -428,17 +430,21 @@ async def test_a_batch_claimed_later_waits_for_an_older_one_left_waiting_for_the
             for message in messages:
                 await sender.send(message, to="counting", connection=db)
 
+    hook = next(h for h in bus.registry.batch_hooks if isinstance(h, SagaLocks))
     async with make_bus("counting", concurrency=0) as sender, bus:
-        await one_batch(Increment(counter="a", n=0), Increment(counter="a", n=1))
+        await one_batch(Increment(counter="a", n=0))
         await asyncio.wait_for(started[0].wait(), 20)
         await one_batch(Increment(counter="a", n=2), Increment(counter="b", n=3))
         await asyncio.wait_for(started[3].wait(), 20)  # W runs b3; a2 left for later
-        # H is done with "a" (b3 runs for 1.5 s more): now N is claimed.
-        await wait_until(lambda: bus.worker.handled >= 2, timeout=20)
+        h_go.set()
+        await wait_until(lambda: bus.worker.handled >= 1, timeout=20)  # H is done
         await one_batch(Increment(counter="a", n=4), Increment(counter="a", n=5))
+        # N waits for "a" beside W (read from the hook: the wait has no other sign).
+        await wait_until(lambda: len(hook._wants) == 2, timeout=20)
+        w_go.set()
         await drain(bus, timeout=20)
         state = await saga.load("a")
-    assert state is not None and state.seen == [0, 1, 2, 4, 5]
+    assert state is not None and state.seen == [0, 2, 4, 5]
 
 
 async def test_batches_waiting_for_a_saga_take_it_in_queue_order_whichever_claim_answered_first(

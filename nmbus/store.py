@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nmbus.messages import Envelope, StoredMessage
 
@@ -31,10 +31,6 @@ if TYPE_CHECKING:
     from nmbus.settings import Settings
 
 SCHEMA_VERSION = 12
-
-
-#: What a guarded batch returns (WorkerSession.guarded).
-T = TypeVar("T")
 
 
 class Outcomes:
@@ -315,7 +311,7 @@ class WorkerSession(Protocol):
 
     def batch(self) -> AbstractAsyncContextManager[Batch]: ...
 
-    async def guarded(self, work: Coroutine[Any, Any, T]) -> T:
+    async def guarded(self, work: Coroutine[Any, Any, list[StoredMessage]]) -> list[StoredMessage]:
         """Run ``work`` (a batch, its handlers included); a session whose batches are
         held stops it when its connection ends, raising DatabaseUnavailable."""
         ...

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Sequ
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 from nmbus.cancellation import Cancel
 from nmbus.errors import ConfigurationError, QueueNotFound
@@ -36,9 +36,6 @@ def _now() -> datetime:
 
 
 _LONG_AGO = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-T = TypeVar("T")
 
 
 class MemoryBatch:
@@ -172,7 +169,7 @@ class MemorySession:
     async def recover(self, queue: str) -> int:
         return 0  # held batches are PostgreSQL's (worker_session ignores held): none here
 
-    async def guarded(self, work: Coroutine[Any, Any, T]) -> T:
+    async def guarded(self, work: Coroutine[Any, Any, list[StoredMessage]]) -> list[StoredMessage]:
         return await work  # no connection to end under it
 
     async def isolate(

@@ -119,11 +119,12 @@ async def stopped_with(conn: asyncpg.Connection, work: Coroutine[Any, Any, T]) -
     loop then connects again (DatabaseUnavailable).
     """
     task = asyncio.ensure_future(work)
-    lost: list[bool] = []
+    lost = False
 
     def ended(_: object) -> None:
+        nonlocal lost
         if not task.done():
-            lost.append(True)
+            lost = True
             task.cancel()
 
     conn.add_termination_listener(ended)

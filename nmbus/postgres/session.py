@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Collection, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 import structlog
@@ -255,9 +255,6 @@ class PostgresBatch:
         return finished, messages
 
 
-T = TypeVar("T")
-
-
 class PostgresSession:
     """A worker loop's dedicated connection."""
 
@@ -376,7 +373,7 @@ class PostgresSession:
                 self._conn, self._schema, held.queue, held.number, [], held.client_id, 0.0
             )
 
-    async def guarded(self, work: Coroutine[Any, Any, T]) -> T:
+    async def guarded(self, work: Coroutine[Any, Any, list[StoredMessage]]) -> list[StoredMessage]:
         if self._holder is None:
             return await work  # a leased batch keeps its rows until its lease runs out
         return await stopped_with(self._conn, work)

@@ -13,7 +13,8 @@ Then the same saga handler under contention (:func:`measure_contended`):
 messages into ``--sagas`` sagas (few sagas: every batch needs the same rows).
 The processes start first; then the messages are stored in one statement and
 all loops woken at once. Its figures are the wall time from the first handler
-call to the last commit,
+call to the last commit (each process says how many messages it has done and
+when; the bench reads no table meanwhile),
 messages per second, the deadlocks PostgreSQL counted in the database meanwhile
 (``pg_stat_database.deadlocks``, read after the processes have exited, so each
 has flushed its statistics) and the messages that ended in F. The sagas must
@@ -160,13 +161,37 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
         )
         for _ in range(processes)
     ]
-    count_done = render("bench_count_done", scratch.schema, QUEUE)
+    done: dict[int, tuple[int, float]] = {}  # process: (messages done, when)
+    finished = asyncio.Event()
+    died: list[int] = []
+    lines: dict[int, list[str]] = {i: [] for i in range(processes)}
+
+    async def follow(i: int, proc: asyncio.subprocess.Process) -> None:
+        # Each process says how many messages it has done and when that changed;
+        # the bench reads no table while they work (a count of the done rows read
+        # the whole queue each poll, on the cores the workers share).
+        assert proc.stdout is not None
+        async for raw in proc.stdout:
+            line = raw.decode().strip()
+            if line.startswith("done "):
+                _, count, when = line.split()
+                done[i] = (int(count), float(when))
+                if sum(count for count, _ in done.values()) >= total:
+                    finished.set()
+            else:
+                lines[i].append(line)
+        if not finished.is_set():
+            died.append(i)  # its output ended before the messages were done
+            finished.set()
+
+    readers: list[asyncio.Task[None]] = []
     try:
         for proc in procs:
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), 120)
             if line.strip() != b"ready":
                 raise RuntimeError(f"bench saga process did not start: {line!r}")
+        readers = [asyncio.create_task(follow(i, proc)) for i, proc in enumerate(procs)]
         # Every loop of every process is up and idle: the messages arrive in one
         # statement, and a wake-up sends all loops at them at once (start-up costs
         # are not in the figures).
@@ -175,20 +200,24 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
             render("bench_preload", scratch.schema, QUEUE), total, "I", TICK, prefix
         )
         await scratch.c.execute("SELECT pg_notify($1, $2)", notify_channel(scratch.schema), QUEUE)
-        deadline = time.monotonic() + drain_timeout(total) + 300
-        while int(await scratch.c.fetchval(count_done)) < total:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the saga processes did not finish in time")
-            await asyncio.sleep(0.02)
-        ended = time.time()
+        try:
+            await asyncio.wait_for(finished.wait(), drain_timeout(total) + 300)
+        except TimeoutError:
+            raise RuntimeError("the saga processes did not finish in time") from None
+        if died:
+            raise RuntimeError(f"bench saga process {died[0] + 1} of {processes} ended early")
+        ended = max(when for _, when in done.values())
         reports = []
-        for proc in procs:
+        for i, proc in enumerate(procs):
             assert proc.stdin is not None
             proc.stdin.write(b"stop\n")
             await proc.stdin.drain()
-            out, _ = await asyncio.wait_for(proc.communicate(), 60)
-            reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+            await asyncio.wait_for(proc.wait(), 60)
+            await readers[i]
+            reports.append(json.loads(lines[i][-1]))
     finally:
+        for task in readers:
+            task.cancel()
         for proc in procs:
             if proc.returncode is None:
                 proc.kill()
@@ -198,6 +227,8 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
     await scratch.c.execute("SELECT pg_stat_clear_snapshot()")
     deadlocks = int(await scratch.c.fetchval(DEADLOCKS)) - deadlocks_before
     failed = await scratch.count("F")
+    if await scratch.count("X") + failed != total:
+        raise RuntimeError("the saga processes said they were done with messages still to do")
     started = min(r["first"] for r in reports if r["first"] is not None)
     elapsed = ended - started
     bus, _ = _counting_bus(options.dsn, scratch.schema, options.batch_size, 0, sagas)
@@ -223,9 +254,23 @@ async def _work(schema: str, batch_size: int, loops: int, sagas: int) -> None:
     read = asyncio.get_running_loop().run_in_executor
     async with bus:
         print("ready", flush=True)
+        progress = asyncio.create_task(_report_done(bus))
         await read(None, sys.stdin.readline)
+        progress.cancel()
     report = {"first": first[0] if first else None, "handled": bus.worker.handled}
     print(json.dumps(report), flush=True)
+
+
+async def _report_done(bus: Bus) -> None:
+    """Print ``done <messages in X or F> <when>`` each time that count changes
+    (looked at every 5 ms: the time of the last commit to within that)."""
+    seen = 0
+    while True:
+        await asyncio.sleep(0.005)
+        count = bus.worker.outcomes["X"] + bus.worker.outcomes["F"]
+        if count != seen:
+            seen = count
+            print(f"done {count} {time.time()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -151,10 +151,6 @@ INSERT INTO {schema}.bench_effects (message_id, n) VALUES ($1, $2);
 -- How many effects were written.
 SELECT count(*) FROM {schema}.bench_effects;
 
--- bench_count_done --
--- Rows of one queue that are done (X or F).
-SELECT count(*) FROM {queue} WHERE subqueue IN ('X', 'F');
-
 -- bench_count_subqueue --
 -- Rows of one queue in subqueue $1.
 SELECT count(*) FROM {queue} WHERE subqueue = $1;

@@ -397,11 +397,23 @@ class Worker:
             # Held while it waits for the process to go quiet: keep its lease alive.
             self.in_flight.add(suspect.id)
             async with gate.alone():
-                return await session.guarded(self.batches.process(session, [suspect], ahead=sizer))
+                return await self._guarded(session, [suspect], sizer)
         if gate.closed:
             self.in_flight.update(m.id for m in batch)
         await gate.enter()
         try:
-            return await session.guarded(self.batches.process(session, batch, ahead=sizer))
+            return await self._guarded(session, batch, sizer)
         finally:
             gate.leave()
+
+    async def _guarded(
+        self, session: WorkerSession, batch: list[StoredMessage], sizer: BatchSizer
+    ) -> list[StoredMessage]:
+        try:
+            return await session.guarded(self.batches.process(session, batch, ahead=sizer))
+        except DatabaseUnavailable:
+            # Also when the batch never began (its connection ended while it waited at
+            # the gate): its rows are not this loop's any more, and their leases must
+            # not be renewed (a held batch's recovered rows carry this client's name).
+            self.in_flight.difference_update(m.id for m in batch)
+            raise

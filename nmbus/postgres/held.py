@@ -118,6 +118,14 @@ async def stopped_with(conn: asyncpg.Connection, work: Coroutine[Any, Any, T]) -
     crash would stop them, rather than running on beside that recovery; the
     loop then connects again (DatabaseUnavailable).
     """
+    if conn.is_closed():
+        # Ended before the batch began (while it waited at the process gate for a
+        # suspect running alone, say): a listener added now would never be called.
+        work.close()
+        raise DatabaseUnavailable(
+            "the worker's connection ended under a held batch before its handlers ran: "
+            "its messages go to another worker as after a crash"
+        )
     task = asyncio.ensure_future(work)
     lost = False
 

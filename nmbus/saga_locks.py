@@ -109,10 +109,10 @@ class SagaLocks:
         self._owned: dict[int, set[SagaKey]] = {}
         self._let_go: asyncio.Event | None = None
         # The sagas batches of this process left for later and wait for (by
-        # transaction), how many want each, and each batch's place: its first id.
+        # transaction), how many want each, and each batch's place for each: its first id.
         self._wants: dict[int, set[SagaKey]] = {}
         self._wanted: Counter[SagaKey] = Counter()
-        self._orders: dict[int, int] = {}
+        self._orders: dict[int, dict[SagaKey, int]] = {}
 
     @classmethod
     def of(cls, registry: Registry) -> SagaLocks:
@@ -164,10 +164,7 @@ class SagaLocks:
             # The sagas another loop's batch holds in this process, or waits for, are
             # left for later without a statement (a batch claimed after the waiting
             # one never runs its saga's messages first); of the rest, those free in
-            # PostgreSQL are taken. A batch's place among the waiting is its first
-            # message's place in the queue, not when it got here: two loops' claims
-            # answer in any order (a held claim commits its record first).
-            self._orders[id(tx)] = min(received.row.id for received in batch)
+            # PostgreSQL are taken.
             mine = keys - self._taken - self._wanted.keys()
             self._hold(tx, mine)
             taken = set()
@@ -188,6 +185,17 @@ class SagaLocks:
                 behind |= names
                 received.sagas = None
         if behind and not wait:
+            # Its place among the batches waiting for a saga: its first message of that
+            # saga's place in the queue (its id), not when it got here (two loops'
+            # claims answer in any order: a held claim commits its record first), nor
+            # its first message of another saga (a retry's older id, claimed late).
+            firsts: dict[SagaKey, int] = {}
+            for received, names in needs:
+                for name in names:
+                    firsts.setdefault(name, received.row.id)
+                    if received.row.id < firsts[name]:
+                        firsts[name] = received.row.id
+            self._orders[id(tx)] = firsts
             self._want(tx, behind)
         return later
 
@@ -222,14 +230,22 @@ class SagaLocks:
     async def _free_here(self, tx: Batch, keys: set[SagaKey]) -> None:
         """Wait until no batch of this process holds any of ``keys``, nor an older one
         waits for one of them: each saga runs its messages in the order claimed."""
-        order = self._orders.get(id(tx), 0)
-        while not keys.isdisjoint(self._taken) or any(
-            self._orders.get(other, 0) < order and not keys.isdisjoint(wanted)
-            for other, wanted in self._wants.items()
-        ):
+        while not keys.isdisjoint(self._taken) or self._older_waits(tx, keys):
             if self._let_go is None:
                 self._let_go = asyncio.Event()
             await self._let_go.wait()
+
+    def _older_waits(self, tx: Batch, keys: set[SagaKey]) -> bool:
+        """Whether another batch waits for one of ``keys`` with an older message of it."""
+        mine = self._orders.get(id(tx), {})
+        for other, wanted in self._wants.items():
+            if other == id(tx):
+                continue
+            theirs = self._orders.get(other, {})
+            for key in keys & wanted:
+                if key in theirs and theirs[key] < mine.get(key, theirs[key] + 1):
+                    return True
+        return False
 
     def _let_go_of(self, tx: Batch) -> None:
         """Let go of what the batch of ``tx`` holds."""

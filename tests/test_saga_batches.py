@@ -495,6 +495,55 @@ async def test_batches_waiting_for_a_saga_take_it_in_queue_order_whichever_claim
     assert state is not None and state.seen == [0, 1, 2]
 
 
+async def test_a_batch_claimed_later_never_overtakes_for_one_saga_by_an_older_message_of_another(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # H [a0] holds saga "a"; W [a2, b3], claimed next, runs b3 and leaves a2 for
+    # later. N [c1, a5] is claimed after W: c1 is older in the queue (a retry come
+    # due, a delayed send), a5 is not. For saga "a", W's a2 must still run before
+    # N's a5: a waiting batch's place is that of its first message of the saga.
+    bus = make_bus("counting", concurrency=2, batch_size=2, poll_interval=0.2)
+    saga = bus.saga(Counter, key="counter")
+    started: dict[int, asyncio.Event] = {n: asyncio.Event() for n in range(6)}
+    h_go, w_go = asyncio.Event(), asyncio.Event()
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        started[msg.n].set()
+        if msg.n == 0:
+            await h_go.wait()
+        elif msg.counter == "b":
+            await w_go.wait()
+        state.count += 1
+        state.seen.append(msg.n)
+
+    async def one_batch(*messages: Increment) -> None:
+        async with db.transaction():
+            for message in messages:
+                await sender.send(message, to="counting", connection=db)
+
+    async with make_bus("counting", concurrency=0) as sender:
+        # Id 1: a message of saga "c" not due yet.
+        await sender.send(Increment(counter="c", n=1), to="counting")
+        await db.execute("UPDATE nmbus.counting SET retry_time = now() + interval '1 hour'")
+        async with bus:
+            await one_batch(Increment(counter="a", n=0))
+            await asyncio.wait_for(started[0].wait(), 20)
+            await one_batch(Increment(counter="a", n=2), Increment(counter="b", n=3))
+            await asyncio.wait_for(started[3].wait(), 20)  # W runs b3, a2 left for later
+            h_go.set()
+            await wait_until(lambda: bus.worker.handled >= 1, timeout=20)
+            async with db.transaction():
+                await db.execute("UPDATE nmbus.counting SET retry_time = now() WHERE id = 1")
+                await sender.send(Increment(counter="a", n=5), to="counting", connection=db)
+            await asyncio.wait_for(started[1].wait(), 20)  # N is claimed and runs c1
+            await asyncio.sleep(0.3)  # N would take "a" now, were it first in line
+            w_go.set()
+            await drain(bus, timeout=20)
+            state = await saga.load("a")
+    assert state is not None and state.seen == [0, 2, 5]
+
+
 async def test_a_handler_started_before_a_stop_takes_its_saga_again_after_the_part_commit(
     make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
 ) -> None:

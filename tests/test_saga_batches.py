@@ -402,48 +402,57 @@ async def test_loops_of_one_process_take_turns_on_a_saga_without_meeting_in_post
     assert partial == []
 
 
+class HeldAndWaiting:
+    """Two loops, batches of 2, counting into saga Counter: a0 runs until ``h_go``,
+    a message of saga "b" until ``w_go``; ``started[n]`` is set as n starts. Two
+    loops, so that each batch is claimed whole by the one idle loop (two idle
+    loops may split a batch between them)."""
+
+    def __init__(self, make_bus: Callable[..., Bus], db: asyncpg.Connection) -> None:
+        self.db = db
+        self.bus = make_bus("counting", concurrency=2, batch_size=2, poll_interval=0.2)
+        self.saga = self.bus.saga(Counter, key="counter")
+        self.started: dict[int, asyncio.Event] = {n: asyncio.Event() for n in range(6)}
+        self.h_go, self.w_go = asyncio.Event(), asyncio.Event()
+        self.hook = next(h for h in self.bus.registry.batch_hooks if isinstance(h, SagaLocks))
+
+        @self.saga.handler(start=True)
+        async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+            self.started[msg.n].set()
+            if msg.n == 0:
+                await self.h_go.wait()
+            elif msg.counter == "b":
+                await self.w_go.wait()
+            state.count += 1
+            state.seen.append(msg.n)
+
+    async def one_batch(self, sender: Bus, *messages: Increment) -> None:
+        async with self.db.transaction():  # one commit: one claim takes them all
+            for message in messages:
+                await sender.send(message, to="counting", connection=self.db)
+
+
 async def test_a_batch_claimed_later_waits_for_an_older_one_left_waiting_for_the_same_saga(
     make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
-    # Two loops, so that each batch below is claimed whole by the one idle loop (two
-    # idle loops may split a batch between them). Batch H [a0] holds saga "a". Batch
-    # W [a2, b3], claimed next, leaves a2 for later and runs b3. H ends while b3
-    # runs; batch N [a4, a5], claimed after that, must leave "a" to W, whose a2 is
-    # older: each saga runs its messages in the order they were claimed.
-    bus = make_bus("counting", concurrency=2, batch_size=2, poll_interval=0.2)
-    saga = bus.saga(Counter, key="counter")
-    started: dict[int, asyncio.Event] = {n: asyncio.Event() for n in range(6)}
-    h_go, w_go = asyncio.Event(), asyncio.Event()
-
-    @saga.handler(start=True)
-    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
-        started[msg.n].set()
-        if msg.n == 0:
-            await h_go.wait()
-        elif msg.counter == "b":
-            await w_go.wait()
-        state.count += 1
-        state.seen.append(msg.n)
-
-    async def one_batch(*messages: Increment) -> None:
-        async with db.transaction():  # one commit: one claim takes them all
-            for message in messages:
-                await sender.send(message, to="counting", connection=db)
-
-    hook = next(h for h in bus.registry.batch_hooks if isinstance(h, SagaLocks))
-    async with make_bus("counting", concurrency=0) as sender, bus:
-        await one_batch(Increment(counter="a", n=0))
-        await asyncio.wait_for(started[0].wait(), 20)
-        await one_batch(Increment(counter="a", n=2), Increment(counter="b", n=3))
-        await asyncio.wait_for(started[3].wait(), 20)  # W runs b3; a2 left for later
-        h_go.set()
-        await wait_until(lambda: bus.worker.handled >= 1, timeout=20)  # H is done
-        await one_batch(Increment(counter="a", n=4), Increment(counter="a", n=5))
+    # Batch H [a0] holds saga "a". Batch W [a2, b3], claimed next, leaves a2 for
+    # later and runs b3. H ends while b3 runs; batch N [a4, a5], claimed after
+    # that, must leave "a" to W, whose a2 is older: each saga runs its messages in
+    # the order they were claimed.
+    t = HeldAndWaiting(make_bus, db)
+    async with make_bus("counting", concurrency=0) as sender, t.bus:
+        await t.one_batch(sender, Increment(counter="a", n=0))
+        await asyncio.wait_for(t.started[0].wait(), 20)
+        await t.one_batch(sender, Increment(counter="a", n=2), Increment(counter="b", n=3))
+        await asyncio.wait_for(t.started[3].wait(), 20)  # W runs b3; a2 left for later
+        t.h_go.set()
+        await wait_until(lambda: t.bus.worker.handled >= 1, timeout=20)  # H is done
+        await t.one_batch(sender, Increment(counter="a", n=4), Increment(counter="a", n=5))
         # N waits for "a" beside W (read from the hook: the wait has no other sign).
-        await wait_until(lambda: len(hook._wants) == 2, timeout=20)
-        w_go.set()
-        await drain(bus, timeout=20)
-        state = await saga.load("a")
+        await wait_until(lambda: len(t.hook._wants) == 2, timeout=20)
+        t.w_go.set()
+        await drain(t.bus, timeout=20)
+        state = await t.saga.load("a")
     assert state is not None and state.seen == [0, 2, 4, 5]
 
 
@@ -502,45 +511,27 @@ async def test_a_batch_claimed_later_never_overtakes_for_one_saga_by_an_older_me
     # later. N [c1, a5] is claimed after W: c1 is older in the queue (a retry come
     # due, a delayed send), a5 is not. For saga "a", W's a2 must still run before
     # N's a5: a waiting batch's place is that of its first message of the saga.
-    bus = make_bus("counting", concurrency=2, batch_size=2, poll_interval=0.2)
-    saga = bus.saga(Counter, key="counter")
-    started: dict[int, asyncio.Event] = {n: asyncio.Event() for n in range(6)}
-    h_go, w_go = asyncio.Event(), asyncio.Event()
-
-    @saga.handler(start=True)
-    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
-        started[msg.n].set()
-        if msg.n == 0:
-            await h_go.wait()
-        elif msg.counter == "b":
-            await w_go.wait()
-        state.count += 1
-        state.seen.append(msg.n)
-
-    async def one_batch(*messages: Increment) -> None:
-        async with db.transaction():
-            for message in messages:
-                await sender.send(message, to="counting", connection=db)
-
+    t = HeldAndWaiting(make_bus, db)
     async with make_bus("counting", concurrency=0) as sender:
         # Id 1: a message of saga "c" not due yet.
         await sender.send(Increment(counter="c", n=1), to="counting")
         await db.execute("UPDATE nmbus.counting SET retry_time = now() + interval '1 hour'")
-        async with bus:
-            await one_batch(Increment(counter="a", n=0))
-            await asyncio.wait_for(started[0].wait(), 20)
-            await one_batch(Increment(counter="a", n=2), Increment(counter="b", n=3))
-            await asyncio.wait_for(started[3].wait(), 20)  # W runs b3, a2 left for later
-            h_go.set()
-            await wait_until(lambda: bus.worker.handled >= 1, timeout=20)
+        async with t.bus:
+            await t.one_batch(sender, Increment(counter="a", n=0))
+            await asyncio.wait_for(t.started[0].wait(), 20)
+            await t.one_batch(sender, Increment(counter="a", n=2), Increment(counter="b", n=3))
+            await asyncio.wait_for(t.started[3].wait(), 20)  # W runs b3, a2 left for later
+            t.h_go.set()
+            await wait_until(lambda: t.bus.worker.handled >= 1, timeout=20)
             async with db.transaction():
                 await db.execute("UPDATE nmbus.counting SET retry_time = now() WHERE id = 1")
                 await sender.send(Increment(counter="a", n=5), to="counting", connection=db)
-            await asyncio.wait_for(started[1].wait(), 20)  # N is claimed and runs c1
-            await asyncio.sleep(0.3)  # N would take "a" now, were it first in line
-            w_go.set()
-            await drain(bus, timeout=20)
-            state = await saga.load("a")
+            await asyncio.wait_for(t.started[1].wait(), 20)  # N is claimed and runs c1
+            # N waits for "a" beside W, not before it.
+            await wait_until(lambda: len(t.hook._wants) == 2, timeout=20)
+            t.w_go.set()
+            await drain(t.bus, timeout=20)
+            state = await t.saga.load("a")
     assert state is not None and state.seen == [0, 2, 5]
 
 

@@ -8,11 +8,16 @@
 -- batch's own transaction, lock up to $1 ready rows at or above the ready floor
 -- $2, as claim does, and write nothing; the rows stay locked until the batch
 -- commits, and held_record says, before the handlers run, which rows it holds.
--- The same columns as claim, retry_count already this attempt's number.
+-- The same columns as claim, retry_count already this attempt's number. They
+-- are read FOR UPDATE too: a row another transaction changed (and committed)
+-- between this statement's snapshot and `ready` locking it is read as it is
+-- now, as `ready` saw it, not as the snapshot had it (a recovery's counted
+-- attempt, say). The rows are this transaction's already: nothing waits.
 WITH {claim_ready(limit => $1, floor => $2, sequence_filter => '', row_filter => '')}
 SELECT {claimed_columns(attempt => held_attempt)}
 FROM {queue} AS q
-WHERE q.id = ANY (ARRAY(SELECT id FROM ready)) AND q.id >= $2;
+WHERE q.id = ANY (ARRAY(SELECT id FROM ready)) AND q.id >= $2
+FOR UPDATE OF q;
 
 -- held_record --
 -- The record of held batch $1 (a random bigint), committed on a connection

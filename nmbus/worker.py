@@ -414,6 +414,10 @@ class Worker:
         except DatabaseUnavailable:
             # Also when the batch never began (its connection ended while it waited at
             # the gate): its rows are not this loop's any more, and their leases must
-            # not be renewed (a held batch's recovered rows carry this client's name).
-            self.in_flight.difference_update(m.id for m in batch)
+            # not be renewed (a held batch's recovered rows carry this client's name),
+            # nor counted at a stop as this worker's abandoned or unstarted rows.
+            ids = {m.id for m in batch}
+            self.in_flight.difference_update(ids)
+            self.batches.abandoned.difference_update(ids)
+            self.batches.unstarted.difference_update(ids)
             raise

@@ -120,11 +120,14 @@ SELECT count(*) FROM recovered;
 -- The advisory lock that says a loop's connection lives, held for its session
 -- (released when it closes): key $1 (at or above 2^32, out of the range of the
 -- hashtext keys of advisory_lock). Whether it was free. The session's
--- idle_in_transaction_session_timeout is turned off: a held batch's
--- transaction waits for its handlers (bounded by their timeouts), and a server
--- that ended it would let another worker run them while they still run.
+-- idle_in_transaction_session_timeout, and from PostgreSQL 17 on its
+-- transaction_timeout, are turned off: a held batch's transaction waits for its
+-- handlers (bounded by their timeouts), and a server that ended it would stop
+-- them and have the batch run again as a crash's.
 SELECT pg_try_advisory_lock($1::bigint),
-       set_config('idle_in_transaction_session_timeout', '0', false);
+       set_config('idle_in_transaction_session_timeout', '0', false),
+       CASE WHEN current_setting('server_version_num')::int >= 170000
+            THEN set_config('transaction_timeout', '0', false) END;
 
 -- held_attempt --
 -- Fragment of the held statements: the attempt counted where a held batch

@@ -109,10 +109,10 @@ class SagaLocks:
         self._owned: dict[int, set[SagaKey]] = {}
         self._let_go: asyncio.Event | None = None
         # The sagas batches of this process left for later and wait for (by
-        # transaction), how many want each, and each batch's place for each: its first id.
+        # transaction), how many want each, and each batch's places (_older_waits).
         self._wants: dict[int, set[SagaKey]] = {}
         self._wanted: Counter[SagaKey] = Counter()
-        self._orders: dict[int, dict[SagaKey, int]] = {}
+        self._orders: dict[int, tuple[int, dict[SagaKey, int]]] = {}
 
     @classmethod
     def of(cls, registry: Registry) -> SagaLocks:
@@ -185,17 +185,18 @@ class SagaLocks:
                 behind |= names
                 received.sagas = None
         if behind and not wait:
-            # Its place among the batches waiting for a saga: its first message of that
-            # saga's place in the queue (its id), not when it got here (two loops'
-            # claims answer in any order: a held claim commits its record first), nor
-            # its first message of another saga (a retry's older id, claimed late).
+            # Its place among the batches waiting for sagas: the oldest message it
+            # leaves for later (its id: its place in the queue, not when the batch got
+            # here, since two loops' claims answer in any order, a held claim
+            # committing its record first), and for each saga, its oldest message of
+            # that saga left for later. See _older_waits.
             firsts: dict[SagaKey, int] = {}
             for received, names in needs:
-                for name in names:
-                    firsts.setdefault(name, received.row.id)
-                    if received.row.id < firsts[name]:
-                        firsts[name] = received.row.id
-            self._orders[id(tx)] = firsts
+                if received.row.id in later:
+                    for name in names:
+                        if received.row.id < firsts.get(name, received.row.id + 1):
+                            firsts[name] = received.row.id
+            self._orders[id(tx)] = (min(later), firsts)
             self._want(tx, behind)
         return later
 
@@ -236,14 +237,25 @@ class SagaLocks:
             await self._let_go.wait()
 
     def _older_waits(self, tx: Batch, keys: set[SagaKey]) -> bool:
-        """Whether another batch waits for one of ``keys`` with an older message of it."""
-        mine = self._orders.get(id(tx), {})
+        """Whether another waiting batch goes first for one of ``keys``: one whose
+        oldest message left for later is older than this batch's, and whose
+        message of that saga is older than this batch's too.
+
+        Waits follow the one order of the batches' oldest messages, so no two
+        batches of a process wait for each other, whatever their messages (two
+        batches can hold messages of two sagas crossed: a1 and b4 against a2 and
+        b3). Where the two orders disagree, neither batch waits for the other
+        here, and PostgreSQL's locks decide.
+        """
+        place, mine = self._orders.get(id(tx), (0, {}))
         for other, wanted in self._wants.items():
             if other == id(tx):
                 continue
-            theirs = self._orders.get(other, {})
+            their_place, theirs = self._orders.get(other, (0, {}))
+            if their_place >= place:
+                continue
             for key in keys & wanted:
-                if key in theirs and theirs[key] < mine.get(key, theirs[key] + 1):
+                if theirs.get(key, place) < mine.get(key, place):
                     return True
         return False
 

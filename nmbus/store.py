@@ -311,6 +311,12 @@ class WorkerSession(Protocol):
 
     def batch(self) -> AbstractAsyncContextManager[Batch]: ...
 
+    @property
+    def holding(self) -> bool:
+        """Whether the batch last claimed is held by this session's transaction (its
+        rows locked, with no lease to keep alive)."""
+        ...
+
     async def guarded(self, work: Coroutine[Any, Any, list[StoredMessage]]) -> list[StoredMessage]:
         """Run ``work`` (a batch, its handlers included); a session whose batches are
         held stops it when its connection ends, raising DatabaseUnavailable."""

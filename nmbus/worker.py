@@ -395,29 +395,35 @@ class Worker:
                     released=len(batch) - 1,
                 )
             # Held while it waits for the process to go quiet: keep its lease alive.
-            self.in_flight.add(suspect.id)
+            kept = [suspect.id]
+            self.in_flight.update(kept)
             async with gate.alone():
-                return await self._guarded(session, [suspect], sizer)
-        if gate.closed:
-            self.in_flight.update(m.id for m in batch)
+                return await self._guarded(session, [suspect], sizer, kept)
+        kept = []
+        if gate.closed and not session.holding:
+            # Waiting for the process to go quiet: keep the batch's leases alive (a
+            # held batch's rows have none: its transaction keeps them).
+            kept = [m.id for m in batch]
+            self.in_flight.update(kept)
         await gate.enter()
         try:
-            return await self._guarded(session, batch, sizer)
+            return await self._guarded(session, batch, sizer, kept)
         finally:
             gate.leave()
 
     async def _guarded(
-        self, session: WorkerSession, batch: list[StoredMessage], sizer: BatchSizer
+        self,
+        session: WorkerSession,
+        batch: list[StoredMessage],
+        sizer: BatchSizer,
+        kept: list[int],
     ) -> list[StoredMessage]:
+        """Run ``batch``; ``kept``: the leases kept alive while it waited at the gate."""
         try:
             return await session.guarded(self.batches.process(session, batch, ahead=sizer))
         except DatabaseUnavailable:
-            # Also when the batch never began (its connection ended while it waited at
-            # the gate): its rows are not this loop's any more, and their leases must
-            # not be renewed (a held batch's recovered rows carry this client's name),
-            # nor counted at a stop as this worker's abandoned or unstarted rows.
-            ids = {m.id for m in batch}
-            self.in_flight.difference_update(ids)
-            self.batches.abandoned.difference_update(ids)
-            self.batches.unstarted.difference_update(ids)
+            # Its connection ended before it began (stopped_with): the leases kept
+            # alive for it are left to run out, as a crash leaves them. (Begun, the
+            # batch has taken its ids out already.)
+            self.in_flight.difference_update(kept)
             raise

@@ -169,6 +169,10 @@ class MemorySession:
     async def recover(self, queue: str) -> int:
         return 0  # held batches are PostgreSQL's (worker_session ignores held): none here
 
+    @property
+    def holding(self) -> bool:
+        return False  # held batches are PostgreSQL's
+
     async def guarded(self, work: Coroutine[Any, Any, list[StoredMessage]]) -> list[StoredMessage]:
         return await work  # no connection to end under it
 

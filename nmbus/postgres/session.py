@@ -373,6 +373,10 @@ class PostgresSession:
                 self._conn, self._schema, held.queue, held.number, [], held.client_id, 0.0
             )
 
+    @property
+    def holding(self) -> bool:
+        return self._held is not None
+
     async def guarded(self, work: Coroutine[Any, Any, list[StoredMessage]]) -> list[StoredMessage]:
         if self._holder is None:
             return await work  # a leased batch keeps its rows until its lease runs out

@@ -155,6 +155,10 @@ class SagaLocks:
             return set()
         states = SagaStates(table)
         if wait:
+            if id(tx) not in self._orders:
+                # Here after a part commit of its own (batch_commit_interval), not
+                # after leaving messages for later: every message left waits.
+                self._orders[id(tx)] = _places(needs)
             self._want(tx, keys)
             await self._free_here(tx, keys)
             self._hold(tx, keys)
@@ -185,18 +189,8 @@ class SagaLocks:
                 behind |= names
                 received.sagas = None
         if behind and not wait:
-            # Its place among the batches waiting for sagas: the oldest message it
-            # leaves for later (its id: its place in the queue, not when the batch got
-            # here, since two loops' claims answer in any order, a held claim
-            # committing its record first), and for each saga, its oldest message of
-            # that saga left for later. See _older_waits.
-            firsts: dict[SagaKey, int] = {}
-            for received, names in needs:
-                if received.row.id in later:
-                    for name in names:
-                        if received.row.id < firsts.get(name, received.row.id + 1):
-                            firsts[name] = received.row.id
-            self._orders[id(tx)] = (min(later), firsts)
+            # Its places among the batches waiting for sagas (_waits).
+            self._orders[id(tx)] = _places([n for n in needs if n[0].row.id in later])
             self._want(tx, behind)
         return later
 
@@ -229,35 +223,51 @@ class SagaLocks:
             self._wake()
 
     async def _free_here(self, tx: Batch, keys: set[SagaKey]) -> None:
-        """Wait until no batch of this process holds any of ``keys``, nor an older one
-        waits for one of them: each saga runs its messages in the order claimed."""
-        while not keys.isdisjoint(self._taken) or self._older_waits(tx, keys):
+        """Wait until no batch of this process holds any of ``keys``, nor waits with an
+        older message of one of them (_waits): each saga runs its messages in the
+        order claimed."""
+        while not keys.isdisjoint(self._taken) or self._waits_for_another(tx):
             if self._let_go is None:
                 self._let_go = asyncio.Event()
             await self._let_go.wait()
 
-    def _older_waits(self, tx: Batch, keys: set[SagaKey]) -> bool:
-        """Whether another waiting batch goes first for one of ``keys``: one whose
-        oldest message left for later is older than this batch's, and whose
-        message of that saga is older than this batch's too.
+    def _waits_for_another(self, tx: Batch) -> bool:
+        """Whether the batch of ``tx`` waits for another waiting batch (_waits)."""
+        return bool(self._waits().get(id(tx)))
 
-        Waits follow the one order of the batches' oldest messages, so no two
-        batches of a process wait for each other, whatever their messages (two
-        batches can hold messages of two sagas crossed: a1 and b4 against a2 and
-        b3). Where the two orders disagree, neither batch waits for the other
-        here, and PostgreSQL's locks decide.
+    def _waits(self) -> dict[int, set[int]]:
+        """Which waiting batch waits for which, among those of this process.
+
+        A batch goes after one that waits with an older message (by id: its place
+        in the queue, not when its claim answered, since two loops' claims answer
+        in any order and a held claim commits its record first) of a saga both
+        wait for. Two batches can hold messages of two sagas crossed (a1 and b4
+        against a2 and b3), or a ring of them across three batches: were every
+        such wait kept, the loops would wait for each other for ever. So the
+        waits toward the batch whose oldest message left for later is older are
+        kept first (they alone make no cycle), then each of the others unless it
+        would close one; of two batches whose wait was dropped, whichever takes
+        the saga first runs first.
         """
-        place, mine = self._orders.get(id(tx), (0, {}))
-        for other, wanted in self._wants.items():
-            if other == id(tx):
-                continue
-            their_place, theirs = self._orders.get(other, (0, {}))
-            if their_place >= place:
-                continue
-            for key in keys & wanted:
-                if theirs.get(key, place) < mine.get(key, place):
-                    return True
-        return False
+        orders, wants = self._orders, self._wants
+        empty: tuple[int, dict[SagaKey, int]] = (0, {})
+        edges: list[tuple[bool, int, int, int, int]] = []
+        for waiter, wanted in wants.items():
+            place, mine = orders.get(waiter, empty)
+            for other, theirs_wanted in wants.items():
+                if other == waiter:
+                    continue
+                their_place, theirs = orders.get(other, empty)
+                if any(
+                    k in theirs and k in mine and theirs[k] < mine[k]
+                    for k in wanted & theirs_wanted
+                ):
+                    edges.append((their_place >= place, place, their_place, waiter, other))
+        kept: dict[int, set[int]] = {}
+        for _, _, _, waiter, other in sorted(edges):
+            if not _reaches(kept, other, waiter):
+                kept.setdefault(waiter, set()).add(other)
+        return kept
 
     def _let_go_of(self, tx: Batch) -> None:
         """Let go of what the batch of ``tx`` holds."""
@@ -330,3 +340,27 @@ class SagaLocks:
                 # Its handler meets the same error and fails the message.
                 continue
         return found
+
+
+def _places(needs: list[tuple[Received, set[SagaKey]]]) -> tuple[int, dict[SagaKey, int]]:
+    """A waiting batch's places: the oldest of the messages it waits with (their
+    ids), and its oldest for each saga they name."""
+    firsts: dict[SagaKey, int] = {}
+    for received, names in needs:
+        for name in names:
+            if received.row.id < firsts.get(name, received.row.id + 1):
+                firsts[name] = received.row.id
+    return min((received.row.id for received, _ in needs), default=0), firsts
+
+
+def _reaches(waits: dict[int, set[int]], start: int, goal: int) -> bool:
+    """Whether ``start`` waits, through ``waits``, for ``goal`` (or is it)."""
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(waits.get(node, ()))
+    return False

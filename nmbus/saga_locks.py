@@ -109,7 +109,7 @@ class SagaLocks:
         self._owned: dict[int, set[SagaKey]] = {}
         self._let_go: asyncio.Event | None = None
         # The sagas batches of this process left for later and wait for (by
-        # transaction), how many want each, and each batch's places (_older_waits).
+        # transaction), how many want each, and each batch's places (_waits).
         self._wants: dict[int, set[SagaKey]] = {}
         self._wanted: Counter[SagaKey] = Counter()
         self._orders: dict[int, tuple[int, dict[SagaKey, int]]] = {}

@@ -206,13 +206,15 @@ async def test_a_committed_part_is_counted_when_the_rest_of_its_batch_fails_afte
 
 
 async def test_a_part_that_lost_a_lease_gives_the_rest_of_its_batch_back_at_once(
-    make_bus: Callable[..., Bus], db: asyncpg.Connection
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
 ) -> None:
     # Another worker took the first message over (as after its lease ran out) while
     # it ran: its part rolls back. The rest of the batch, never started, goes back
     # at once with no attempt counted, not as crash suspects a whole lease later.
     bus = make_bus("billing", batch_size=10, batch_commit_interval=0.05, lease_seconds=60)
     runs: list[tuple[int, int]] = []
+    # The other worker's own connection: the test polls ``db`` while the handler runs.
+    other = await asyncpg.connect(dsn)
 
     @bus.handler
     async def handle(msg: Ping, ctx: Context) -> None:
@@ -220,17 +222,20 @@ async def test_a_part_that_lost_a_lease_gives_the_rest_of_its_batch_back_at_once
         await ctx.send(Pong(n=msg.n), to="audit")
         if msg.n == 0 and ctx.retry_count == 1:
             taken = "UPDATE nmbus.billing SET handling_client_id = 'other' WHERE id = $1"
-            await db.execute(taken, ctx.message_id)
+            await other.execute(taken, ctx.message_id)
             await asyncio.sleep(0.1)
 
     await send_pings(make_bus, 5)
-    async with bus:
-        rest = "SELECT count(*) FROM nmbus.billing WHERE id > 1 AND subqueue = 'X'"
-        assert await visible(db, rest, 4)
-        # The other worker gives its row back (as abandon_leases does).
-        back = "UPDATE nmbus.billing SET handling_client_id = NULL, lease_expires = NULL"
-        await db.execute(f"{back} WHERE id = 1")
-        await drain(bus, timeout=CAP)
+    try:
+        async with bus:
+            rest = "SELECT count(*) FROM nmbus.billing WHERE id > 1 AND subqueue = 'X'"
+            assert await visible(db, rest, 4)
+            # The other worker gives its row back (as abandon_leases does).
+            back = "UPDATE nmbus.billing SET handling_client_id = NULL, lease_expires = NULL"
+            await db.execute(f"{back} WHERE id = 1")
+            await drain(bus, timeout=CAP)
+    finally:
+        await other.close()
     rows = await db.fetch("SELECT subqueue, retry_count, isolated FROM nmbus.billing ORDER BY id")
     assert [tuple(r) for r in rows] == [("X", 2, False)] + [("X", 1, False)] * 4
     assert sorted(runs) == [(0, 1), (0, 2), (1, 1), (2, 1), (3, 1), (4, 1)]

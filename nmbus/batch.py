@@ -232,6 +232,9 @@ class BatchRunner:
         # The transaction the hooks are told has ended (they let go of what they
         # took for it in this process), committed or not.
         ended: Batch | None = None
+        # A held batch whose every message waits for sagas waits for them in its
+        # transaction, still held (SagaLocks); stopping, it is given back instead.
+        at_once = (lambda: not self._stopping.is_set()) if session.holding else None
         try:
             async with session.batch() as tx:
                 ended = tx
@@ -240,7 +243,7 @@ class BatchRunner:
                 # which its size has no part in: the sizer does not count it.
                 waited = time.monotonic()
                 for hook in hooks:
-                    later |= await hook.prepare(tx, received, False)
+                    later |= await hook.prepare(tx, received, False, at_once)
                 waited = time.monotonic() - waited
                 first = [r for r in received if r.row.id not in later] if later else received
                 run = (outcomes, done, debug, started, committed, unguarded, failed)

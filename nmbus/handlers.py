@@ -32,14 +32,24 @@ HandlerFunc = Callable[[Any, Context], Awaitable[None]]
 class BatchHook(Protocol):
     """Work of a batch's own around its handlers, in its transaction (the saga locks)."""
 
-    async def prepare(self, tx: Batch, batch: list[Received], wait: bool) -> set[int]:
+    async def prepare(
+        self,
+        tx: Batch,
+        batch: list[Received],
+        wait: bool,
+        at_once: Callable[[], bool] | None = None,
+    ) -> set[int]:
         """Before the handlers of ``batch`` run: the ids of messages to run later.
 
         Without ``wait``, it takes only what is free now and names the messages
         that need the rest; the worker runs the others, commits, and calls it
         again for those with ``wait``: take everything, waiting for it (only
         while the transaction holds nothing of the hook's, so that two batches
-        never wait for each other in a cycle).
+        never wait for each other in a cycle). With ``at_once`` (given for a held
+        batch, whose transaction may wait open), a batch none of whose messages
+        could run before that commit, and that took nothing, waits for everything
+        at once instead, with nothing to run later, if ``at_once()`` is still
+        true then (the worker is not stopping).
         """
         ...
 

@@ -6,6 +6,7 @@ on a real PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +15,10 @@ import pytest
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, Message, Saga
+from nmbus.batch import BatchRunner
 from nmbus.messages import StoredMessage
 from nmbus.postgres.sagas import PostgresSagaTable
-from nmbus.postgres.session import PostgresSession
+from nmbus.postgres.session import PostgresBatch, PostgresSession
 from nmbus.saga_locks import SagaLocks
 from nmbus.store import SagaSave
 from nmbus.testing import drain
@@ -186,6 +188,141 @@ async def test_a_batch_runs_what_it_can_while_another_transaction_holds_one_of_i
         await holder.close()
     assert handled == ["free", "free", "held", "held"]
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+
+
+async def test_a_batch_whose_every_message_waits_for_a_saga_waits_in_one_transaction(
+    make_bus: Callable[..., Bus],
+    db: asyncpg.Connection,
+    dsn: str,
+    claims: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nothing of the batch can run before its saga is free, and it took none:
+    # held, it waits without committing a part first (it stays held, no lease
+    # written for its rows), then runs whole; leased, it commits (nothing) first,
+    # so that its transaction never waits idle, as before.
+    parts: list[int] = []
+    commit_part = BatchRunner._commit_part
+
+    async def counted_part(self: BatchRunner, *args: Any, **kwargs: Any) -> float:
+        parts.append(1)
+        return await commit_part(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchRunner, "_commit_part", counted_part)
+    bus = make_bus("counting", concurrency=1, batch_size=10, poll_interval=0.2)
+    saga = bus.saga(Counter, key="counter")
+    handled: list[int] = []
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+        handled.append(msg.n)
+
+    await _send_all(make_bus, "counting", [Increment(counter="held", n=n) for n in range(3)])
+    holder = await asyncpg.connect(dsn)
+    held = holder.transaction()
+    await held.start()
+    await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "held")])
+    waiting = (
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        " AND pid <> pg_backend_pid()"
+    )
+    try:
+        async with bus:
+            await wait_until(waiting, db=db, until=lambda n: n == 1, timeout=20)
+            leased = await db.fetchval(
+                "SELECT count(*) FROM nmbus.counting WHERE handling_client_id IS NOT NULL"
+            )
+            # Leased, the claim leased the rows; held, they are written only when done.
+            assert leased == (3 if claims == "leased" else 0)
+            assert handled == []
+            await held.commit()
+            await drain(bus, timeout=20)
+            assert await saga.load("held") == Counter(count=3)
+    finally:
+        await holder.close()
+    assert handled == [0, 1, 2]
+    assert parts == ([] if claims == "held" else [1])
+    assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
+
+
+class Plain(Message, type_name="test.saga_batch.Plain"):
+    n: int
+
+
+async def test_a_stop_as_a_batch_for_a_held_saga_is_claimed_gives_it_back_without_waiting(
+    make_bus: Callable[..., Bus],
+    db: asyncpg.Connection,
+    dsn: str,
+    claims: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The stop comes as the claim of a batch of saga messages answers (leased: with
+    # the finish of the batch before, held: its own claim); the loop still takes the
+    # batch. A stopping worker starts none of it, and gives it back at once instead
+    # of waiting for a saga another transaction holds.
+    bus = make_bus(
+        "counting", concurrency=1, batch_size=10, poll_interval=0.2, shutdown_timeout=6.0
+    )
+    saga = bus.saga(Counter, key="counter")
+    running, go = asyncio.Event(), asyncio.Event()
+    stopping: list[asyncio.Task[None]] = []
+
+    @bus.handler
+    async def plain(msg: Plain, ctx: Context) -> None:
+        running.set()
+        await go.wait()
+
+    @saga.handler(start=True)
+    async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+
+    def stop_if_sagas(rows: list[StoredMessage]) -> None:
+        if any(row.label == "test.saga.Increment" for row in rows) and not stopping:
+            stopping.append(asyncio.create_task(bus.stop()))  # SIGTERM arrives now
+
+    finish_and_claim, claim = PostgresBatch.finish_and_claim, PostgresSession.claim
+
+    async def finished_then_stop(self: PostgresBatch, *args: Any, **kwargs: Any) -> Any:
+        result = await finish_and_claim(self, *args, **kwargs)
+        stop_if_sagas(result[1])
+        return result
+
+    async def claimed_then_stop(self: PostgresSession, *args: Any, **kwargs: Any) -> Any:
+        rows = await claim(self, *args, **kwargs)
+        stop_if_sagas(rows)
+        return rows
+
+    monkeypatch.setattr(PostgresBatch, "finish_and_claim", finished_then_stop)
+    monkeypatch.setattr(PostgresSession, "claim", claimed_then_stop)
+    await _send_all(make_bus, "counting", [Plain(n=0)])
+    holder = await asyncpg.connect(dsn)
+    held = holder.transaction()
+    await held.start()
+    await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "held")])
+    try:
+        await bus.start()
+        await asyncio.wait_for(running.wait(), 20)
+        await _send_all(make_bus, "counting", [Increment(counter="held", n=n) for n in range(3)])
+        go.set()
+        await wait_until(lambda: bool(stopping), timeout=20)
+        began = time.monotonic()
+        await asyncio.wait_for(asyncio.shield(stopping[0]), 30)
+        took = time.monotonic() - began
+    finally:
+        go.set()
+        await held.rollback()
+        await holder.close()
+        if stopping:
+            await asyncio.gather(*stopping, return_exceptions=True)
+        else:
+            await bus.stop()
+    rows = await db.fetch(
+        "SELECT subqueue, retry_count, handling_client_id FROM nmbus.counting "
+        "WHERE label = 'test.saga.Increment' ORDER BY id"
+    )
+    assert [tuple(r) for r in rows] == [("I", 0, None)] * 3
+    assert took < 3.0, f"the stop took {took:.1f} s (shutdown_timeout 6 s)"
 
 
 class Shipping(BaseModel):

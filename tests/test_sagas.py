@@ -830,7 +830,9 @@ async def test_a_batch_that_loses_a_deadlock_outside_its_handlers_runs_again_at_
     runs: list[int] = []
 
     class BeforeHandlers:
-        async def prepare(self, tx: Any, rows: list[Any], wait: bool) -> set[int]:
+        async def prepare(
+            self, tx: Any, rows: list[Any], wait: bool, at_once: Any = None
+        ) -> set[int]:
             # Statements of the batch's own, outside any handler's savepoint (as the
             # saga locks are): a deadlock here aborts the whole batch's transaction.
             hooks.append(len(rows))

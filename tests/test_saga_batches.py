@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
 import pytest
+from asyncpg.transaction import Transaction
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, Message, Saga
@@ -42,6 +44,20 @@ async def _send_all(make_bus: Callable[..., Bus], queue: str, messages: list[Mes
     async with make_bus(queue, concurrency=0) as sender:
         for message in messages:
             await sender.send(message, to=queue)
+
+
+@asynccontextmanager
+async def _held_elsewhere(dsn: str, saga: str, key: str) -> AsyncIterator[Transaction]:
+    """Another transaction holds saga ``key`` of type ``saga`` on endpoint "counting",
+    as a batch of another worker would; committing it (or the end) lets go."""
+    holder = await asyncpg.connect(dsn)
+    try:
+        held = holder.transaction()
+        await held.start()
+        await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [(saga, key)])
+        yield held
+    finally:
+        await holder.close()
 
 
 async def test_a_later_handler_that_fails_takes_back_the_saga_change_of_its_message(
@@ -167,25 +183,18 @@ async def test_a_batch_runs_what_it_can_while_another_transaction_holds_one_of_i
         [Increment(counter=key, n=n) for n, key in enumerate(["held", "free", "held", "free"])],
     )
     # Another transaction holds the saga "held", as a batch of another worker would.
-    holder = await asyncpg.connect(dsn)
-    held = holder.transaction()
-    await held.start()
-    await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "held")])
-    try:
-        async with bus:
-            await wait_until(lambda: handled == ["free", "free"], timeout=20)
-            # The free saga's messages are committed while "held" is waited for.
-            done = "SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'"
-            assert await wait_until(done, db=db, until=lambda n: n == 2, timeout=20) == 2
-            await asyncio.sleep(0.3)
-            assert handled == ["free", "free"]
-            await held.commit()
-            # Let go: the rest of the batch takes the saga and runs.
-            await drain(bus, timeout=20)
-            assert await saga.load("held") == Counter(count=2)
-            assert await saga.load("free") == Counter(count=2)
-    finally:
-        await holder.close()
+    async with _held_elsewhere(dsn, "Counter", "held") as held, bus:
+        await wait_until(lambda: handled == ["free", "free"], timeout=20)
+        # The free saga's messages are committed while "held" is waited for.
+        done = "SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'"
+        assert await wait_until(done, db=db, until=lambda n: n == 2, timeout=20) == 2
+        await asyncio.sleep(0.3)
+        assert handled == ["free", "free"]
+        await held.commit()
+        # Let go: the rest of the batch takes the saga and runs.
+        await drain(bus, timeout=20)
+        assert await saga.load("held") == Counter(count=2)
+        assert await saga.load("free") == Counter(count=2)
     assert handled == ["free", "free", "held", "held"]
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
 
@@ -219,28 +228,21 @@ async def test_a_batch_whose_every_message_waits_for_a_saga_waits_in_one_transac
         handled.append(msg.n)
 
     await _send_all(make_bus, "counting", [Increment(counter="held", n=n) for n in range(3)])
-    holder = await asyncpg.connect(dsn)
-    held = holder.transaction()
-    await held.start()
-    await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "held")])
     waiting = (
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
         " AND pid <> pg_backend_pid()"
     )
-    try:
-        async with bus:
-            await wait_until(waiting, db=db, until=lambda n: n == 1, timeout=20)
-            leased = await db.fetchval(
-                "SELECT count(*) FROM nmbus.counting WHERE handling_client_id IS NOT NULL"
-            )
-            # Leased, the claim leased the rows; held, they are written only when done.
-            assert leased == (3 if claims == "leased" else 0)
-            assert handled == []
-            await held.commit()
-            await drain(bus, timeout=20)
-            assert await saga.load("held") == Counter(count=3)
-    finally:
-        await holder.close()
+    async with _held_elsewhere(dsn, "Counter", "held") as held, bus:
+        await wait_until(waiting, db=db, until=lambda n: n == 1, timeout=20)
+        leased = await db.fetchval(
+            "SELECT count(*) FROM nmbus.counting WHERE handling_client_id IS NOT NULL"
+        )
+        # Leased, the claim leased the rows; held, they are written only when done.
+        assert leased == (3 if claims == "leased" else 0)
+        assert handled == []
+        await held.commit()
+        await drain(bus, timeout=20)
+        assert await saga.load("held") == Counter(count=3)
     assert handled == [0, 1, 2]
     assert parts == ([] if claims == "held" else [1])
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
@@ -296,27 +298,25 @@ async def test_a_stop_as_a_batch_for_a_held_saga_is_claimed_gives_it_back_withou
     monkeypatch.setattr(PostgresBatch, "finish_and_claim", finished_then_stop)
     monkeypatch.setattr(PostgresSession, "claim", claimed_then_stop)
     await _send_all(make_bus, "counting", [Plain(n=0)])
-    holder = await asyncpg.connect(dsn)
-    held = holder.transaction()
-    await held.start()
-    await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "held")])
-    try:
-        await bus.start()
-        await asyncio.wait_for(running.wait(), 20)
-        await _send_all(make_bus, "counting", [Increment(counter="held", n=n) for n in range(3)])
-        go.set()
-        await wait_until(lambda: bool(stopping), timeout=20)
-        began = time.monotonic()
-        await asyncio.wait_for(asyncio.shield(stopping[0]), 30)
-        took = time.monotonic() - began
-    finally:
-        go.set()
-        await held.rollback()
-        await holder.close()
-        if stopping:
-            await asyncio.gather(*stopping, return_exceptions=True)
-        else:
-            await bus.stop()
+    async with _held_elsewhere(dsn, "Counter", "held") as held:
+        try:
+            await bus.start()
+            await asyncio.wait_for(running.wait(), 20)
+            await _send_all(
+                make_bus, "counting", [Increment(counter="held", n=n) for n in range(3)]
+            )
+            go.set()
+            await wait_until(lambda: bool(stopping), timeout=20)
+            began = time.monotonic()
+            await asyncio.wait_for(asyncio.shield(stopping[0]), 30)
+            took = time.monotonic() - began
+        finally:
+            go.set()
+            await held.rollback()
+            if stopping:
+                await asyncio.gather(*stopping, return_exceptions=True)
+            else:
+                await bus.stop()
     rows = await db.fetch(
         "SELECT subqueue, retry_count, handling_client_id FROM nmbus.counting "
         "WHERE label = 'test.saga.Increment' ORDER BY id"
@@ -366,22 +366,15 @@ async def test_a_message_behind_one_left_for_later_waits_with_it_when_they_share
         "counting",
         [Placed(counter="7"), Increment(counter="7", n=0), Audit(counter="8")],
     )
-    holder = await asyncpg.connect(dsn)
-    held = holder.transaction()
-    await held.start()
-    await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Shipping", "7")])
-    try:
-        async with bus:
-            # The message of another saga runs meanwhile.
-            await wait_until(lambda: handled == ["audit 8"], timeout=20)
-            await asyncio.sleep(0.3)
-            assert handled == ["audit 8"]
-            await held.commit()
-            await drain(bus, timeout=20)
-            assert await orders.load("7") == Counter(count=1)
-            assert await shipping.load("7") == Shipping(packed=True)
-    finally:
-        await holder.close()
+    async with _held_elsewhere(dsn, "Shipping", "7") as held, bus:
+        # The message of another saga runs meanwhile.
+        await wait_until(lambda: handled == ["audit 8"], timeout=20)
+        await asyncio.sleep(0.3)
+        assert handled == ["audit 8"]
+        await held.commit()
+        await drain(bus, timeout=20)
+        assert await orders.load("7") == Counter(count=1)
+        assert await shipping.load("7") == Shipping(packed=True)
     assert handled == ["audit 8", "placed", "counted 7"]
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
 

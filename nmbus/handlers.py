@@ -57,6 +57,11 @@ class BatchHook(Protocol):
         """Before the batch (or a part of it) commits: write what its handlers changed."""
         ...
 
+    def contended(self) -> bool:
+        """Whether other processes' batches lately held what this process's batches
+        needed (the worker's loops then take turns: one batch at a time)."""
+        ...
+
     def released(self, tx: Batch, rest: list[Received]) -> None:
         """A part of the batch committed, and the stopping worker does not prepare
         ``rest`` again (what the hook took for them was let go of by the commit)."""

@@ -11,6 +11,7 @@ types themselves and their handlers are in nmbus.sagas.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -39,6 +40,10 @@ class SagaLike(Protocol):
 #: Keys longer than this many UTF-8 bytes are refused: a btree index entry must fit
 #: in a third of a page.
 MAX_KEY_LENGTH = MAX_KEY_BYTES
+
+#: How long after a batch found one of its sagas held by another process's the
+#: endpoint counts as contended (SagaLocks.contended).
+CONTENDED_SECONDS = 1.0
 
 #: What a saga key may be (a tuple: ``str | int | UUID`` would be built on every call).
 KEY_TYPES = (str, int, uuid.UUID)
@@ -87,6 +92,7 @@ class SagaLocks:
     """
 
     __slots__ = (
+        "_contended_at",
         "_handlers",
         "_let_go",
         "_orders",
@@ -113,6 +119,8 @@ class SagaLocks:
         self._wants: dict[int, set[SagaKey]] = {}
         self._wanted: Counter[SagaKey] = Counter()
         self._orders: dict[int, tuple[int, dict[SagaKey, int]]] = {}
+        # When a batch last found one of its sagas held by another process's.
+        self._contended_at = float("-inf")
 
     @classmethod
     def of(cls, registry: Registry) -> SagaLocks:
@@ -181,6 +189,10 @@ class SagaLocks:
             if mine:
                 await tx.begin()
                 taken = await states.take(tx.connection, mine, False)
+                if taken != mine:
+                    # Held by another process's batch (this process's are apart in
+                    # memory first): the endpoint meets contention (contended).
+                    self._contended_at = time.monotonic()
         for received in batch:
             # Also for a message whose sagas were not found here: should its handler
             # find one (_held), it takes it into the batch's one SagaStates.
@@ -291,6 +303,9 @@ class SagaLocks:
         let_go, self._let_go = self._let_go, None
         if let_go is not None:
             let_go.set()
+
+    def contended(self) -> bool:
+        return time.monotonic() - self._contended_at <= CONTENDED_SECONDS
 
     def released(self, tx: Batch, rest: list[Received]) -> None:
         # The stopping worker runs no more of them: none takes its sagas again, and

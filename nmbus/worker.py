@@ -58,6 +58,11 @@ from nmbus.wakeups import Wakeups
 if TYPE_CHECKING:
     from nmbus.metrics import WorkerMetrics
 
+#: How long a batch keeps the turn of its process's loops under contention
+#: (Worker._take_turn): past that, a batch whose handlers take long keeps no other
+#: loop idle.
+TURN_SECONDS = 1.0
+
 log = structlog.get_logger("nmbus.worker")
 
 #: How often a worker with flow limits and metrics counts what its limits hold
@@ -90,6 +95,9 @@ class Worker:
         self.client_id = client_id
         self._wakeups = Wakeups()
         self._stopping = asyncio.Event()
+        # The loops' turn to claim and run a batch under contention (_take_turn).
+        self._turn = asyncio.Lock()
+        self._turn_taken = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._side = Services(log, settings.reconnect_max_delay, f"nmbus-{queue}", queue=queue)
         self.batches = BatchRunner(
@@ -345,17 +353,24 @@ class Worker:
                 await session.release_sequences(self.queue)
                 await session.recover(self.queue)
             self._wakeups.claiming()
-            if ahead:
-                batch, ahead = ahead, []
-            else:
-                batch = await session.claim(
-                    self.queue, sizer.limit, self.client_id, settings.lease_seconds
-                )
-            if batch:
-                if len(batch) >= sizer.limit:
-                    self._wakeups.one()  # a full claim: more may be waiting
-                ahead = await self._run_gated(session, batch, sizer)
-                continue
+            turn = await self._take_turn()
+            try:
+                if self._stopping.is_set() and not ahead:
+                    continue  # stopped while it waited for its turn: claims nothing
+                if ahead:
+                    batch, ahead = ahead, []
+                else:
+                    batch = await session.claim(
+                        self.queue, sizer.limit, self.client_id, settings.lease_seconds
+                    )
+                if batch:
+                    if len(batch) >= sizer.limit:
+                        self._wakeups.one()  # a full claim: more may be waiting
+                    ahead = await self._run_gated(session, batch, sizer)
+                    continue
+            finally:
+                if turn:
+                    self._turn.release()
             if await session.recover(self.queue) or await session.release_sequences(self.queue):
                 released = time.monotonic()
                 continue
@@ -371,6 +386,35 @@ class Worker:
                 await self._wakeups.wait(wait)
             if held and self.metrics is not None:
                 self.metrics.flow_waited(time.monotonic() - began)
+
+    async def _take_turn(self) -> bool:
+        """Under contention (a batch hook says so: other processes' batches hold the
+        sagas this endpoint's batches need), the loops of this process claim and run
+        one batch at a time. Returns whether the loop holds the turn (released after
+        its batch).
+
+        Batches that need the same sagas run one after another anyway: a second
+        batch of the process would only wait for them in memory, its claim and
+        decoding sharing the process and the cores with the batch every other one
+        waits for (docs/performance.md, "Sagas on several loops, a ninth
+        sitting"). A batch keeps the turn from the other loops for at most
+        TURN_SECONDS: past that (its handlers take long), they claim without it.
+        """
+        if not any(hook.contended() for hook in self.dispatcher.registry.batch_hooks):
+            return False
+        if self._turn.locked():
+            left = self._turn_taken + TURN_SECONDS - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                async with asyncio.timeout(left):
+                    await self._turn.acquire()
+            except TimeoutError:
+                return False
+        else:
+            await self._turn.acquire()
+        self._turn_taken = time.monotonic()
+        return True
 
     def _held(self) -> bool:
         """Whether this worker's batches are held (setting held_batches): not with flow

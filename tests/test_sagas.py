@@ -848,6 +848,9 @@ async def test_a_batch_that_loses_a_deadlock_outside_its_handlers_runs_again_at_
         async def flush(self, tx: Any, rows: list[Any]) -> None:
             return None
 
+        def contended(self) -> bool:
+            return False
+
         def released(self, tx: Any, rest: list[Any]) -> None:
             return None
 

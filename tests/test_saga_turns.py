@@ -1,0 +1,144 @@
+"""The loops of a process take turns under saga contention (nmbus/worker.py,
+Worker._take_turn; docs/sagas.md, "Several loops and processes"): once a batch
+has found one of its sagas held by another process's, the process's loops claim
+and run one batch at a time, and a batch keeps the turn from the others for at
+most TURN_SECONDS. On a real PostgreSQL, leased and held."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+import pytest
+
+from nmbus import Bus, Context, Message
+from nmbus import saga_locks as saga_locks_module
+from nmbus import worker as worker_module
+from nmbus.batch import BatchRunner
+from nmbus.postgres.sagas import PostgresSagaTable
+from nmbus.testing import drain
+from tests.saga_workers import Counter, Increment
+from tests.waits import wait_until
+
+pytestmark = pytest.mark.usefixtures("claims")
+
+WAITING = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    " AND pid <> pg_backend_pid()"
+)
+
+
+class Plain(Message, type_name="test.saga_turns.Plain"):
+    n: int
+
+
+async def _contended(bus: Bus, db: asyncpg.Connection, dsn: str) -> None:
+    """A batch of the bus finds saga "x" held by another process's transaction (and
+    waits for it until that commits): the endpoint meets contention."""
+    holder = await asyncpg.connect(dsn)
+    try:
+        async with holder.transaction():
+            await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "x")])
+            await bus.send(Increment(counter="x", n=-1), to="counting")
+            await wait_until(WAITING, db=db, until=lambda n: n == 1, timeout=20)
+    finally:
+        await holder.close()
+    await drain(bus, timeout=20)
+
+
+async def _send_in_one(bus: Bus, dsn: str, messages: list[Message]) -> None:
+    """The messages in one transaction: both loops find a backlog at once."""
+    sender = await asyncpg.connect(dsn)
+    try:
+        async with sender.transaction():
+            for message in messages:
+                await bus.send(message, to="counting", connection=sender)
+    finally:
+        await sender.close()
+
+
+async def test_under_contention_the_loops_of_a_process_run_one_batch_at_a_time(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(saga_locks_module, "CONTENDED_SECONDS", 60.0)
+    monkeypatch.setattr(worker_module, "TURN_SECONDS", 60.0)
+    running: list[int] = []
+    most: list[int] = [0]
+    run_batch = BatchRunner._run_batch_once
+
+    async def counted(self: BatchRunner, *args: Any, **kwargs: Any) -> Any:
+        running.append(1)
+        most[0] = max(most[0], len(running))
+        try:
+            return await run_batch(self, *args, **kwargs)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(BatchRunner, "_run_batch_once", counted)
+    bus = make_bus("counting", concurrency=2, batch_size=5, poll_interval=0.2)
+    saga = bus.saga(Counter, key="counter")
+
+    @saga.handler(start=True)
+    async def count(msg: Increment, state: Counter, ctx: Context) -> None:
+        await asyncio.sleep(0.01)
+        state.count += 1
+        state.seen.append(msg.n)
+
+    def backlog(start: int) -> list[Message]:
+        return [Increment(counter=f"c{n % 4}", n=n) for n in range(start, start + 40)]
+
+    async with bus:
+        # Uncontended: both loops claim, one batch waits for the other's sagas in
+        # memory, as before.
+        await _send_in_one(bus, dsn, backlog(0))
+        await drain(bus, timeout=30)
+        assert most[0] == 2
+        await _contended(bus, db, dsn)
+        most[0] = 0
+        await _send_in_one(bus, dsn, backlog(40))
+        await drain(bus, timeout=30)
+        states = [await saga.load(f"c{k}") for k in range(4)]
+    # Contended: one batch of the process at a time; every message counted once, and
+    # each saga saw its messages in send order.
+    assert most[0] == 1
+    for k, state in enumerate(states):
+        assert state is not None
+        assert state.seen == [n for n in range(80) if n % 4 == k]
+
+
+async def test_a_batch_keeps_the_turn_from_the_other_loops_for_at_most_a_while(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under contention, one loop's batch runs a handler that takes long. The other
+    # loop waits for its turn at most TURN_SECONDS from when that batch took it, then
+    # claims without it: a message sent meanwhile is handled while the long one runs.
+    monkeypatch.setattr(saga_locks_module, "CONTENDED_SECONDS", 60.0)
+    monkeypatch.setattr(worker_module, "TURN_SECONDS", 0.5)
+    bus = make_bus("counting", concurrency=2, batch_size=5, poll_interval=0.2)
+    saga = bus.saga(Counter, key="counter")
+    long_started, release = asyncio.Event(), asyncio.Event()
+    handled: dict[int, float] = {}
+
+    @saga.handler(start=True)
+    async def count(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+
+    @bus.handler
+    async def plain(msg: Plain, ctx: Context) -> None:
+        if msg.n == 0:
+            long_started.set()
+            await release.wait()
+        handled[msg.n] = time.monotonic()
+
+    async with bus:
+        await _contended(bus, db, dsn)
+        await bus.send(Plain(n=0), to="counting")
+        await asyncio.wait_for(long_started.wait(), 20)
+        await bus.send(Plain(n=1), to="counting")
+        await wait_until(lambda: 1 in handled, timeout=20, what="the second message handled")
+        assert 0 not in handled  # the long handler still runs
+        release.set()
+        await drain(bus, timeout=20)

@@ -58,9 +58,8 @@ from nmbus.wakeups import Wakeups
 if TYPE_CHECKING:
     from nmbus.metrics import WorkerMetrics
 
-#: How long a batch keeps the turn of its process's loops under contention
-#: (Worker._take_turn): past that, a batch whose handlers take long keeps no other
-#: loop idle.
+#: How long a loop waits for its turn under contention (Worker._take_turn), at most:
+#: a batch whose handlers take long keeps no other loop idle for longer.
 TURN_SECONDS = 1.0
 
 log = structlog.get_logger("nmbus.worker")
@@ -97,6 +96,7 @@ class Worker:
         self._stopping = asyncio.Event()
         # The loops' turn to claim and run a batch under contention (_take_turn).
         self._turn = asyncio.Lock()
+        self._turn_held = False  # from the acquire to the release (the lock says less)
         self._turn_taken = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._side = Services(log, settings.reconnect_max_delay, f"nmbus-{queue}", queue=queue)
@@ -370,7 +370,7 @@ class Worker:
                     continue
             finally:
                 if turn:
-                    self._turn.release()
+                    self._give_turn()
             if await session.recover(self.queue) or await session.release_sequences(self.queue):
                 released = time.monotonic()
                 continue
@@ -390,31 +390,36 @@ class Worker:
     async def _take_turn(self) -> bool:
         """Under contention (a batch hook says so: other processes' batches hold the
         sagas this endpoint's batches need), the loops of this process claim and run
-        one batch at a time. Returns whether the loop holds the turn (released after
-        its batch).
+        one batch at a time. Returns whether the loop holds the turn (given back by
+        _give_turn after its batch).
 
         Batches that need the same sagas run one after another anyway: a second
         batch of the process would only wait for them in memory, its claim and
         decoding sharing the process and the cores with the batch every other one
         waits for (docs/performance.md, "Sagas on several loops, a ninth
-        sitting"). A batch keeps the turn from the other loops for at most
-        TURN_SECONDS: past that (its handlers take long), they claim without it.
+        sitting"). A loop waits at most TURN_SECONDS for its turn, and not at all
+        once the batch that has it has had it that long (its handlers take long):
+        it then claims without it.
         """
         if not any(hook.contended() for hook in self.dispatcher.registry.batch_hooks):
             return False
-        if self._turn.locked():
-            left = self._turn_taken + TURN_SECONDS - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                async with asyncio.timeout(left):
-                    await self._turn.acquire()
-            except TimeoutError:
-                return False
-        else:
-            await self._turn.acquire()
+        # Measured from when the batch now holding it took it; a turn just given
+        # back (its next loop not yet woken) counts from now.
+        held_for = time.monotonic() - self._turn_taken if self._turn_held else 0.0
+        if held_for >= TURN_SECONDS:
+            return False
+        try:
+            async with asyncio.timeout(TURN_SECONDS - held_for):
+                await self._turn.acquire()
+        except TimeoutError:
+            return False
+        self._turn_held = True
         self._turn_taken = time.monotonic()
         return True
+
+    def _give_turn(self) -> None:
+        self._turn_held = False
+        self._turn.release()
 
     def _held(self) -> bool:
         """Whether this worker's batches are held (setting held_batches): not with flow

@@ -1,8 +1,8 @@
 """The loops of a process take turns under saga contention (nmbus/worker.py,
 Worker._take_turn; docs/sagas.md, "Several loops and processes"): once a batch
 has found one of its sagas held by another process's, the process's loops claim
-and run one batch at a time, and a batch keeps the turn from the others for at
-most TURN_SECONDS. On a real PostgreSQL, leased and held."""
+and run one batch at a time, and a loop waits at most TURN_SECONDS for its turn.
+On a real PostgreSQL, leased and held."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from nmbus import Bus, Context, Message
+from nmbus import Bus, Context, Message, Saga
 from nmbus import saga_locks as saga_locks_module
 from nmbus import worker as worker_module
 from nmbus.batch import BatchRunner
@@ -58,6 +58,17 @@ async def _send_in_one(bus: Bus, dsn: str, messages: list[Message]) -> None:
                 await bus.send(message, to="counting", connection=sender)
     finally:
         await sender.close()
+
+
+def _contended_turns(
+    make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch, **settings: Any
+) -> tuple[Bus, Saga[Counter]]:
+    """Two loops whose contention, once met, lasts a minute, and whose turn a loop
+    waits for half a second at most; the endpoint's Counter saga."""
+    monkeypatch.setattr(saga_locks_module, "CONTENDED_SECONDS", 60.0)
+    monkeypatch.setattr(worker_module, "TURN_SECONDS", 0.5)
+    bus = make_bus("counting", concurrency=2, **settings)
+    return bus, bus.saga(Counter, key="counter")
 
 
 async def test_under_contention_the_loops_of_a_process_run_one_batch_at_a_time(
@@ -115,10 +126,7 @@ async def test_a_batch_keeps_the_turn_from_the_other_loops_for_at_most_a_while(
     # Under contention, one loop's batch runs a handler that takes long. The other
     # loop waits for its turn at most TURN_SECONDS from when that batch took it, then
     # claims without it: a message sent meanwhile is handled while the long one runs.
-    monkeypatch.setattr(saga_locks_module, "CONTENDED_SECONDS", 60.0)
-    monkeypatch.setattr(worker_module, "TURN_SECONDS", 0.5)
-    bus = make_bus("counting", concurrency=2, batch_size=5, poll_interval=0.2)
-    saga = bus.saga(Counter, key="counter")
+    bus, saga = _contended_turns(make_bus, monkeypatch, batch_size=5, poll_interval=0.2)
     long_started, release = asyncio.Event(), asyncio.Event()
     handled: dict[int, float] = {}
 
@@ -141,4 +149,42 @@ async def test_a_batch_keeps_the_turn_from_the_other_loops_for_at_most_a_while(
         await wait_until(lambda: 1 in handled, timeout=20, what="the second message handled")
         assert 0 not in handled  # the long handler still runs
         release.set()
+        await drain(bus, timeout=20)
+
+
+async def test_a_loop_that_has_just_given_the_turn_back_waits_for_it_at_most_a_while(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under contention, batches of one message: one loop runs "a" with the turn
+    # while the other waits for it. It gives the turn back and asks again at once;
+    # the other loop, woken, takes it and runs "slow", which blocks. The first loop
+    # waits at most TURN_SECONDS for the turn, then claims without it: a message
+    # sent meanwhile is handled while "slow" still blocks.
+    bus, saga = _contended_turns(make_bus, monkeypatch, batch_size=1, poll_interval=30)
+    slow_started, release = asyncio.Event(), asyncio.Event()
+    handled: list[int] = []
+
+    @saga.handler(start=True)
+    async def count(msg: Increment, state: Counter, ctx: Context) -> None:
+        if msg.counter == "a":
+            await asyncio.sleep(0.1)
+        if msg.counter == "slow":
+            slow_started.set()
+            await release.wait()
+        state.count += 1
+
+    @bus.handler
+    async def plain(msg: Plain, ctx: Context) -> None:
+        handled.append(msg.n)
+
+    async with bus:
+        await _contended(bus, db, dsn)
+        await _send_in_one(bus, dsn, [Increment(counter="a", n=1), Increment(counter="slow", n=2)])
+        await asyncio.wait_for(slow_started.wait(), 20)
+        await bus.send(Plain(n=1), to="counting")
+        try:
+            await wait_until(lambda: handled == [1], timeout=10, what="the plain message handled")
+            assert not release.is_set()
+        finally:
+            release.set()
         await drain(bus, timeout=20)

@@ -18,10 +18,10 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, Context
-from nmbus.postgres.sagas import PostgresSagaTable
 from nmbus.testing import drain
 from tests import procs
 from tests.messages import Ping, Slow
+from tests.saga_holds import held_elsewhere
 from tests.saga_workers import Counter, Increment
 from tests.waits import wait_until
 
@@ -329,22 +329,15 @@ async def test_a_part_commit_leases_the_messages_waiting_for_a_saga_too(
     async with make_bus("counting", concurrency=0) as sender:
         for n, key in enumerate(["free", "free", "free", "taken"]):
             await sender.send(Increment(counter=key, n=n), to="counting")
-    holder = await asyncpg.connect(dsn)
-    try:
-        taken = holder.transaction()
-        await taken.start()
-        await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "taken")])
-        async with bus:
-            done = "SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'"
-            await wait_until(done, db=db, until=lambda n: n == 3)
-            waiting = await db.fetchrow(
-                "SELECT subqueue, handling_client_id FROM nmbus.counting WHERE id = 4"
-            )
-            assert waiting["subqueue"] == "I" and waiting["handling_client_id"] is not None
-            await taken.commit()
-            await drain(bus)
-    finally:
-        await holder.close()
+    async with held_elsewhere(dsn, "Counter", "taken") as taken, bus:
+        done = "SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'"
+        await wait_until(done, db=db, until=lambda n: n == 3)
+        waiting = await db.fetchrow(
+            "SELECT subqueue, handling_client_id FROM nmbus.counting WHERE id = 4"
+        )
+        assert waiting["subqueue"] == "I" and waiting["handling_client_id"] is not None
+        await taken.commit()
+        await drain(bus)
     assert sorted(handled) == [("free", 0, 1), ("free", 1, 1), ("free", 2, 1), ("taken", 3, 1)]
     counts = await db.fetch(
         "SELECT subqueue, retry_count, count(*) FROM nmbus.counting GROUP BY 1, 2"

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
 import pytest
-from asyncpg.transaction import Transaction
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, Message, Saga
@@ -24,6 +22,7 @@ from nmbus.postgres.session import PostgresBatch, PostgresSession
 from nmbus.saga_locks import SagaLocks
 from nmbus.store import SagaSave
 from nmbus.testing import drain
+from tests.saga_holds import WAITING_FOR_A_LOCK, held_elsewhere
 from tests.saga_workers import Counter, Increment
 from tests.waits import wait_until
 
@@ -44,20 +43,6 @@ async def _send_all(make_bus: Callable[..., Bus], queue: str, messages: list[Mes
     async with make_bus(queue, concurrency=0) as sender:
         for message in messages:
             await sender.send(message, to=queue)
-
-
-@asynccontextmanager
-async def _held_elsewhere(dsn: str, saga: str, key: str) -> AsyncIterator[Transaction]:
-    """Another transaction holds saga ``key`` of type ``saga`` on endpoint "counting",
-    as a batch of another worker would; committing it (or the end) lets go."""
-    holder = await asyncpg.connect(dsn)
-    try:
-        held = holder.transaction()
-        await held.start()
-        await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [(saga, key)])
-        yield held
-    finally:
-        await holder.close()
 
 
 async def test_a_later_handler_that_fails_takes_back_the_saga_change_of_its_message(
@@ -183,7 +168,7 @@ async def test_a_batch_runs_what_it_can_while_another_transaction_holds_one_of_i
         [Increment(counter=key, n=n) for n, key in enumerate(["held", "free", "held", "free"])],
     )
     # Another transaction holds the saga "held", as a batch of another worker would.
-    async with _held_elsewhere(dsn, "Counter", "held") as held, bus:
+    async with held_elsewhere(dsn, "Counter", "held") as held, bus:
         await wait_until(lambda: handled == ["free", "free"], timeout=20)
         # The free saga's messages are committed while "held" is waited for.
         done = "SELECT count(*) FROM nmbus.counting WHERE subqueue = 'X'"
@@ -228,12 +213,8 @@ async def test_a_batch_whose_every_message_waits_for_a_saga_waits_in_one_transac
         handled.append(msg.n)
 
     await _send_all(make_bus, "counting", [Increment(counter="held", n=n) for n in range(3)])
-    waiting = (
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-        " AND pid <> pg_backend_pid()"
-    )
-    async with _held_elsewhere(dsn, "Counter", "held") as held, bus:
-        await wait_until(waiting, db=db, until=lambda n: n == 1, timeout=20)
+    async with held_elsewhere(dsn, "Counter", "held") as held, bus:
+        await wait_until(WAITING_FOR_A_LOCK, db=db, until=lambda n: n == 1, timeout=20)
         leased = await db.fetchval(
             "SELECT count(*) FROM nmbus.counting WHERE handling_client_id IS NOT NULL"
         )
@@ -298,7 +279,7 @@ async def test_a_stop_as_a_batch_for_a_held_saga_is_claimed_gives_it_back_withou
     monkeypatch.setattr(PostgresBatch, "finish_and_claim", finished_then_stop)
     monkeypatch.setattr(PostgresSession, "claim", claimed_then_stop)
     await _send_all(make_bus, "counting", [Plain(n=0)])
-    async with _held_elsewhere(dsn, "Counter", "held") as held:
+    async with held_elsewhere(dsn, "Counter", "held") as held:
         try:
             await bus.start()
             await asyncio.wait_for(running.wait(), 20)
@@ -366,7 +347,7 @@ async def test_a_message_behind_one_left_for_later_waits_with_it_when_they_share
         "counting",
         [Placed(counter="7"), Increment(counter="7", n=0), Audit(counter="8")],
     )
-    async with _held_elsewhere(dsn, "Shipping", "7") as held, bus:
+    async with held_elsewhere(dsn, "Shipping", "7") as held, bus:
         # The message of another saga runs meanwhile.
         await wait_until(lambda: handled == ["audit 8"], timeout=20)
         await asyncio.sleep(0.3)

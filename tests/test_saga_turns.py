@@ -18,17 +18,12 @@ from nmbus import Bus, Context, Message, Saga
 from nmbus import saga_locks as saga_locks_module
 from nmbus import worker as worker_module
 from nmbus.batch import BatchRunner
-from nmbus.postgres.sagas import PostgresSagaTable
 from nmbus.testing import drain
+from tests.saga_holds import WAITING_FOR_A_LOCK, held_elsewhere
 from tests.saga_workers import Counter, Increment
 from tests.waits import wait_until
 
 pytestmark = pytest.mark.usefixtures("claims")
-
-WAITING = (
-    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-    " AND pid <> pg_backend_pid()"
-)
 
 
 class Plain(Message, type_name="test.saga_turns.Plain"):
@@ -38,14 +33,9 @@ class Plain(Message, type_name="test.saga_turns.Plain"):
 async def _contended(bus: Bus, db: asyncpg.Connection, dsn: str) -> None:
     """A batch of the bus finds saga "x" held by another process's transaction (and
     waits for it until that commits): the endpoint meets contention."""
-    holder = await asyncpg.connect(dsn)
-    try:
-        async with holder.transaction():
-            await PostgresSagaTable(None, "nmbus", "counting").lock_keys(holder, [("Counter", "x")])
-            await bus.send(Increment(counter="x", n=-1), to="counting")
-            await wait_until(WAITING, db=db, until=lambda n: n == 1, timeout=20)
-    finally:
-        await holder.close()
+    async with held_elsewhere(dsn, "Counter", "x"):
+        await bus.send(Increment(counter="x", n=-1), to="counting")
+        await wait_until(WAITING_FOR_A_LOCK, db=db, until=lambda n: n == 1, timeout=20)
     await drain(bus, timeout=20)
 
 

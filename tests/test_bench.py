@@ -19,6 +19,7 @@ from nmbus.cli import app
 from nmbus.postgres.held import Holder
 from nmbus.tools import bench_graphile
 from nmbus.tools.bench import BenchOptions, run
+from nmbus.tools.bench_saga import measure_contended
 from nmbus.tools.bench_scenarios import _check_single_write, measure_ceiling, percentile
 from nmbus.tools.bench_scratch import QUEUE, Scratch
 from nmbus.tools.sql import render
@@ -240,6 +241,24 @@ async def test_saga_compares_a_saga_with_the_same_handler_without(dsn: str) -> N
     assert figures["contended_messages_in_f"] == 0
     assert (result.settings["contended_processes"], result.settings["contended_sagas"]) == (1, 3)
     assert await _schemas(dsn) == []
+
+
+async def test_the_contended_saga_run_analyzes_its_messages_before_any_claim(dsn: str) -> None:
+    # Planned for the empty queue, the workers' claims read the whole table until
+    # their own analyze, which claims of 50 never start: the run stores its messages
+    # and analyzes the queue in one transaction, so the first claim plans for them.
+    options = BenchOptions(dsn=dsn, messages=300, batch_size=50, sagas=3)
+    async with Scratch(dsn) as scratch:
+        figures = await measure_contended(options, scratch)
+        await scratch.c.execute("SELECT pg_stat_clear_snapshot()")
+        analyzed = await scratch.c.fetch(
+            "SELECT relname, analyze_count FROM pg_stat_user_tables WHERE schemaname = $1 "
+            "AND relname ~ $2",
+            scratch.schema,
+            rf"^{QUEUE}\$s[0-9]+$",  # its segments
+        )
+    assert figures["contended_messages_in_f"] == 0
+    assert analyzed and all(row["analyze_count"] == 1 for row in analyzed)
 
 
 async def test_burst_drains_into_a_new_and_a_resting_queue_against_a_settled_one(

@@ -11,11 +11,11 @@ machine.
 Then the same saga handler under contention (:func:`measure_contended`):
 ``--processes`` worker processes of ``--concurrency`` loops each drain the
 messages into ``--sagas`` sagas (few sagas: every batch needs the same rows).
-The processes start first; then the messages are stored in one statement and
-all loops woken at once. Its figures are the wall time from the first handler
-call to the last commit (each process says how many messages it has done and
-when; the bench reads no table meanwhile),
-messages per second, the deadlocks PostgreSQL counted in the database meanwhile
+The processes start first; then the messages are stored and the queue analyzed
+in one transaction, and all loops woken at once. Its figures are the wall time
+from the first handler call to the last commit (each process says how many
+messages it has done and when; the bench reads no table meanwhile), messages
+per second, the deadlocks PostgreSQL counted in the database meanwhile
 (``pg_stat_database.deadlocks``, read after the processes have exited, so each
 has flushed its statistics) and the messages that ended in F. The sagas must
 have counted every message once: a lost update fails the run.
@@ -195,10 +195,17 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
         # Every loop of every process is up and idle: the messages arrive in one
         # statement, and a wake-up sends all loops at them at once (start-up costs
         # are not in the figures).
+        # Analyzed in the transaction that stores them, so the workers' first claim
+        # already plans for them, as in the drain modes: planned for the empty queue,
+        # each claim read the whole table until the workers' own analyze (up to a
+        # second in), which slowed one run in two by a fifth at random
+        # (docs/performance.md, "Sagas on several loops, a tenth sitting").
         prefix = f"I{uuid.uuid4().hex[:8]}-"
-        await scratch.c.execute(
-            render("bench_preload", scratch.schema, QUEUE), total, "I", TICK, prefix
-        )
+        async with scratch.c.transaction():
+            await scratch.c.execute(
+                render("bench_preload", scratch.schema, QUEUE), total, "I", TICK, prefix
+            )
+            await scratch.c.execute(render("seed_analyze", scratch.schema, QUEUE))
         await scratch.c.execute("SELECT pg_notify($1, $2)", notify_channel(scratch.schema), QUEUE)
         try:
             await asyncio.wait_for(finished.wait(), drain_timeout(total) + 300)

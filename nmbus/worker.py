@@ -58,8 +58,9 @@ from nmbus.wakeups import Wakeups
 if TYPE_CHECKING:
     from nmbus.metrics import WorkerMetrics
 
-#: How long a loop waits for its turn under contention (Worker._take_turn), at most:
-#: a batch whose handlers take long keeps no other loop idle for longer.
+#: How long a batch under contention keeps the other loops of its process waiting
+#: for the turn (Worker._take_turn), at most: one whose handlers take long keeps no
+#: other loop idle for longer.
 TURN_SECONDS = 1.0
 
 log = structlog.get_logger("nmbus.worker")
@@ -97,7 +98,7 @@ class Worker:
         # The loops' turn to claim and run a batch under contention (_take_turn).
         self._turn = asyncio.Lock()
         self._turn_held = False  # from the acquire to the release (the lock says less)
-        self._turn_taken = 0.0
+        self._turn_batch = 0.0  # when the holder's current batch began
         self._tasks: list[asyncio.Task[None]] = []
         self._side = Services(log, settings.reconnect_max_delay, f"nmbus-{queue}", queue=queue)
         self.batches = BatchRunner(
@@ -345,16 +346,19 @@ class Worker:
         ahead: list[StoredMessage] = []
         released = time.monotonic()
         sizer = BatchSizer(settings.batch_size)
-        while ahead or not self._stopping.is_set():
-            if time.monotonic() - released >= settings.poll_interval:
-                # A sequence head a race left parked is released within a poll interval,
-                # and a held batch whose worker died is recovered.
-                released = time.monotonic()
-                await session.release_sequences(self.queue)
-                await session.recover(self.queue)
-            self._wakeups.claiming()
-            turn = await self._take_turn()
-            try:
+        # Whether this loop holds the turn (_take_turn): kept from one batch to the
+        # next while the endpoint is contended, given back when it finds nothing.
+        turn = False
+        try:
+            while ahead or not self._stopping.is_set():
+                if time.monotonic() - released >= settings.poll_interval:
+                    # A sequence head a race left parked is released within a poll
+                    # interval, and a held batch whose worker died is recovered.
+                    released = time.monotonic()
+                    await session.release_sequences(self.queue)
+                    await session.recover(self.queue)
+                self._wakeups.claiming()
+                turn = self._keep_turn() if turn else await self._take_turn()
                 if self._stopping.is_set() and not ahead:
                     continue  # stopped while it waited for its turn: claims nothing
                 if ahead:
@@ -368,54 +372,70 @@ class Worker:
                         self._wakeups.one()  # a full claim: more may be waiting
                     ahead = await self._run_gated(session, batch, sizer)
                     continue
-            finally:
                 if turn:
                     self._give_turn()
-            if await session.recover(self.queue) or await session.release_sequences(self.queue):
-                released = time.monotonic()
-                continue
-            wait = settings.poll_interval
-            due = await session.next_due(self.queue)
-            if due is not None:
-                wait = max(0.0, min(wait, due))
-            held = session.recheck is not None  # limited messages wait for room
-            if held:
-                wait = min(wait, session.recheck or 0.0)
-            began = time.monotonic()
-            if wait > 0:
-                await self._wakeups.wait(wait)
-            if held and self.metrics is not None:
-                self.metrics.flow_waited(time.monotonic() - began)
+                    turn = False
+                if await session.recover(self.queue) or await session.release_sequences(self.queue):
+                    released = time.monotonic()
+                    continue
+                wait = settings.poll_interval
+                due = await session.next_due(self.queue)
+                if due is not None:
+                    wait = max(0.0, min(wait, due))
+                held = session.recheck is not None  # limited messages wait for room
+                if held:
+                    wait = min(wait, session.recheck or 0.0)
+                began = time.monotonic()
+                if wait > 0:
+                    await self._wakeups.wait(wait)
+                if held and self.metrics is not None:
+                    self.metrics.flow_waited(time.monotonic() - began)
+        finally:
+            if turn:
+                self._give_turn()
+
+    def _contended(self) -> bool:
+        """Whether other processes' batches hold what this endpoint's batches need."""
+        return any(hook.contended() for hook in self.dispatcher.registry.batch_hooks)
 
     async def _take_turn(self) -> bool:
-        """Under contention (a batch hook says so: other processes' batches hold the
-        sagas this endpoint's batches need), the loops of this process claim and run
-        one batch at a time. Returns whether the loop holds the turn (given back by
-        _give_turn after its batch).
+        """Under contention, the loops of this process claim and run one batch at a
+        time: the loop that holds the turn. Returns whether this loop now holds it.
 
         Batches that need the same sagas run one after another anyway: a second
         batch of the process would only wait for them in memory, its claim and
         decoding sharing the process and the cores with the batch every other one
         waits for (docs/performance.md, "Sagas on several loops, a ninth
-        sitting"). A loop waits at most TURN_SECONDS for its turn, and not at all
-        once the batch that has it has had it that long (its handlers take long):
-        it then claims without it.
+        sitting"). The holder keeps the turn from one batch to the next while the
+        contention lasts (_keep_turn): passed from loop to loop after every batch,
+        it cost the process a sixth of its throughput (a tenth sitting). A loop
+        waits for the turn as long as the holder's batches are short; once the
+        batch that holds it has run TURN_SECONDS (its handlers take long), the
+        loop claims without it, so a slow batch keeps no other loop idle longer.
         """
-        if not any(hook.contended() for hook in self.dispatcher.registry.batch_hooks):
-            return False
-        # Measured from when the batch now holding it took it; a turn just given
-        # back (its next loop not yet woken) counts from now.
-        held_for = time.monotonic() - self._turn_taken if self._turn_held else 0.0
-        if held_for >= TURN_SECONDS:
-            return False
-        try:
-            async with asyncio.timeout(TURN_SECONDS - held_for):
-                await self._turn.acquire()
-        except TimeoutError:
-            return False
-        self._turn_held = True
-        self._turn_taken = time.monotonic()
-        return True
+        while self._contended():
+            # Reckoned from the start of the holder's current batch; a turn just
+            # given back (its next holder not yet woken) counts from now.
+            held_for = time.monotonic() - self._turn_batch if self._turn_held else 0.0
+            if held_for >= TURN_SECONDS:
+                return False
+            try:
+                async with asyncio.timeout(TURN_SECONDS - held_for):
+                    await self._turn.acquire()
+            except TimeoutError:
+                continue  # the holder may have begun another batch since: look again
+            self._turn_held = True
+            self._turn_batch = time.monotonic()
+            return True
+        return False
+
+    def _keep_turn(self) -> bool:
+        """The turn held for the last batch: kept for the next while contended."""
+        if self._contended():
+            self._turn_batch = time.monotonic()
+            return True
+        self._give_turn()
+        return False
 
     def _give_turn(self) -> None:
         self._turn_held = False

@@ -1,7 +1,9 @@
 """The loops of a process take turns under saga contention (nmbus/worker.py,
 Worker._take_turn; docs/sagas.md, "Several loops and processes"): once a batch
 has found one of its sagas held by another process's, the process's loops claim
-and run one batch at a time, and a loop waits at most TURN_SECONDS for its turn.
+and run one batch at a time: the loop that has the turn keeps it while its
+batches are short, and no batch keeps another loop waiting longer than
+TURN_SECONDS.
 On a real PostgreSQL, leased and held."""
 
 from __future__ import annotations
@@ -108,6 +110,40 @@ async def test_under_contention_the_loops_of_a_process_run_one_batch_at_a_time(
     for k, state in enumerate(states):
         assert state is not None
         assert state.seen == [n for n in range(80) if n % 4 == k]
+
+
+async def test_under_contention_the_loop_that_has_the_turn_keeps_it_from_batch_to_batch(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Passed from loop to loop after every batch, the turn cost a sixth of the
+    # throughput (docs/performance.md, "a tenth sitting"): the loop that has it keeps
+    # it while its batches are short, and the other loop waits.
+    monkeypatch.setattr(saga_locks_module, "CONTENDED_SECONDS", 60.0)
+    monkeypatch.setattr(worker_module, "TURN_SECONDS", 60.0)
+    loops: list[int] = []  # the session (one per loop) of each batch
+    run_batch = BatchRunner._run_batch_once
+
+    async def noted(self: BatchRunner, session: Any, *args: Any, **kwargs: Any) -> Any:
+        loops.append(id(session))
+        return await run_batch(self, session, *args, **kwargs)
+
+    monkeypatch.setattr(BatchRunner, "_run_batch_once", noted)
+    bus = make_bus("counting", concurrency=2, batch_size=5, poll_interval=0.2)
+    saga = bus.saga(Counter, key="counter")
+
+    @saga.handler(start=True)
+    async def count(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+
+    async with bus:
+        await _contended(bus, db, dsn)
+        loops.clear()
+        await _send_in_one(bus, dsn, [Increment(counter=f"c{n % 4}", n=n) for n in range(40)])
+        await drain(bus, timeout=30)
+        states = [await saga.load(f"c{k}") for k in range(4)]
+    assert len(loops) >= 8  # batches of 5
+    assert len(set(loops)) == 1
+    assert sum(state.count for state in states if state is not None) == 40
 
 
 async def test_a_batch_keeps_the_turn_from_the_other_loops_for_at_most_a_while(

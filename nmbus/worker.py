@@ -58,9 +58,8 @@ from nmbus.wakeups import Wakeups
 if TYPE_CHECKING:
     from nmbus.metrics import WorkerMetrics
 
-#: How long a batch under contention keeps the other loops of its process waiting
-#: for the turn (Worker._take_turn), at most: one whose handlers take long keeps no
-#: other loop idle for longer.
+#: How long a batch under contention keeps its process's other loops waiting for the
+#: turn (Worker._take_turn), at most: a slow handler keeps no loop idle for longer.
 TURN_SECONDS = 1.0
 
 log = structlog.get_logger("nmbus.worker")
@@ -346,8 +345,7 @@ class Worker:
         ahead: list[StoredMessage] = []
         released = time.monotonic()
         sizer = BatchSizer(settings.batch_size)
-        # Whether this loop holds the turn (_take_turn): kept from one batch to the
-        # next while the endpoint is contended, given back when it finds nothing.
+        # Whether this loop holds the turn (_take_turn; kept by _keep_turn).
         turn = False
         try:
             while ahead or not self._stopping.is_set():
@@ -358,7 +356,10 @@ class Worker:
                     await session.release_sequences(self.queue)
                     await session.recover(self.queue)
                 self._wakeups.claiming()
-                turn = self._keep_turn() if turn else await self._take_turn()
+                if turn:
+                    turn = self._keep_turn()
+                elif not ahead:  # claimed by the last finish: its rows wait for no turn
+                    turn = await self._take_turn()
                 if self._stopping.is_set() and not ahead:
                     continue  # stopped while it waited for its turn: claims nothing
                 if ahead:
@@ -370,7 +371,9 @@ class Worker:
                 if batch:
                     if len(batch) >= sizer.limit:
                         self._wakeups.one()  # a full claim: more may be waiting
-                    ahead = await self._run_gated(session, batch, sizer)
+                    # Without the turn under contention, its finish claims nothing ahead.
+                    claims = sizer if turn or not self._contended() else None
+                    ahead = await self._run_gated(session, batch, claims)
                     continue
                 if turn:
                     self._give_turn()
@@ -403,15 +406,13 @@ class Worker:
         time: the loop that holds the turn. Returns whether this loop now holds it.
 
         Batches that need the same sagas run one after another anyway: a second
-        batch of the process would only wait for them in memory, its claim and
-        decoding sharing the process and the cores with the batch every other one
-        waits for (docs/performance.md, "Sagas on several loops, a ninth
-        sitting"). The holder keeps the turn from one batch to the next while the
-        contention lasts (_keep_turn): passed from loop to loop after every batch,
-        it cost the process a sixth of its throughput (a tenth sitting). A loop
-        waits for the turn as long as the holder's batches are short; once the
-        batch that holds it has run TURN_SECONDS (its handlers take long), the
-        loop claims without it, so a slow batch keeps no other loop idle longer.
+        batch would only wait for them in memory, its claim and decoding taking
+        the cores from the batch every other one waits for. The holder keeps the
+        turn from batch to batch while the contention lasts (_keep_turn; passed
+        on after every batch, it cost a sixth of the throughput: docs/performance.md,
+        "Sagas on several loops", the ninth and tenth sittings). A loop waits
+        while the holder's batches are short; once the batch that holds the turn
+        has run TURN_SECONDS (its handlers take long), it claims without it.
         """
         while self._contended():
             # Reckoned from the start of the holder's current batch; a turn just
@@ -449,7 +450,7 @@ class Worker:
         return settings.held_batches and self.flow is None and settings.handler_concurrency == 1
 
     async def _run_gated(
-        self, session: WorkerSession, batch: list[StoredMessage], sizer: BatchSizer
+        self, session: WorkerSession, batch: list[StoredMessage], sizer: BatchSizer | None
     ) -> list[StoredMessage]:
         """Handle ``batch`` beside the process's other batches, or alone after a crash."""
         gate = self._gate or process_gate()
@@ -484,7 +485,7 @@ class Worker:
         self,
         session: WorkerSession,
         batch: list[StoredMessage],
-        sizer: BatchSizer,
+        sizer: BatchSizer | None,
         kept: list[int],
     ) -> list[StoredMessage]:
         """Run ``batch``; ``kept``: the leases kept alive while it waited at the gate."""

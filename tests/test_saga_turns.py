@@ -178,13 +178,55 @@ async def test_a_batch_keeps_the_turn_from_the_other_loops_for_at_most_a_while(
         await drain(bus, timeout=20)
 
 
+async def test_a_batch_claimed_with_a_finish_runs_at_once_not_after_newer_messages(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under contention, loop A's batch blocks on Plain 0; after TURN_SECONDS loop B
+    # claims 1-5 without the turn, and (leased) its finish claims the next batch.
+    # That batch must run then, not wait for the turn while A, keeping it, drains
+    # the whole backlog of newer messages (saga "k" would see them out of order).
+    bus, saga = _contended_turns(make_bus, monkeypatch, batch_size=5, poll_interval=0.2)
+    long_started, release, b_started, a_going = (asyncio.Event() for _ in range(4))
+
+    @saga.handler(start=True)
+    async def count(msg: Increment, state: Counter, ctx: Context) -> None:
+        a_going.set()
+        await asyncio.sleep(0.01)
+        state.count += 1
+        state.seen.append(msg.n)
+
+    @bus.handler
+    async def plain(msg: Plain, ctx: Context) -> None:
+        if msg.n == 0:
+            long_started.set()
+            await release.wait()
+        elif msg.n == 1:
+            b_started.set()
+            await asyncio.wait_for(a_going.wait(), 20)
+
+    async with bus:
+        await _contended(bus, db, dsn)
+        a_going.clear()
+        await bus.send(Plain(n=0), to="counting")
+        await asyncio.wait_for(long_started.wait(), 20)
+        backlog: list[Message] = [Plain(n=n) for n in range(1, 6)]
+        await _send_in_one(bus, dsn, backlog + [Increment(counter="k", n=n) for n in range(6, 200)])
+        await asyncio.wait_for(b_started.wait(), 20)
+        release.set()
+        await drain(bus, timeout=60)
+        state = await saga.load("k")
+    assert state is not None
+    assert state.seen == list(range(6, 200))
+
+
 async def test_a_loop_that_has_just_given_the_turn_back_waits_for_it_at_most_a_while(
     make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Under contention, batches of one message: one loop runs "a" with the turn
-    # while the other waits for it. It gives the turn back and asks again at once;
-    # the other loop, woken, takes it and runs "slow", which blocks. The first loop
-    # waits at most TURN_SECONDS for the turn, then claims without it: a message
+    # while the other waits for it. Then "slow", which blocks, runs with the turn,
+    # whichever loop has it (kept by the loop that ran "a", or given back and taken
+    # by the other while the first asks again). The loop without it waits at most
+    # TURN_SECONDS from the start of that batch, then claims without it: a message
     # sent meanwhile is handled while "slow" still blocks.
     bus, saga = _contended_turns(make_bus, monkeypatch, batch_size=1, poll_interval=30)
     slow_started, release = asyncio.Event(), asyncio.Event()

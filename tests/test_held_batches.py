@@ -29,14 +29,17 @@ HELD = 'nmbus."billing$held"'
 
 
 class Worker(procs.Proc):
-    """tests/workers.py's worker, its batches held."""
+    """tests/workers.py's worker, its batches held, on one loop: messages sent before
+    it starts are one batch (two loops' first claims, at once, may split them)."""
 
     def __init__(self, dsn: str, queue: str, lease: str = "1.0") -> None:
         os.environ["NMBUS_HELD_BATCHES"] = "true"
+        os.environ["NMBUS_CONCURRENCY"] = "1"
         try:
             super().__init__("tests.workers", "worker", dsn, queue, lease)
         finally:
             del os.environ["NMBUS_HELD_BATCHES"]
+            del os.environ["NMBUS_CONCURRENCY"]
 
 
 @contextlib.asynccontextmanager

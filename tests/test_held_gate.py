@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Callable
 
 import asyncpg
+import pytest
 
 from nmbus import Bus, Context, Message
 from tests.waits import wait_until
@@ -29,11 +30,20 @@ class Work(Message, type_name="tests.gate.Work"):
 
 
 async def test_a_held_batch_whose_backend_ended_at_the_gate_is_not_run_there(
-    make_bus: Callable[..., Bus], db: asyncpg.Connection
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     suspect_running, suspect_may_end = asyncio.Event(), asyncio.Event()
     runs: list[int] = []  # the attempts Work ran as
     bus = make_bus("billing", held_batches=True, concurrency=2, batch_size=1, poll_interval=0.1)
+    conns: list[asyncpg.Connection] = []  # the bus's worker connections
+    connect = bus.store.connect  # type: ignore[attr-defined]
+
+    async def recorded() -> asyncpg.Connection:
+        conn: asyncpg.Connection = await connect()
+        conns.append(conn)
+        return conn
+
+    monkeypatch.setattr(bus.store, "connect", recorded)
 
     @bus.handler
     async def suspect(msg: Suspect, ctx: Context) -> None:
@@ -64,7 +74,16 @@ async def test_a_held_batch_whose_backend_ended_at_the_gate_is_not_run_there(
             "WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted"
         )
         assert len(holders) == 1
-        await db.execute("SELECT pg_terminate_backend($1)", holders[0]["pid"])
+        pid = holders[0]["pid"]
+        await db.execute("SELECT pg_terminate_backend($1)", pid)
+        # pg_terminate_backend only signals the backend: the gate opens once the loop
+        # has seen its connection end. Opened before, the batch begins on a connection
+        # still alive as far as the loop knows, and its backend ends under it (the
+        # handler stopped if it still runs; this one, instant, would have run).
+        await wait_until(
+            lambda: any(c.is_closed() for c in conns if c.get_server_pid() == pid),
+            what="the held batch's loop sees its connection end",
+        )
         suspect_may_end.set()
         # Recovered as a crash's batch (its ended attempt counted) and run once.
         await wait_until(

@@ -198,7 +198,7 @@ async def measure_contended(options: BenchOptions, scratch: Scratch) -> dict[str
         # Analyzed in the transaction that stores them, so the workers' first claim
         # already plans for them, as in the drain modes: planned for the empty queue,
         # each claim read the whole table until the workers' own analyze (up to a
-        # second in), which slowed one run in two by a fifth at random
+        # second in), which slowed runs by up to a third, at random
         # (docs/performance.md, "Sagas on several loops, a tenth sitting").
         prefix = f"I{uuid.uuid4().hex[:8]}-"
         async with scratch.c.transaction():

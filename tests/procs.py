@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import subprocess
@@ -18,12 +19,14 @@ JVM_NOISE = re.compile(r"\b(WARN|INFO|ERROR)\b|log4j|SLF4J|Spark's default|^WARN
 class Proc:
     """``python -m <module> <args>`` whose stdout lines we can wait for."""
 
-    def __init__(self, module: str, *args: str) -> None:
+    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None) -> None:
+        """``env``: variables set for this process alone, over the tests' own."""
         self.popen = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.lines: list[str] = []
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator, Callable
 
 import asyncpg
@@ -33,13 +32,8 @@ class Worker(procs.Proc):
     it starts are one batch (two loops' first claims, at once, may split them)."""
 
     def __init__(self, dsn: str, queue: str, lease: str = "1.0") -> None:
-        os.environ["NMBUS_HELD_BATCHES"] = "true"
-        os.environ["NMBUS_CONCURRENCY"] = "1"
-        try:
-            super().__init__("tests.workers", "worker", dsn, queue, lease)
-        finally:
-            del os.environ["NMBUS_HELD_BATCHES"]
-            del os.environ["NMBUS_CONCURRENCY"]
+        env = {"NMBUS_HELD_BATCHES": "true", "NMBUS_CONCURRENCY": "1"}
+        super().__init__("tests.workers", "worker", dsn, queue, lease, env=env)
 
 
 @contextlib.asynccontextmanager

@@ -53,12 +53,15 @@ async def _send_in_one(bus: Bus, dsn: str, messages: list[Message]) -> None:
 
 
 def _contended_turns(
-    make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch, **settings: Any
+    make_bus: Callable[..., Bus],
+    monkeypatch: pytest.MonkeyPatch,
+    turn_seconds: float = 0.5,
+    **settings: Any,
 ) -> tuple[Bus, Saga[Counter]]:
-    """Two loops whose contention, once met, lasts a minute, and whose turn a loop
-    waits for half a second at most; the endpoint's Counter saga."""
+    """Two loops whose contention, once met, lasts a minute, and whose turn a batch
+    keeps from the other loop for ``turn_seconds`` at most; the endpoint's Counter saga."""
     monkeypatch.setattr(saga_locks_module, "CONTENDED_SECONDS", 60.0)
-    monkeypatch.setattr(worker_module, "TURN_SECONDS", 0.5)
+    monkeypatch.setattr(worker_module, "TURN_SECONDS", turn_seconds)
     bus = make_bus("counting", concurrency=2, **settings)
     return bus, bus.saga(Counter, key="counter")
 
@@ -66,8 +69,6 @@ def _contended_turns(
 async def test_under_contention_the_loops_of_a_process_run_one_batch_at_a_time(
     make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(saga_locks_module, "CONTENDED_SECONDS", 60.0)
-    monkeypatch.setattr(worker_module, "TURN_SECONDS", 60.0)
     running: list[int] = []
     most: list[int] = [0]
     run_batch = BatchRunner._run_batch_once
@@ -81,8 +82,9 @@ async def test_under_contention_the_loops_of_a_process_run_one_batch_at_a_time(
             running.pop()
 
     monkeypatch.setattr(BatchRunner, "_run_batch_once", counted)
-    bus = make_bus("counting", concurrency=2, batch_size=5, poll_interval=0.2)
-    saga = bus.saga(Counter, key="counter")
+    bus, saga = _contended_turns(
+        make_bus, monkeypatch, turn_seconds=60.0, batch_size=5, poll_interval=0.2
+    )
 
     @saga.handler(start=True)
     async def count(msg: Increment, state: Counter, ctx: Context) -> None:
@@ -118,8 +120,6 @@ async def test_under_contention_the_loop_that_has_the_turn_keeps_it_from_batch_t
     # Passed from loop to loop after every batch, the turn cost a sixth of the
     # throughput (docs/performance.md, "a tenth sitting"): the loop that has it keeps
     # it while its batches are short, and the other loop waits.
-    monkeypatch.setattr(saga_locks_module, "CONTENDED_SECONDS", 60.0)
-    monkeypatch.setattr(worker_module, "TURN_SECONDS", 60.0)
     loops: list[int] = []  # the session (one per loop) of each batch
     run_batch = BatchRunner._run_batch_once
 
@@ -128,8 +128,9 @@ async def test_under_contention_the_loop_that_has_the_turn_keeps_it_from_batch_t
         return await run_batch(self, session, *args, **kwargs)
 
     monkeypatch.setattr(BatchRunner, "_run_batch_once", noted)
-    bus = make_bus("counting", concurrency=2, batch_size=5, poll_interval=0.2)
-    saga = bus.saga(Counter, key="counter")
+    bus, saga = _contended_turns(
+        make_bus, monkeypatch, turn_seconds=60.0, batch_size=5, poll_interval=0.2
+    )
 
     @saga.handler(start=True)
     async def count(msg: Increment, state: Counter, ctx: Context) -> None:

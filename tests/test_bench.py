@@ -252,13 +252,31 @@ async def test_the_contended_saga_run_analyzes_its_messages_before_any_claim(dsn
         figures = await measure_contended(options, scratch)
         await scratch.c.execute("SELECT pg_stat_clear_snapshot()")
         analyzed = await scratch.c.fetch(
-            "SELECT relname, analyze_count FROM pg_stat_user_tables WHERE schemaname = $1 "
-            "AND relname ~ $2",
+            "SELECT relname, analyze_count, last_analyze FROM pg_stat_user_tables "
+            "WHERE schemaname = $1 AND relname ~ $2",
             scratch.schema,
             rf"^{QUEUE}\$s[0-9]+$",  # its segments
         )
+        # Each segment's first finish: its first claim came before it.
+        first_done = [
+            await scratch.c.fetchval(
+                f"SELECT min(last_processed) FROM {_quoted(scratch.schema)}.{_quoted(name)}"
+            )
+            for name in (row["relname"] for row in analyzed)
+        ]
     assert figures["contended_messages_in_f"] == 0
     assert analyzed and all(row["analyze_count"] == 1 for row in analyzed)
+    assert all(
+        row["last_analyze"] < done
+        for row, done in zip(analyzed, first_done, strict=True)
+        if done is not None
+    )
+    assert any(done is not None for done in first_done)
+
+
+def _quoted(name: str) -> str:
+    """An identifier quoted for SQL."""
+    return '"' + name.replace('"', '""') + '"'
 
 
 async def test_burst_drains_into_a_new_and_a_resting_queue_against_a_settled_one(

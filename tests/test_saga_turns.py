@@ -119,32 +119,39 @@ async def test_under_contention_the_loop_that_has_the_turn_keeps_it_from_batch_t
 ) -> None:
     # Passed from loop to loop after every batch, the turn cost a sixth of the
     # throughput (docs/performance.md, "a tenth sitting"): the loop that has it keeps
-    # it while its batches are short, and the other loop waits.
+    # it while its batches are short, and the other loop waits, for longer than
+    # TURN_SECONDS in all (each batch of the holder's counts afresh).
     loops: list[int] = []  # the session (one per loop) of each batch
+    times: list[float] = []
     run_batch = BatchRunner._run_batch_once
 
     async def noted(self: BatchRunner, session: Any, *args: Any, **kwargs: Any) -> Any:
         loops.append(id(session))
+        times.append(time.monotonic())
         return await run_batch(self, session, *args, **kwargs)
 
     monkeypatch.setattr(BatchRunner, "_run_batch_once", noted)
+    turn = 0.5
     bus, saga = _contended_turns(
-        make_bus, monkeypatch, turn_seconds=60.0, batch_size=5, poll_interval=0.2
+        make_bus, monkeypatch, turn_seconds=turn, batch_size=5, poll_interval=0.2
     )
 
     @saga.handler(start=True)
     async def count(msg: Increment, state: Counter, ctx: Context) -> None:
+        await asyncio.sleep(0.01)  # a batch of 5: about a tenth of TURN_SECONDS
         state.count += 1
 
     async with bus:
         await _contended(bus, db, dsn)
         loops.clear()
-        await _send_in_one(bus, dsn, [Increment(counter=f"c{n % 4}", n=n) for n in range(40)])
-        await drain(bus, timeout=30)
+        times.clear()
+        await _send_in_one(bus, dsn, [Increment(counter=f"c{n % 4}", n=n) for n in range(150)])
+        await drain(bus, timeout=60)
         states = [await saga.load(f"c{k}") for k in range(4)]
-    assert len(loops) >= 8  # batches of 5
+    assert len(loops) >= 30  # batches of 5
+    assert times[-1] - times[0] > 2 * turn
     assert len(set(loops)) == 1
-    assert sum(state.count for state in states if state is not None) == 40
+    assert sum(state.count for state in states if state is not None) == 150
 
 
 async def test_a_batch_keeps_the_turn_from_the_other_loops_for_at_most_a_while(

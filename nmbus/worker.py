@@ -53,14 +53,11 @@ from nmbus.settings import Settings
 from nmbus.sizing import BatchSizer
 from nmbus.store import Store, WorkerSession
 from nmbus.supervise import Backoff, Services, supervise
+from nmbus.turns import Turn
 from nmbus.wakeups import Wakeups
 
 if TYPE_CHECKING:
     from nmbus.metrics import WorkerMetrics
-
-#: How long a batch under contention keeps its process's other loops waiting for the
-#: turn (Worker._take_turn), at most: a slow handler keeps no loop idle for longer.
-TURN_SECONDS = 1.0
 
 log = structlog.get_logger("nmbus.worker")
 
@@ -94,10 +91,8 @@ class Worker:
         self.client_id = client_id
         self._wakeups = Wakeups()
         self._stopping = asyncio.Event()
-        # The loops' turn to claim and run a batch under contention (_take_turn).
-        self._turn = asyncio.Lock()
-        self._turn_held = False  # from the acquire to the release (the lock says less)
-        self._turn_batch = 0.0  # when the holder's current batch began
+        # The loops' turn to claim and run a batch under contention.
+        self._turn = Turn(self._contended)
         self._tasks: list[asyncio.Task[None]] = []
         self._side = Services(log, settings.reconnect_max_delay, f"nmbus-{queue}", queue=queue)
         self.batches = BatchRunner(
@@ -345,7 +340,7 @@ class Worker:
         ahead: list[StoredMessage] = []
         released = time.monotonic()
         sizer = BatchSizer(settings.batch_size)
-        # Whether this loop holds the turn (_take_turn; kept by _keep_turn).
+        # Whether this loop holds the turn (nmbus/turns.py).
         turn = False
         try:
             while ahead or not self._stopping.is_set():
@@ -357,9 +352,9 @@ class Worker:
                     await session.recover(self.queue)
                 self._wakeups.claiming()
                 if turn:
-                    turn = self._keep_turn()
+                    turn = self._turn.keep()
                 elif not ahead:  # claimed by the last finish: its rows wait for no turn
-                    turn = await self._take_turn()
+                    turn = await self._turn.take()
                 if self._stopping.is_set() and not ahead:
                     continue  # stopped while it waited for its turn: claims nothing
                 if ahead:
@@ -376,7 +371,7 @@ class Worker:
                     ahead = await self._run_gated(session, batch, claims)
                     continue
                 if turn:
-                    self._give_turn()
+                    self._turn.give()
                     turn = False
                 if await session.recover(self.queue) or await session.release_sequences(self.queue):
                     released = time.monotonic()
@@ -395,52 +390,11 @@ class Worker:
                     self.metrics.flow_waited(time.monotonic() - began)
         finally:
             if turn:
-                self._give_turn()
+                self._turn.give()
 
     def _contended(self) -> bool:
         """Whether other processes' batches hold what this endpoint's batches need."""
         return any(hook.contended() for hook in self.dispatcher.registry.batch_hooks)
-
-    async def _take_turn(self) -> bool:
-        """Under contention, the loops of this process claim and run one batch at a
-        time: the loop that holds the turn. Returns whether this loop now holds it.
-
-        Batches that need the same sagas run one after another anyway: a second
-        batch would only wait for them in memory, its claim and decoding taking
-        the cores from the batch every other one waits for. The holder keeps the
-        turn from batch to batch while the contention lasts (_keep_turn; passed
-        on after every batch, it cost a sixth of the throughput: docs/performance.md,
-        "Sagas on several loops", the ninth and tenth sittings). A loop waits
-        while the holder's batches are short; once the batch that holds the turn
-        has run TURN_SECONDS (its handlers take long), it claims without it.
-        """
-        while self._contended():
-            # Reckoned from the start of the holder's current batch; a turn just
-            # given back (its next holder not yet woken) counts from now.
-            held_for = time.monotonic() - self._turn_batch if self._turn_held else 0.0
-            if held_for >= TURN_SECONDS:
-                return False
-            try:
-                async with asyncio.timeout(TURN_SECONDS - held_for):
-                    await self._turn.acquire()
-            except TimeoutError:
-                continue  # the holder may have begun another batch since: look again
-            self._turn_held = True
-            self._turn_batch = time.monotonic()
-            return True
-        return False
-
-    def _keep_turn(self) -> bool:
-        """The turn held for the last batch: kept for the next while contended."""
-        if self._contended():
-            self._turn_batch = time.monotonic()
-            return True
-        self._give_turn()
-        return False
-
-    def _give_turn(self) -> None:
-        self._turn_held = False
-        self._turn.release()
 
     def _held(self) -> bool:
         """Whether this worker's batches are held (setting held_batches): not with flow

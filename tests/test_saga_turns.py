@@ -1,5 +1,5 @@
 """The loops of a process take turns under saga contention (nmbus/worker.py,
-Worker._take_turn; docs/sagas.md, "Several loops and processes"): once a batch
+nmbus/turns.py; docs/sagas.md, "Several loops and processes"): once a batch
 has found one of its sagas held by another process's, the process's loops claim
 and run one batch at a time: the loop that has the turn keeps it while its
 batches are short, and no batch keeps another loop waiting longer than
@@ -18,7 +18,7 @@ import pytest
 
 from nmbus import Bus, Context, Message, Saga
 from nmbus import saga_locks as saga_locks_module
-from nmbus import worker as worker_module
+from nmbus import turns as turns_module
 from nmbus.batch import BatchRunner
 from nmbus.testing import drain
 from tests.saga_holds import WAITING_FOR_A_LOCK, held_elsewhere
@@ -61,7 +61,7 @@ def _contended_turns(
     """Two loops whose contention, once met, lasts a minute, and whose turn a batch
     keeps from the other loop for ``turn_seconds`` at most; the endpoint's Counter saga."""
     monkeypatch.setattr(saga_locks_module, "CONTENDED_SECONDS", 60.0)
-    monkeypatch.setattr(worker_module, "TURN_SECONDS", turn_seconds)
+    monkeypatch.setattr(turns_module, "TURN_SECONDS", turn_seconds)
     bus = make_bus("counting", concurrency=2, **settings)
     return bus, bus.saga(Counter, key="counter")
 

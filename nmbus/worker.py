@@ -388,9 +388,27 @@ class Worker:
                     await self._wakeups.wait(wait)
                 if held and self.metrics is not None:
                     self.metrics.flow_waited(time.monotonic() - began)
+        except Exception:
+            if ahead:  # claimed by the last finish, never begun: given back
+                await self._give_back(ahead)
+            raise
         finally:
             if turn:
                 self._turn.give()
+
+    async def _give_back(self, batch: list[StoredMessage]) -> None:
+        """A claimed batch that will not run (its session failed before it began):
+        its fresh rows back to I at once, their attempt not counted; rows recovered
+        from a crash keep their lease, to run out and come back still suspects (as
+        all do if giving back fails too). The renewer lets them all go."""
+        fresh = [m.id for m in batch if not m.recovered]
+        try:
+            if fresh:
+                await self.store.abandon_leases(self.queue, fresh, self.client_id, refund=True)
+        except StoreError as exc:
+            log.warning("worker_abandon_failed", queue=self.queue, ids=len(fresh), error=str(exc))
+        finally:
+            self.in_flight.difference_update(m.id for m in batch)
 
     def _contended(self) -> bool:
         """Whether other processes' batches hold what this endpoint's batches need."""
@@ -409,7 +427,11 @@ class Worker:
         """Handle ``batch`` beside the process's other batches, or alone after a crash."""
         gate = self._gate or process_gate()
         if any(m.recovered for m in batch):
-            suspect = await isolate(session, self.queue, batch, self.client_id)
+            try:
+                suspect = await isolate(session, self.queue, batch, self.client_id)
+            except Exception:
+                await self._give_back(batch)
+                raise
             if per_message_logs():
                 log.warning(
                     "message_isolated",

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import asyncpg
+import pytest
 import structlog
 
 from nmbus import Bus, Context
+from nmbus.postgres.session import PostgresSession
 from nmbus.testing import drain
 from tests.messages import Ping
 from tests.waits import wait_until
@@ -149,3 +152,114 @@ async def test_savepoints_released_late_still_undo_only_the_failing_handler(
     states = await db.fetch('SELECT subqueue, error_info FROM nmbus."billing" ORDER BY id')
     assert [r["subqueue"] for r in states] == ["X", "F", "F", "X"] * 3
     assert "InFailedSQLTransaction" in states[2]["error_info"]
+
+
+async def _ended_first(
+    bus: Bus, killer: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch, step: str
+) -> list[int]:
+    """Patch the session's ``step`` to end its connection for real first
+    (pg_terminate_backend), once, when a batch claimed by a finish waits to run;
+    returns the list the ended backend's pid is put in."""
+    killed: list[int] = []
+    real = getattr(PostgresSession, step)
+
+    async def ended_first(self: PostgresSession, *args: Any) -> Any:
+        if not killed and bus.worker.in_flight:
+            pid = self._conn.get_server_pid()
+            killed.append(pid)
+            await killer.execute("SELECT pg_terminate_backend($1)", pid)
+            await wait_until(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                pid,
+                db=killer,
+                until=lambda n: n == 0,
+                what="the terminated backend gone",
+            )
+        return await real(self, *args)
+
+    monkeypatch.setattr(PostgresSession, step, ended_first)
+    return killed
+
+
+async def test_a_batch_claimed_by_a_finish_is_given_back_when_its_loop_loses_its_connection(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The finish of a batch claims the next one; the loop's connection is then ended
+    # for real (pg_terminate_backend) before that batch begins, at the loop's periodic
+    # release of sequences. The batch is given back at once, its attempt not counted:
+    # kept in flight, its leases were renewed until the worker stopped.
+    bus = make_bus("billing", batch_size=5, poll_interval=0.05, reconnect_max_delay=0.2)
+    seen: list[int] = []
+    killer = await asyncpg.connect(dsn)
+    killed = await _ended_first(bus, killer, monkeypatch, "release_sequences")
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        seen.append(msg.n)
+        await asyncio.sleep(0.02)  # a batch outlasts the poll interval
+
+    try:
+        async with killer.transaction():  # one backlog: each finish claims the next batch
+            for n in range(20):
+                await bus.send(Ping(n=n), to="billing", connection=killer)
+        async with bus:
+            await wait_until(
+                lambda: len(seen), until=lambda n: n >= 20, timeout=8, what="20 messages handled"
+            )
+            await drain(bus, timeout=20)
+            assert not bus.worker.in_flight
+    finally:
+        await killer.close()
+    assert killed
+    assert sorted(seen) == list(range(20))
+    counts = await db.fetch(
+        'SELECT subqueue, retry_count, count(*) FROM nmbus."billing" GROUP BY 1, 2'
+    )
+    assert [tuple(r) for r in counts] == [("X", 1, 20)]
+
+
+async def test_a_batch_claimed_by_a_finish_with_a_suspect_is_given_back_when_isolating_it_fails(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, but the batch claimed ahead holds a row whose earlier holder died
+    # (its lease ran out), and the connection ends as the suspect is being set
+    # apart. The fresh rows are given back at once; the suspect keeps its lease,
+    # runs out and comes back still a suspect, to be tried alone.
+    bus = make_bus(
+        "billing", batch_size=5, poll_interval=0.05, reconnect_max_delay=0.2, lease_seconds=1.0
+    )
+    seen: list[int] = []
+    killer = await asyncpg.connect(dsn)
+    killed = await _ended_first(bus, killer, monkeypatch, "isolate")
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        seen.append(msg.n)
+
+    try:
+        async with killer.transaction():
+            for n in range(20):
+                await bus.send(Ping(n=n), to="billing", connection=killer)
+        # Ping 7 (in the second batch) was claimed by a worker that died on it.
+        await killer.execute(
+            'UPDATE nmbus."billing" SET handling_client_id = $1, retry_count = 1, '
+            "lease_expires = now() - interval '1 second' WHERE msg_text LIKE $2",
+            "gone",
+            '%"n":7}',
+        )
+        async with bus:
+            await wait_until(
+                lambda: len(seen), until=lambda n: n >= 20, timeout=8, what="20 messages handled"
+            )
+            await drain(bus, timeout=20)
+            assert not bus.worker.in_flight
+    finally:
+        await killer.close()
+    assert killed
+    assert sorted(seen) == list(range(20))
+    rows = await db.fetch('SELECT msg_text, subqueue, retry_count FROM nmbus."billing"')
+    counts = {r["msg_text"]: (r["subqueue"], r["retry_count"]) for r in rows}
+    suspect = counts.pop(next(t for t in counts if '"n":7}' in t))
+    # Its dead holder's attempt, the claim ahead's (its lease ran out) and the last.
+    assert suspect == ("X", 3)
+    assert set(counts.values()) == {("X", 1)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import asyncpg
@@ -264,3 +265,53 @@ async def test_a_loop_that_has_just_given_the_turn_back_waits_for_it_at_most_a_w
         finally:
             release.set()
         await drain(bus, timeout=20)
+
+
+async def test_a_loop_without_the_turn_claims_nothing_ahead(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under contention, loop A's batch blocks on Plain 0 past TURN_SECONDS, so loop B
+    # runs batches of the backlog without the turn. B's finishes claim nothing ahead:
+    # once A's batch is done (A keeps the turn from then on), B runs no more than the
+    # batch it had begun. Claiming ahead, it would go on beside A, batch after batch,
+    # while the backlog lasted.
+    loop_of: ContextVar[int] = ContextVar("loop_of")  # the session (one per loop) of a batch
+    run_batch = BatchRunner._run_batch_once
+
+    async def noted(self: BatchRunner, session: Any, *args: Any, **kwargs: Any) -> Any:
+        loop_of.set(id(session))
+        return await run_batch(self, session, *args, **kwargs)
+
+    monkeypatch.setattr(BatchRunner, "_run_batch_once", noted)
+    bus, saga = _contended_turns(make_bus, monkeypatch, batch_size=5, poll_interval=0.2)
+    long_started, release = asyncio.Event(), asyncio.Event()
+    loop_a: list[int] = []
+
+    @saga.handler(start=True)
+    async def count(msg: Increment, state: Counter, ctx: Context) -> None:
+        state.count += 1
+
+    before: list[int] = []  # the loop of each message handled before A's batch ends
+    after: list[int] = []
+
+    @bus.handler
+    async def plain(msg: Plain, ctx: Context) -> None:
+        if msg.n == 0:
+            loop_a.append(loop_of.get())
+            long_started.set()
+            await release.wait()
+            return
+        await asyncio.sleep(0.01)
+        (after if release.is_set() else before).append(loop_of.get())
+
+    async with bus:
+        await _contended(bus, db, dsn)
+        await bus.send(Plain(n=0), to="counting")
+        await asyncio.wait_for(long_started.wait(), 20)
+        await _send_in_one(bus, dsn, [Plain(n=n) for n in range(1, 301)])
+        await wait_until(lambda: len(before), until=lambda n: n >= 10, timeout=20)
+        release.set()
+        await drain(bus, timeout=60)
+    assert loop_a[0] not in before  # B ran without the turn while A's batch blocked
+    assert len(after) >= 200  # a backlog was left when A's batch ended
+    assert sum(loop != loop_a[0] for loop in after) <= 15  # B: the batch it had begun

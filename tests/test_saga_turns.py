@@ -315,3 +315,47 @@ async def test_a_loop_without_the_turn_claims_nothing_ahead(
     assert loop_a[0] not in before  # B ran without the turn while A's batch blocked
     assert len(after) >= 200  # a backlog was left when A's batch ended
     assert sum(loop != loop_a[0] for loop in after) <= 15  # B: the batch it had begun
+
+
+async def test_a_batch_claimed_ahead_before_the_contention_runs_without_the_turn(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Loop B claims Plain 1-5 while there is no contention, so its finish will claim
+    # the next batch. During its batch, loop A meets saga "x" held elsewhere: the
+    # contention begins, and A, then holding the turn, drains saga "k"'s backlog.
+    # When B's batch ends, the batch its finish claimed (older "k" messages than A's
+    # next) runs at once, without the turn: waiting for it, it ran after the backlog,
+    # and "k" saw its messages out of order.
+    bus, saga = _contended_turns(make_bus, monkeypatch, batch_size=5, poll_interval=0.2)
+    b_started, go = asyncio.Event(), asyncio.Event()
+
+    @saga.handler(start=True)
+    async def count(msg: Increment, state: Counter, ctx: Context) -> None:
+        await asyncio.sleep(0.01)
+        state.count += 1
+        state.seen.append(msg.n)
+
+    @bus.handler
+    async def plain(msg: Plain, ctx: Context) -> None:
+        if msg.n == 1:
+            b_started.set()
+            await go.wait()
+
+    async with bus:
+        await _send_in_one(bus, dsn, [Plain(n=n) for n in range(1, 6)])
+        await asyncio.wait_for(b_started.wait(), 20)
+        async with held_elsewhere(dsn, "Counter", "x"):
+            await bus.send(Increment(counter="x", n=-1), to="counting")
+            await wait_until(WAITING_FOR_A_LOCK, db=db, until=lambda n: n == 1, timeout=20)
+            await _send_in_one(bus, dsn, [Increment(counter="k", n=n) for n in range(6, 200)])
+        await wait_until(
+            lambda: saga.load("k"),
+            until=lambda state: state is not None and len(state.seen) >= 20,
+            timeout=20,
+            what="A draining saga k",
+        )
+        go.set()
+        await drain(bus, timeout=60)
+        state = await saga.load("k")
+    assert state is not None
+    assert state.seen == list(range(6, 200))

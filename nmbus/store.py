@@ -437,6 +437,13 @@ class Store(Protocol):
         """Free rows ``ids`` at once; ``refund`` when their attempt never started."""
         ...
 
+    async def give_back(
+        self, queue: str, ids: Sequence[int], attempts: Sequence[int], client_id: str
+    ) -> list[int]:
+        """Free rows ``ids``, claimed at ``attempts`` and never started, their attempt
+        not counted; a row claimed again since is left alone. Returns the ids freed."""
+        ...
+
     def worker_session(
         self, flow: FlowLimits | None = None, held: bool = False
     ) -> AbstractAsyncContextManager[WorkerSession]:

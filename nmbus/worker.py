@@ -397,18 +397,21 @@ class Worker:
                 self._turn.give()
 
     async def _give_back(self, batch: list[StoredMessage]) -> None:
-        """A claimed batch that will not run (its session failed before it began):
-        its fresh rows back to I at once, their attempt not counted; rows recovered
-        from a crash keep their lease, to run out and come back still suspects (as
-        all do if giving back fails too). The renewer lets them all go."""
-        fresh = [m.id for m in batch if not m.recovered]
+        """A claimed batch that will not run (its session failed before it began).
+        Its fresh rows go back to I at once, their attempt not counted, unless claimed
+        again since (their lease ran out: another loop may run them, renewed); a
+        crash's suspects, and all when that fails, are left to run out and come back
+        as a crash leaves them. The renewer lets go of all that is not another's."""
+        fresh = [m for m in batch if not m.recovered]
+        let_go = {m.id for m in batch}
         try:
             if fresh:
-                await self.store.abandon_leases(self.queue, fresh, self.client_id, refund=True)
+                ids, attempts = [m.id for m in fresh], [m.retry_count for m in fresh]
+                given = await self.store.give_back(self.queue, ids, attempts, self.client_id)
+                let_go -= set(ids) - set(given)
         except StoreError as exc:
             log.warning("worker_abandon_failed", queue=self.queue, ids=len(fresh), error=str(exc))
-        finally:
-            self.in_flight.difference_update(m.id for m in batch)
+        self.in_flight.difference_update(let_go)
 
     def _contended(self) -> bool:
         """Whether other processes' batches hold what this endpoint's batches need."""

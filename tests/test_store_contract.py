@@ -129,6 +129,26 @@ async def test_renew_and_abandon_leases(store: Store) -> None:
     assert await claim(store, client="c3") == []  # a's lease was renewed
 
 
+async def test_a_batch_given_back_frees_only_the_claims_still_as_they_were(
+    store: Store,
+) -> None:
+    # Rows claimed (attempt 1) and never started go back with that attempt not
+    # counted; a row whose lease ran out and that was claimed again since (by the
+    # same client: another loop of its process) is left to its new claim.
+    await store.insert("q", "me", [envelope(1), envelope(2)])
+    a, b = await claim(store, client="c1", lease=0.2)
+    await asyncio.sleep(0.3)
+    (taken,) = await claim(store, client="c1", limit=1)  # b's or a's, claimed again
+    kept = next(m for m in (a, b) if m.id != taken.id)
+    await store.renew_leases("q", [kept.id], "c1", 30.0)  # not lapsed for the other
+    given = await store.give_back("q", [a.id, b.id], [a.retry_count, b.retry_count], "c1")
+    assert given == [kept.id]
+    (again,) = await claim(store, client="c2")
+    assert (again.id, again.retry_count, again.recovered) == (kept.id, 1, 0)
+    assert await store.give_back("q", [taken.id], [taken.retry_count - 1], "c1") == []
+    assert await claim(store, client="c3") == []  # the new claim still holds it
+
+
 async def test_a_failed_batch_writes_nothing(store: Store) -> None:
     await store.insert("q", "me", [envelope(1)])
     (row,) = await claim(store)

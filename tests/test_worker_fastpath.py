@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +19,10 @@ import asyncpg
 import pytest
 import structlog
 
-from nmbus import Bus, Context
-from nmbus.postgres.session import PostgresSession
+from nmbus import Bus, Context, DatabaseUnavailable
+from nmbus.errors import StoreError
+from nmbus.postgres.session import PostgresBatch, PostgresSession
+from nmbus.postgres.store import PostgresStore
 from nmbus.testing import drain
 from tests.messages import Ping
 from tests.waits import wait_until
@@ -181,14 +185,22 @@ async def _ended_first(
     return killed
 
 
+@pytest.mark.parametrize("pool", ["free", "held by the application"])
 async def test_a_batch_claimed_by_a_finish_is_given_back_when_its_loop_loses_its_connection(
-    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+    make_bus: Callable[..., Bus],
+    db: asyncpg.Connection,
+    dsn: str,
+    monkeypatch: pytest.MonkeyPatch,
+    pool: str,
 ) -> None:
     # The finish of a batch claims the next one; the loop's connection is then ended
     # for real (pg_terminate_backend) before that batch begins, at the loop's periodic
     # release of sequences. The batch is given back at once, its attempt not counted:
-    # kept in flight, its leases were renewed until the worker stopped.
-    bus = make_bus("billing", batch_size=5, poll_interval=0.05, reconnect_max_delay=0.2)
+    # kept in flight, its leases were renewed until the worker stopped. Given back
+    # off the send pool, even when the application holds all of it.
+    bus = make_bus(
+        "billing", batch_size=5, poll_interval=0.05, reconnect_max_delay=0.2, send_pool_size=1
+    )
     seen: list[int] = []
     killer = await asyncpg.connect(dsn)
     killed = await _ended_first(bus, killer, monkeypatch, "release_sequences")
@@ -203,9 +215,12 @@ async def test_a_batch_claimed_by_a_finish_is_given_back_when_its_loop_loses_its
             for n in range(20):
                 await bus.send(Ping(n=n), to="billing", connection=killer)
         async with bus:
-            await wait_until(
-                lambda: len(seen), until=lambda n: n >= 20, timeout=8, what="20 messages handled"
-            )
+            async with contextlib.AsyncExitStack() as application:
+                if pool != "free":
+                    await application.enter_async_context(bus.store.pool.acquire())  # type: ignore[attr-defined]
+                await wait_until(
+                    lambda: len(seen), until=lambda n: n >= 20, timeout=8, what="20 handled"
+                )
             await drain(bus, timeout=20)
             assert not bus.worker.in_flight
     finally:
@@ -263,3 +278,63 @@ async def test_a_batch_claimed_by_a_finish_with_a_suspect_is_given_back_when_iso
     # Its dead holder's attempt, the claim ahead's (its lease ran out) and the last.
     assert suspect == ("X", 3)
     assert set(counts.values()) == {("X", 1)}
+
+
+async def test_a_batch_claimed_again_by_another_loop_is_not_given_back_under_it(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Loop A's session hangs with a batch claimed ahead while the lease renewer
+    # fails, for longer than a lease: the batch's rows come back, and loop B (the
+    # same process, the same client id) claims them as a crash's and runs them.
+    # When A's session fails at last, the batch it gives back is B's now: every row
+    # claimed again is left to B, none runs twice.
+    bus = make_bus(
+        "billing",
+        concurrency=2,
+        batch_size=5,
+        lease_seconds=1.0,
+        poll_interval=0.01,  # a loop releases sequences before each batch
+        reconnect_max_delay=0.2,
+    )
+    ahead: dict[int, bool] = {}  # by connection: whether its last finish claimed a batch
+    hung: list[float] = []
+    runs: Counter[int] = Counter()
+    finish_and_claim, release = PostgresBatch.finish_and_claim, PostgresSession.release_sequences
+    renew = PostgresStore.renew_leases
+
+    async def noted(self: PostgresBatch, *args: Any) -> Any:
+        changed, claimed = await finish_and_claim(self, *args)
+        ahead[id(self._conn)] = bool(claimed)
+        return changed, claimed
+
+    async def hangs_once(self: PostgresSession, queue: str) -> int:
+        if not hung and ahead.pop(id(self._conn), False):
+            hung.append(time.monotonic())
+            await asyncio.sleep(2.5)
+            raise DatabaseUnavailable("the connection hung, then ended")
+        return await release(self, queue)
+
+    async def fails_meanwhile(self: PostgresStore, *args: Any) -> None:
+        if hung and time.monotonic() - hung[0] < 1.3:
+            raise StoreError("renew leases: the connection is gone")
+        await renew(self, *args)
+
+    monkeypatch.setattr(PostgresBatch, "finish_and_claim", noted)
+    monkeypatch.setattr(PostgresSession, "release_sequences", hangs_once)
+    monkeypatch.setattr(PostgresStore, "renew_leases", fails_meanwhile)
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        runs[msg.n] += 1
+        # A batch takes 0.1 s; a crash's suspect runs on past A's failure.
+        await asyncio.sleep(2.0 if ctx.retry_count > 1 else 0.02)
+
+    async with bus:
+        async with db.transaction():
+            for n in range(30):
+                await bus.send(Ping(n=n), to="billing", connection=db)
+        await wait_until(lambda: sum(runs.values()), until=lambda n: n >= 30, timeout=30)
+        await wait_until(lambda: time.monotonic() - hung[0], until=lambda t: t > 4, timeout=30)
+        await drain(bus, timeout=30)
+    assert hung
+    assert runs == Counter(range(30))  # each once

@@ -1,11 +1,11 @@
 """The in-memory store: queue tables and subscriptions in dicts, for unit tests.
 
-``MemoryStore`` follows the same contracts as the PostgreSQL store (the suites
-in ``tests/test_store_contract.py`` and ``tests/test_operations_contract.py``
-run against both), so handlers, retries and shutdown can be unit-tested
-without a database, and :class:`nmbus.admin.Admin` can run over it
-(``Admin.over(store)``). It has no SQL connection: handlers that use
-``ctx.connection`` need the real store. Import it from :mod:`nmbus.testing`.
+``MemoryStore`` follows the same contracts as the PostgreSQL store (the suites in
+``tests/test_store_contract.py`` and ``tests/test_operations_contract.py`` run against
+both), so handlers, retries and shutdown can be unit-tested without a database, and
+:class:`nmbus.admin.Admin` can run over it (``Admin.over(store)``). It has no SQL
+connection: handlers that use ``ctx.connection`` need the real store. Import it from
+:mod:`nmbus.testing`.
 """
 
 from __future__ import annotations
@@ -461,16 +461,25 @@ class MemoryStore(MemoryOperations):
     async def abandon_leases(
         self, queue: str, ids: Sequence[int], client_id: str, refund: bool = False
     ) -> None:
-        table = self._require(queue)
-        for i in ids:
+        self._free(queue, ids, [None] * len(ids), client_id, int(refund))
+
+    async def give_back(
+        self, queue: str, ids: Sequence[int], attempts: Sequence[int], client_id: str
+    ) -> list[int]:
+        return self._free(queue, ids, attempts, client_id, 1)
+
+    def _free(
+        self, queue: str, ids: Sequence[int], at: Sequence[int | None], client_id: str, refund: int
+    ) -> list[int]:
+        """Free rows ``ids`` held by ``client_id`` (at attempts ``at``, where given)."""
+        table, freed = self._require(queue), []
+        for i, attempt in zip(ids, at, strict=True):
             row = table.get(i)
-            if row is not None and row.handling_client_id == client_id:
-                table[i] = replace(
-                    row,
-                    handling_client_id=None,
-                    lease_expires=None,
-                    retry_count=max(0, row.retry_count - int(refund)),
-                )
+            if row and row.handling_client_id == client_id and attempt in (None, row.retry_count):
+                n = max(0, row.retry_count - refund)
+                table[i] = replace(row, handling_client_id=None, lease_expires=None, retry_count=n)
+                freed.append(i)
+        return freed
 
     @asynccontextmanager
     async def worker_session(

@@ -400,21 +400,34 @@ class PostgresStore:
     async def renew_leases(
         self, queue: str, ids: Sequence[int], client_id: str, lease: float
     ) -> None:
-        # On a connection of its own, never the send pool: an application that
-        # holds every pooled connection (long outbox transactions, a burst of
-        # sends) must not make the leases of running handlers expire.
+        sql = render("renew_leases", self.schema, queue)
+        args = (list(ids), client_id, lease)
+        await self._on_lease_conn(f"renew leases in {queue}", max(1.0, lease / 3), sql, *args)
+
+    async def give_back(
+        self, queue: str, ids: Sequence[int], attempts: Sequence[int], client_id: str
+    ) -> list[int]:
+        sql = render("give_back", self.schema, queue)
+        args = (list(ids), list(attempts), client_id)
+        rows = await self._on_lease_conn(f"give back a batch of {queue}", 5.0, sql, *args)
+        return [int(row[0]) for row in rows]
+
+    async def _on_lease_conn(
+        self, doing: str, timeout: float, sql: str, *args: object
+    ) -> list[asyncpg.Record]:
+        """``sql`` on the leases' connection of its own, never the send pool: an
+        application that holds every pooled connection (long outbox transactions, a
+        burst of sends) must not make the leases of running handlers expire, nor
+        keep a worker loop from giving back a batch it will not run."""
         async with self._lease_lock:
-            with wrap_errors(f"renew leases in {queue}"):
+            with wrap_errors(doing):
                 if self._lease_conn is None or self._lease_conn.is_closed():
                     self._lease_conn = await asyncpg.connect(self.dsn, timeout=10)
                 try:
-                    await self._lease_conn.execute(
-                        render("renew_leases", self.schema, queue),
-                        list(ids),
-                        client_id,
-                        lease,
-                        timeout=max(1.0, lease / 3),
+                    rows: list[asyncpg.Record] = await self._lease_conn.fetch(
+                        sql, *args, timeout=timeout
                     )
+                    return rows
                 except BaseException:
                     conn, self._lease_conn = self._lease_conn, None
                     conn.terminate()

@@ -322,7 +322,7 @@ AND id <> ALL($1::bigint[])
 
 -- lowest_id --
 -- Fragment of the statements on a batch's ids $1 (finish, renew_leases,
--- abandon_leases, isolate): the lowest of them. A row of the batch is at or
+-- abandon_leases, give_back, isolate): the lowest of them. A row of the batch is at or
 -- above it, so a statement that says so searches only the segments from the
 -- lowest one's up (PostgreSQL prunes the others as it runs, before reading).
 (SELECT min(b.id) FROM unnest($1::bigint[]) AS b(id))
@@ -347,6 +347,18 @@ WHERE q.id = held.id AND q.id >= {lowest_id};
 UPDATE {queue}
 SET lease_expires = NULL, handling_client_id = NULL, retry_count = greatest(0, retry_count - $3)
 WHERE id = ANY($1::bigint[]) AND handling_client_id = $2 AND id >= {lowest_id};
+
+-- give_back --
+-- Let rows $1 that client $3 claimed at attempts $2 (their retry_count after the
+-- claim) be claimed again at once, their attempt not counted: they never started.
+-- A row claimed again since (its retry_count moved on) is left alone. Returns the
+-- ids given back.
+UPDATE {queue} AS q
+SET lease_expires = NULL, handling_client_id = NULL, retry_count = greatest(0, q.retry_count - 1)
+FROM unnest($1::bigint[], $2::int[]) AS v(id, attempt)
+WHERE q.id = v.id AND q.retry_count = v.attempt AND q.handling_client_id = $3
+  AND q.id >= {lowest_id}
+RETURNING q.id;
 
 -- isolate --
 -- After a crash, run one suspect alone. Of rows $1 held by client $3, row $2

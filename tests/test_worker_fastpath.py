@@ -185,6 +185,18 @@ async def _ended_first(
     return killed
 
 
+async def _backlog(bus: Bus, conn: asyncpg.Connection) -> None:
+    """Pings 0-19 in one transaction: one backlog, each finish claims the next batch."""
+    async with conn.transaction():
+        for n in range(20):
+            await bus.send(Ping(n=n), to="billing", connection=conn)
+
+
+async def _all_seen(seen: list[int]) -> None:
+    """Wait until the handler has seen the 20 Pings (given back, they come soon)."""
+    await wait_until(lambda: len(seen), until=lambda n: n >= 20, timeout=8, what="20 handled")
+
+
 @pytest.mark.parametrize("pool", ["free", "held by the application"])
 async def test_a_batch_claimed_by_a_finish_is_given_back_when_its_loop_loses_its_connection(
     make_bus: Callable[..., Bus],
@@ -211,16 +223,12 @@ async def test_a_batch_claimed_by_a_finish_is_given_back_when_its_loop_loses_its
         await asyncio.sleep(0.02)  # a batch outlasts the poll interval
 
     try:
-        async with killer.transaction():  # one backlog: each finish claims the next batch
-            for n in range(20):
-                await bus.send(Ping(n=n), to="billing", connection=killer)
+        await _backlog(bus, killer)
         async with bus:
             async with contextlib.AsyncExitStack() as application:
                 if pool != "free":
                     await application.enter_async_context(bus.store.pool.acquire())  # type: ignore[attr-defined]
-                await wait_until(
-                    lambda: len(seen), until=lambda n: n >= 20, timeout=8, what="20 handled"
-                )
+                await _all_seen(seen)
             await drain(bus, timeout=20)
             assert not bus.worker.in_flight
     finally:
@@ -252,9 +260,7 @@ async def test_a_batch_claimed_by_a_finish_with_a_suspect_is_given_back_when_iso
         seen.append(msg.n)
 
     try:
-        async with killer.transaction():
-            for n in range(20):
-                await bus.send(Ping(n=n), to="billing", connection=killer)
+        await _backlog(bus, killer)
         # Ping 7 (in the second batch) was claimed by a worker that died on it.
         await killer.execute(
             'UPDATE nmbus."billing" SET handling_client_id = $1, retry_count = 1, '
@@ -263,9 +269,7 @@ async def test_a_batch_claimed_by_a_finish_with_a_suspect_is_given_back_when_iso
             '%"n":7}',
         )
         async with bus:
-            await wait_until(
-                lambda: len(seen), until=lambda n: n >= 20, timeout=8, what="20 messages handled"
-            )
+            await _all_seen(seen)
             await drain(bus, timeout=20)
             assert not bus.worker.in_flight
     finally:

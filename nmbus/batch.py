@@ -1,12 +1,14 @@
 """One claimed batch: handled in one transaction, its outcomes recorded.
 
 Steps 2 and 3 of :mod:`nmbus.worker`'s path: the :class:`BatchRunner` of a
-worker takes the batch a loop claimed, runs the registry's batch hooks and the
-handlers (one after another, or up to ``handler_concurrency`` at once), stores
-what they sent, writes the outcomes with the statement that claims the next
-batch, and commits, in parts when the handlers take long. It keeps what the
-worker's other parts read: the rows in flight (their leases are renewed),
-those a cancelled loop still holds, and the counts of committed outcomes.
+worker takes the :class:`~nmbus.claim.Claim` a loop claimed, runs the
+registry's batch hooks and the handlers (one after another, or up to
+``handler_concurrency`` at once), stores what they sent, writes the outcomes
+with the statement that claims the next batch, and commits, in parts when the
+handlers take long. What became of each message is the claim's own (its
+``started`` and ``committed``); the runner keeps only the counts of committed
+outcomes. A message whose claim's lease may have lapsed is not started: it goes
+back unchanged, its attempt not counted, unless another claim has it already.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from nmbus.batch_output import copy_failed, store_effects
+from nmbus.claim import Claim, Claims
 from nmbus.context import Effects
 from nmbus.dispatch import Dispatcher, Replay, Savepoints, SerialBatch, Unguarded, because, describe
 from nmbus.envelopes import IN_REPLY_TO_HEADER
@@ -51,7 +54,7 @@ class BatchRunner:
         store: Store,
         dispatcher: Dispatcher,
         settings: Settings,
-        client_id: str,
+        claims: Claims,
         dead_letter: str | None,
         metrics: WorkerMetrics | None,
         stopping: asyncio.Event,
@@ -60,15 +63,12 @@ class BatchRunner:
         self.store = store
         self.dispatcher = dispatcher
         self.settings = settings
-        self.client_id = client_id
+        # The worker's live claims: a claim taken ahead by a finish goes in at once.
+        self.claims = claims
         self.dead_letter = dead_letter
         self.metrics = metrics
         # Set when the worker stops: handlers not started yet are not started.
         self._stopping = stopping
-        self.in_flight: set[int] = set()
-        # Rows a cancelled loop still holds: started (attempt counted) or not.
-        self.abandoned: set[int] = set()
-        self.unstarted: set[int] = set()
         self.handled = 0
         # Batches rolled back and run again with savepoints (handlers without
         # outside effects that failed after writing).
@@ -77,46 +77,55 @@ class BatchRunner:
         self.outcomes: Counter[str] = Counter()
 
     async def process(
-        self, session: WorkerSession, batch: list[StoredMessage], ahead: BatchSizer | None = None
-    ) -> list[StoredMessage]:
-        """Handle ``batch``; return the next batch when it was claimed along with the finish.
+        self,
+        session: WorkerSession,
+        claim: Claim,
+        ahead: BatchSizer | None = None,
+        loop: int | str = 0,
+    ) -> Claim | None:
+        """Handle the rows of ``claim``; return the next claim when the finish took one.
 
         ``ahead``: the loop's claim size, told how long this batch took before the
-        next is claimed with its finish (None: nothing is claimed ahead).
+        next is claimed with its finish (None: nothing is claimed ahead); ``loop``
+        names the loop in the next claim's token. A cancelled batch leaves what its
+        claim recorded (started, committed) for the worker's stop to let go of.
         """
-        ids = [m.id for m in batch]
-        self.in_flight.update(ids)
-        started: set[int] = set()
-        # Rows whose outcome a part of the batch already committed: never run again.
-        committed: set[int] = set()
+        return await self._attempt(session, claim, claim.rows, ahead, loop)
+
+    async def _attempt(
+        self,
+        session: WorkerSession,
+        claim: Claim,
+        rows: list[StoredMessage],
+        ahead: BatchSizer | None,
+        loop: int | str,
+    ) -> Claim | None:
+        """Handle ``rows`` (all of ``claim``'s, or one of them after a split)."""
         try:
-            return await self._run_batch(session, batch, ahead, started, committed)
-        except asyncio.CancelledError:
-            self.abandoned.update(started - committed)
-            self.unstarted.update(i for i in ids if i not in started)
-            raise
-        except DatabaseUnavailable:
+            return await self._run_batch(session, claim, rows, ahead, loop)
+        except (asyncio.CancelledError, DatabaseUnavailable):
             raise
         except LeaseLost as exc:
-            # Another worker has some of these rows now; running them again here would
-            # be a waste. The others, still ours and rolled back, go back at once (those
-            # never started without their attempt), not as crash suspects a lease later.
-            log.warning("lease_lost", queue=self.queue, batch=len(batch), error=str(exc))
-            held = [i for i in ids if i not in committed]
+            # Another claim has some of these rows now; running them again here would
+            # be a waste. The others, still this claim's and rolled back, go back at
+            # once (those never started without their attempt), not as crash suspects
+            # a lease later. Only rows still leased by this claim change.
+            log.warning("lease_lost", queue=self.queue, batch=len(rows), error=str(exc))
+            held = [m.id for m in rows if m.id not in claim.committed]
             for group, refund in (
-                ([i for i in held if i in started], False),
-                ([i for i in held if i not in started], True),
+                ([i for i in held if i in claim.started], False),
+                ([i for i in held if i not in claim.started], True),
             ):
                 if group:
                     try:
                         await self.store.abandon_leases(
-                            self.queue, group, self.client_id, refund=refund
+                            self.queue, group, claim.token, refund=refund
                         )
                     except StoreError as again:
                         log.warning("worker_abandon_failed", queue=self.queue, error=str(again))
-            return []
+            return None
         except Exception as exc:
-            rest = [m for m in batch if m.id not in committed] if committed else batch
+            rest = [m for m in rows if m.id not in claim.committed]
             if len(rest) > 1:
                 # One message may be spoiling the batch: try each alone, still
                 # under the same claim, so one poison pill cannot fail the others.
@@ -124,17 +133,15 @@ class BatchRunner:
                     "batch_failed_splitting", queue=self.queue, size=len(rest), error=str(exc)
                 )
                 for message in rest:
-                    await self.process(session, [message])
-                return []
+                    await self._attempt(session, claim, [message], None, loop)
+                return None
             if rest:
                 log.error("batch_failed", queue=self.queue, message_id=rest[0].id, error=str(exc))
-                await self._record_failure(session, rest[0], exc)
-            return []
-        finally:
-            self.in_flight.difference_update(ids)
+                await self._record_failure(session, claim, rest[0], exc)
+            return None
 
     async def _record_failure(
-        self, session: WorkerSession, row: StoredMessage, exc: Exception
+        self, session: WorkerSession, claim: Claim, row: StoredMessage, exc: Exception
     ) -> None:
         """The message's outcome could not be committed: a failed attempt, with backoff.
 
@@ -151,13 +158,14 @@ class BatchRunner:
             async with session.batch() as tx:
                 if self.dead_letter is not None:
                     await copy_failed(tx, self.queue, self.dead_letter, [row], outcomes)
-                await tx.finish(self.queue, outcomes, self.client_id)
+                await tx.finish(self.queue, outcomes, claim.token)
         except DatabaseUnavailable:
             raise
         except Exception as again:
             log.error("outcome_not_recorded", queue=self.queue, message_id=row.id, error=str(again))
-            await self.store.abandon_leases(self.queue, [row.id], self.client_id)
+            await self.store.abandon_leases(self.queue, [row.id], claim.token)
             return
+        claim.committed.add(row.id)
         self.handled += 1
         self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
         if self.metrics is not None:
@@ -166,11 +174,11 @@ class BatchRunner:
     async def _run_batch(
         self,
         session: WorkerSession,
+        claim: Claim,
         batch: list[StoredMessage],
         sizer: BatchSizer | None,
-        started: set[int],
-        committed: set[int],
-    ) -> list[StoredMessage]:
+        loop: int | str,
+    ) -> Claim | None:
         # A batch whose handlers all declared no outside effects runs without
         # savepoints. When one of them fails after writing, the transaction is
         # rolled back and the batch runs again with savepoints, that failure
@@ -181,10 +189,12 @@ class BatchRunner:
         unguarded = self.settings.handler_concurrency == 1 and self.replayable(received)
         failed: dict[int, BaseException] = {}
         conflicts = 0
+        # What the claim had committed before this run (the batch's size, for the metrics).
+        base = len(claim.committed)
         while True:
             try:
                 return await self._run_batch_once(
-                    session, received, sizer, started, committed, unguarded, failed
+                    session, claim, received, sizer, loop, unguarded, failed, base
                 )
             except Replay as replay:
                 self.replays += 1
@@ -192,7 +202,7 @@ class BatchRunner:
                 if replay.error is not None:
                     failed[replay.row.id] = replay.error
                 # Only the part not committed yet was rolled back.
-                received = [r for r in received if r.row.id not in committed]
+                received = [r for r in received if r.row.id not in claim.committed]
             except StoreError as exc:
                 # A deadlock or serialization failure outside the handlers: the batch
                 # was rolled back; run it again under the same claim (no attempt spent).
@@ -201,7 +211,7 @@ class BatchRunner:
                 conflicts += 1
                 await asyncio.sleep(random.uniform(0.01, 0.05) * conflicts)
                 # Only the part not committed yet was rolled back.
-                received = [r for r in received if r.row.id not in committed]
+                received = [r for r in received if r.row.id not in claim.committed]
 
     def replayable(self, received: list[Received]) -> bool:
         registry = self.dispatcher.registry
@@ -214,13 +224,14 @@ class BatchRunner:
     async def _run_batch_once(
         self,
         session: WorkerSession,
+        claim: Claim,
         received: list[Received],
         sizer: BatchSizer | None,
-        started: set[int],
-        committed: set[int],
+        loop: int | str,
         unguarded: bool,
         failed: dict[int, BaseException],
-    ) -> list[StoredMessage]:
+        base: int,
+    ) -> Claim | None:
         began = time.monotonic()
         batch = [r.row for r in received]
         outcomes = Outcomes()
@@ -232,9 +243,7 @@ class BatchRunner:
         # The transaction the hooks are told has ended (they let go of what they
         # took for it in this process), committed or not.
         ended: Batch | None = None
-        # A held batch whose every message waits for sagas waits for them in its
-        # transaction, still held (SagaLocks); stopping, it is given back instead.
-        at_once = (lambda: not self._stopping.is_set()) if session.holding else None
+        ahead: Claim | None = None
         try:
             async with session.batch() as tx:
                 ended = tx
@@ -243,34 +252,38 @@ class BatchRunner:
                 # which its size has no part in: the sizer does not count it.
                 waited = time.monotonic()
                 for hook in hooks:
-                    later |= await hook.prepare(tx, received, False, at_once)
+                    later |= await hook.prepare(tx, received, False)
                 waited = time.monotonic() - waited
                 first = [r for r in received if r.row.id not in later] if later else received
-                run = (outcomes, done, debug, started, committed, unguarded, failed)
+                run = (outcomes, done, debug, claim, unguarded, failed)
                 await self._handle(tx, first, *run)
                 if later:
                     # What needed a saga another batch held: after a commit (which lets
                     # go of this batch's own), its locks are waited for, then it runs.
-                    waited += await self._commit_part(tx, received, outcomes, done, committed)
+                    waited += await self._commit_part(tx, received, outcomes, done, claim)
                     rest = [r for r in received if r.row.id in later]
                     await self._handle(tx, rest, *run)
                 await self._write(tx, received, batch, outcomes, done)
-                ahead: list[StoredMessage] = []
                 if sizer is not None:
                     sizer.observe(len(batch), time.monotonic() - began - waited)
                 # The next batch is claimed by the finish's own statement; not by a
                 # batch that holds sagas, which other batches may be waiting for: the
                 # claim would keep them waiting longer.
                 if sizer is not None and not self._stopping.is_set() and not _holds_sagas(received):
-                    changed, ahead = await tx.finish_and_claim(
+                    token = self.claims.token(loop)
+                    changed, rows = await tx.finish_and_claim(
                         self.queue,
                         outcomes,
-                        self.client_id,
+                        claim.token,
                         sizer.limit,
                         self.settings.lease_seconds,
+                        token,
                     )
+                    # Its lease runs from the statement's now(), which in a transaction
+                    # is when the transaction began: after the batch began, surely.
+                    ahead = self.claims.take(token, rows, began)
                 else:
-                    changed = await tx.finish(self.queue, outcomes, self.client_id)
+                    changed = await tx.finish(self.queue, outcomes, claim.token)
                 if changed != len(outcomes) and not tx.begun:
                     # Nothing was written and the finish is already committed: the rows we
                     # still held are done, the others are another worker's now (which of
@@ -287,17 +300,21 @@ class BatchRunner:
                         f"{len(outcomes) - changed} of {len(outcomes)} messages were taken over by "
                         "another worker after their lease expired; rolling back this batch"
                     )
+        except BaseException:
+            if ahead is not None:
+                # Rolled back with the finish: the rows it claimed are not leased.
+                self.claims.end(ahead)
+            raise
         finally:
             if ended is not None:
                 for hook in hooks:
                     hook.done(ended)
         self.handled += len(outcomes)
         self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
+        claim.committed.update(outcomes.ids)
         if self.metrics is not None and not partial:
             # One batch, whatever the parts it was committed in.
-            self.metrics.committed(batch, outcomes, size=len(committed) + len(outcomes))
-        # Committed: ours, and in flight from now on (the lease renewer must see them).
-        self.in_flight.update(m.id for m in ahead)
+            self.metrics.committed(batch, outcomes, size=len(claim.committed) - base)
         return ahead
 
     async def _handle(
@@ -307,14 +324,13 @@ class BatchRunner:
         outcomes: Outcomes,
         done: list[Effects],
         debug: bool,
-        started: set[int],
-        committed: set[int],
+        claim: Claim,
         unguarded: bool,
         failed: dict[int, BaseException],
     ) -> None:
         """Run the handlers of ``received`` in ``tx``, adding their outcomes and effects."""
         if self.settings.handler_concurrency > 1 and len(received) > 1:
-            await self._handle_concurrently(tx, received, outcomes, done, debug, started, committed)
+            await self._handle_concurrently(tx, received, outcomes, done, debug, claim)
             return
         mode = Unguarded(tx) if unguarded else Savepoints(tx)
         interval = self.settings.batch_commit_interval
@@ -326,7 +342,7 @@ class BatchRunner:
             if failed and message.id in failed:
                 # Failed after writing in a run that was rolled back: not run
                 # again, and its attempt counts even when the worker is stopping.
-                started.add(message.id)
+                claim.started.add(message.id)
                 policy = self.dispatcher.policy(item)
                 with structlog.contextvars.bound_contextvars(
                     message_id=message.id, message_type=message.label
@@ -334,14 +350,15 @@ class BatchRunner:
                     error = failed[message.id]
                     self.dispatcher.failures.failed(message, error, policy, outcomes)
                 continue
-            if self._stopping.is_set():
-                # Never started: back to I at once; the attempt does not count.
+            if self._stopping.is_set() or claim.lapsed():
+                # Never started: back to I at once, the attempt not counted (a lease
+                # that may have lapsed: unless another claim has taken it since).
                 outcomes.add(message.id, None, correction=-1)
                 continue
-            started.add(message.id)
+            claim.started.add(message.id)
             await self.dispatcher.handle(mode, item, outcomes, done, debug)
             if time.monotonic() >= due and item is not last:
-                await self._commit_part(tx, received, outcomes, done, committed)
+                await self._commit_part(tx, received, outcomes, done, claim)
                 due = time.monotonic() + interval
 
     async def _write(
@@ -367,13 +384,13 @@ class BatchRunner:
         received: list[Received],
         outcomes: Outcomes,
         done: list[Effects],
-        committed: set[int],
+        claim: Claim,
     ) -> float:
         """Commit the outcomes and effects of the batch's handlers that are done so far.
 
         Between two handlers (no savepoint open): their sends are stored, their
         rows finished, and the transaction committed; the rest of the batch goes
-        on in a new one, its rows still leased to this worker. Returns the
+        on in a new one, its rows still leased to its claim. Returns the
         seconds the rest then took to take its sagas again.
         """
         batch = [r.row for r in received]
@@ -383,10 +400,7 @@ class BatchRunner:
         hooks = self.dispatcher.registry.batch_hooks
         await self._write(tx, received, batch, part, effects)
         # Nothing done yet (the whole batch waits for its sagas): no statement.
-        changed = await tx.finish(self.queue, part, self.client_id) if len(part) else 0
-        # A held batch's rows are locked only until this commit: all the rest of it
-        # (those waiting for a saga too) are leased first; it goes on leased.
-        await tx.lease_rest(set(part.ids))
+        changed = await tx.finish(self.queue, part, claim.token) if len(part) else 0
         lost = len(part) - changed
         if lost and tx.begun:
             raise LeaseLost(
@@ -394,8 +408,7 @@ class BatchRunner:
                 "their lease expired; rolling back this part of the batch"
             )
         await tx.commit()
-        committed.update(part.ids)
-        self.in_flight.difference_update(part.ids)
+        claim.committed.update(part.ids)
         # Counted as soon as committed: the rest of the batch may still fail.
         self.handled += len(part)
         self.outcomes.update(sq or "released" for sq in part.subqueue)
@@ -405,7 +418,7 @@ class BatchRunner:
             self.metrics.committed(batch, part, whole_batch=False)
         if not hooks:
             return 0.0
-        rest = [r for r in received if r.row.id not in committed]
+        rest = [r for r in received if r.row.id not in claim.committed]
         if self._stopping.is_set():
             # A stopping worker starts none of the rest: it takes nothing again.
             for hook in hooks:
@@ -425,8 +438,7 @@ class BatchRunner:
         outcomes: Outcomes,
         done: list[Effects],
         debug: bool,
-        started: set[int],
-        committed: set[int],
+        claim: Claim,
     ) -> None:
         """Up to ``handler_concurrency`` handlers of the batch at once, for I/O-bound work.
 
@@ -451,10 +463,10 @@ class BatchRunner:
                 async with slots:
                     if committer.done():
                         return  # a part's commit failed: so does the rest of the batch
-                    if self._stopping.is_set():
+                    if self._stopping.is_set() or claim.lapsed():
                         outcomes.add(message.id, None, correction=-1)
                         return
-                    started.add(message.id)
+                    claim.started.add(message.id)
                     serial = SerialBatch(tx, lock)
                     try:
                         await self.dispatcher.handle(serial, item, outcomes, done, debug)
@@ -475,7 +487,7 @@ class BatchRunner:
                 if finished.is_set() or not len(outcomes):
                     continue
                 async with lock:
-                    await self._commit_part(tx, received, outcomes, done, committed)
+                    await self._commit_part(tx, received, outcomes, done, claim)
 
         committer = asyncio.create_task(commit_now_and_then())
         try:

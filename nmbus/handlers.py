@@ -37,7 +37,6 @@ class BatchHook(Protocol):
         tx: Batch,
         batch: list[Received],
         wait: bool,
-        at_once: Callable[[], bool] | None = None,
     ) -> set[int]:
         """Before the handlers of ``batch`` run: the ids of messages to run later.
 
@@ -45,11 +44,7 @@ class BatchHook(Protocol):
         that need the rest; the worker runs the others, commits, and calls it
         again for those with ``wait``: take everything, waiting for it (only
         while the transaction holds nothing of the hook's, so that two batches
-        never wait for each other in a cycle). With ``at_once`` (given for a held
-        batch, whose transaction may wait open), a batch none of whose messages
-        could run before that commit, and that took nothing, waits for everything
-        at once instead, with nothing to run later, if ``at_once()`` is still
-        true then (the worker is not stopping).
+        never wait for each other in a cycle).
         """
         ...
 

@@ -197,3 +197,6 @@ class StoredMessage:
     priority: int = 0
     # Its expires_at had passed when it was claimed: no handler may see it.
     expired: bool = False
+    # The claim it is leased under (its token): every finish, renewal and give-back
+    # of the row names it, so one claim never changes a row another claim took.
+    claim: str = ""

@@ -105,7 +105,7 @@ def process_gate() -> Gate:
 
 
 async def isolate(
-    session: WorkerSession, queue: str, batch: list[StoredMessage], client_id: str
+    session: WorkerSession, queue: str, batch: list[StoredMessage], claim: str
 ) -> StoredMessage:
     """Keep one suspect of ``batch`` (which holds a recovered row) and let the rest go.
 
@@ -123,5 +123,5 @@ async def isolate(
     # A row let go gets this claim's attempt back, and the crash's when it died in
     # a batch: nothing says it killed the worker. The suspect keeps its count.
     refunds = [1 + (m.recovered == DIED_IN_BATCH) for m in batch]
-    await session.isolate(queue, ids, suspect.id, marks, client_id, refunds)
+    await session.isolate(queue, ids, suspect.id, marks, claim, refunds)
     return suspect

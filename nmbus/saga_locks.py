@@ -141,7 +141,6 @@ class SagaLocks:
         tx: Batch,
         batch: list[Received],
         wait: bool,
-        at_once: Callable[[], bool] | None = None,
     ) -> set[int]:
         if wait:
             # The commit before this let go of the batch's sagas, here as in PostgreSQL.
@@ -210,11 +209,6 @@ class SagaLocks:
             # Its places among the batches waiting for sagas (_waits).
             self._orders[id(tx)] = _places([n for n in needs if n[0].row.id in later])
             self._want(tx, behind)
-            if at_once is not None and not taken and len(later) == len(batch) and at_once():
-                # Nothing would run before the commit, and the transaction holds no
-                # saga: it waits for them now, without that commit, and stays held
-                # (no lease written for every row of it first).
-                return await self.prepare(tx, batch, True)
         return later
 
     # The loops of one process keep their batches' sagas apart in memory first:

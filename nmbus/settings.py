@@ -12,6 +12,7 @@ import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
+import structlog
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -112,6 +113,37 @@ class _Databases(PydanticBaseSettingsSource):
         return {"databases": found} if found else {}
 
 
+#: Settings an older nmbus had, each with what to do instead: set by an old
+#: deployment, one is warned of once and otherwise ignored.
+REMOVED = {
+    "held_batches": "every claim leases its rows now (docs/reliability.md); unset it",
+}
+_warned: set[str] = set()
+
+
+def _warn_removed(name: str, where: str) -> None:
+    if name in _warned:
+        return
+    _warned.add(name)
+    structlog.get_logger("nmbus.settings").warning(
+        "setting_removed", setting=name, where=where, note=REMOVED[name]
+    )
+
+
+class _Removed(PydanticBaseSettingsSource):
+    """``NMBUS_<NAME>`` of a removed setting: warned of once, read as nothing."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        for name in REMOVED:
+            variable = f"NMBUS_{name.upper()}"
+            if any(key.upper() == variable for key in os.environ):
+                _warn_removed(name, variable)
+        return {}
+
+
 class Settings(BaseSettings):
     """Everything that can be tuned, with defaults that suit a small service."""
 
@@ -141,13 +173,6 @@ class Settings(BaseSettings):
         default=0.5, gt=0, description="commit what a batch has handled at least this often"
     )
     lease_seconds: float = Field(default=60.0, gt=0, description="visibility timeout")
-    held_batches: bool = Field(
-        default=False,
-        description=(
-            "a batch's transaction holds its rows and writes each once, as it finishes "
-            "(docs/reliability.md, held batches); else each claim leases its rows"
-        ),
-    )
     poll_interval: float = Field(default=5.0, ge=0.01, description="fallback poll, seconds")
     handler_timeout: float = Field(default=30.0, ge=0.01, description="per-handler limit")
     shutdown_timeout: float = Field(default=30.0, ge=0, description="wait for in-flight work")
@@ -239,9 +264,19 @@ class Settings(BaseSettings):
             init_settings,
             env_settings,
             _Databases(settings_cls),
+            _Removed(settings_cls),
             dotenv_settings,
             file_secret_settings,
         )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_removed(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for name in REMOVED.keys() & values.keys():
+                _warn_removed(name, name)
+                values = {k: v for k, v in values.items() if k != name}
+        return values
 
     @field_validator("routes", mode="before")
     @classmethod

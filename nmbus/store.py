@@ -6,12 +6,13 @@ suite, ``tests/test_store_contract.py``, runs against both.
 
 Where a message is, by subqueue: ``I`` ready, ``R`` scheduled (deferred or
 retry at ``retry_time``), ``X`` processed, ``F`` failed. A row being handled
-stays in I or R with ``handling_client_id`` and ``lease_expires`` set.
+stays in I or R with ``handling_client_id`` (the token of the claim that took
+it, nmbus/consume/claim.py) and ``lease_expires`` set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from nmbus.flow import FlowLimits, LimitStatus
     from nmbus.settings import Settings
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 
 class Outcomes:
@@ -248,20 +249,14 @@ class Batch(HandlerTransaction, Protocol):
         """
         ...
 
-    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
-        """Record ``outcomes`` of rows still held by ``client_id``; returns how many changed."""
-        ...
-
-    async def lease_rest(self, finished: Collection[int] = ()) -> int:
-        """Before a part commit of a held batch (WorkerSession.claim with held
-        batches): lease its rows but ``finished``, so that the commit does not let
-        go of them; the batch goes on leased once it is done. 0 for a leased batch."""
+    async def finish(self, queue: str, outcomes: Outcomes, claim: str) -> int:
+        """Record ``outcomes`` of rows still leased by ``claim``; returns how many changed."""
         ...
 
     async def finish_and_claim(
-        self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
+        self, queue: str, outcomes: Outcomes, claim: str, limit: int, lease: float, next_claim: str
     ) -> tuple[int, list[StoredMessage]]:
-        """``finish``, and claim up to ``limit`` more rows as ``claim`` does, at once.
+        """``finish``, and claim up to ``limit`` more rows as ``next_claim``, at once.
 
         A store that cannot do both in one statement may claim nothing.
         """
@@ -275,9 +270,9 @@ class WorkerSession(Protocol):
     #: claim held limited messages back), or None.
     recheck: float | None
 
-    async def claim(
-        self, queue: str, limit: int, client_id: str, lease: float
-    ) -> list[StoredMessage]: ...
+    async def claim(self, queue: str, limit: int, claim: str, lease: float) -> list[StoredMessage]:
+        """Lease up to ``limit`` ready rows to ``claim`` (a token no other claim uses)."""
+        ...
 
     async def next_due(self, queue: str) -> float | None:
         """Seconds until the earliest scheduled row is due, None when none is."""
@@ -287,18 +282,13 @@ class WorkerSession(Protocol):
         """Make due any sequence head left parked (see insert_messages); how many."""
         ...
 
-    async def recover(self, queue: str) -> int:
-        """Make the rows of held batches whose holder died claimable as a crash's
-        suspects, their attempt counted; how many."""
-        ...
-
     async def isolate(
         self,
         queue: str,
         ids: Sequence[int],
         suspect: int,
         marks: Sequence[bool],
-        client_id: str,
+        claim: str,
         refunds: Sequence[int],
     ) -> int:
         """After a crash: keep ``suspect`` alone (marked isolated), let the rest go.
@@ -310,17 +300,6 @@ class WorkerSession(Protocol):
         ...
 
     def batch(self) -> AbstractAsyncContextManager[Batch]: ...
-
-    @property
-    def holding(self) -> bool:
-        """Whether the batch last claimed is held by this session's transaction (its
-        rows locked, with no lease to keep alive)."""
-        ...
-
-    async def guarded(self, work: Coroutine[Any, Any, list[StoredMessage]]) -> list[StoredMessage]:
-        """Run ``work`` (a batch, its handlers included); a session whose batches are
-        held stops it when its connection ends, raising DatabaseUnavailable."""
-        ...
 
 
 class Store(Protocol):
@@ -403,11 +382,9 @@ class Store(Protocol):
         differently: (handler, its limits, that process, when)."""
         ...
 
-    async def flow_started(
-        self, queue: str, client_id: str, starts: Sequence[tuple[str, int, int]]
-    ) -> None:
-        """Handlers with a rate have started: (handler key, message id, attempt) of
-        messages ``client_id`` claimed (nmbus/dispatch/marks.py)."""
+    async def flow_started(self, queue: str, starts: Sequence[tuple[str, int, int, str]]) -> None:
+        """Handlers with a rate have started: (handler key, message id, attempt, claim)
+        of each (nmbus/dispatch/marks.py)."""
         ...
 
     async def flow_status(self, queues: Sequence[str] | None) -> list[LimitStatus]:
@@ -428,30 +405,30 @@ class Store(Protocol):
         ...
 
     async def renew_leases(
-        self, queue: str, ids: Sequence[int], client_id: str, lease: float
-    ) -> None: ...
+        self, queue: str, ids: Sequence[int], claims: Sequence[str], lease: float
+    ) -> set[str]:
+        """Extend the lease of each row ``ids[i]`` still leased by ``claims[i]`` to
+        ``lease`` seconds from now; returns the claims renewed."""
+        ...
 
     async def abandon_leases(
-        self, queue: str, ids: Sequence[int], client_id: str, refund: bool = False
+        self, queue: str, ids: Sequence[int], claim: str, refund: bool = False
     ) -> None:
-        """Free rows ``ids`` at once; ``refund`` when their attempt never started."""
+        """Free rows ``ids`` still leased by ``claim`` at once; ``refund`` when their
+        attempt never started."""
         ...
 
     async def give_back(
-        self, queue: str, ids: Sequence[int], attempts: Sequence[int], client_id: str
+        self, queue: str, ids: Sequence[int], attempts: Sequence[int], claim: str
     ) -> list[int]:
         """Free rows ``ids``, claimed at ``attempts`` and never started, their attempt
         not counted; a row claimed again since is left alone. Returns the ids freed."""
         ...
 
     def worker_session(
-        self, flow: FlowLimits | None = None, held: bool = False
+        self, flow: FlowLimits | None = None
     ) -> AbstractAsyncContextManager[WorkerSession]:
-        """A worker loop's session; its claims keep to ``flow``'s limits when given.
-
-        ``held``: its batches are held (setting held_batches) where the store
-        has them; a store without them leases every batch.
-        """
+        """A worker loop's session; its claims keep to ``flow``'s limits when given."""
         ...
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:

@@ -4,9 +4,10 @@ Where a message is at every step:
 
 1. ``claim``: one committed UPDATE takes up to ``batch_size`` ready rows with
    ``FOR UPDATE SKIP LOCKED``, counts the attempt (``retry_count + 1``) and
-   leases them to this process (``handling_client_id``, ``lease_expires``).
-   A process that dies simply lets the lease run out; the attempt stays counted
-   (what happens next is :mod:`nmbus.recovery`'s).
+   leases them to this claim alone (:mod:`nmbus.claim`: a token of its own in
+   ``handling_client_id``, and ``lease_expires``). A process that dies simply
+   lets the lease run out; the attempt stays counted (what happens next is
+   :mod:`nmbus.recovery`'s).
 2. One transaction on the loop's own connection handles the batch: the
    :class:`~nmbus.dispatch.Dispatcher` runs each message's handlers. A handler
    that touches ``ctx.connection`` gets a savepoint (lazily), so its failure
@@ -19,7 +20,7 @@ Where a message is at every step:
 3. The buffered messages are inserted and the outcomes (X, R with
    ``retry_time``, F with ``error_info``) are written by one statement, which
    also claims the next batch; then one COMMIT (or, with no transaction, the
-   finish commits by itself). A row changes only if this process still holds
+   finish commits by itself). A row changes only if its claim still holds
    its lease. A batch whose handlers take long does this in parts: at least
    every ``batch_commit_interval`` seconds what is done so far (outcomes,
    sends, replies) is committed between two handlers, and the rest of the
@@ -27,8 +28,9 @@ Where a message is at every step:
    waits for the whole batch.
 
 The Worker is built from its collaborators alone (store, dispatcher, settings,
-client id) and owns its loops and their side tasks (lease renewal, wake-ups),
-each supervised (:mod:`nmbus.supervise`); a claimed batch is handled by its
+client id) and owns its loops, their live claims (:class:`~nmbus.claim.Claims`)
+and their side tasks (lease renewal, wake-ups), each supervised
+(:mod:`nmbus.supervise`); a claimed batch is handled by its
 :class:`~nmbus.batch.BatchRunner` (steps 2 and 3).
 """
 
@@ -42,12 +44,12 @@ from typing import TYPE_CHECKING
 import structlog
 
 from nmbus.batch import BatchRunner
+from nmbus.claim import Claim, Claims
 from nmbus.dispatch import Dispatcher
 from nmbus.dispatch.marks import StartMarks
 from nmbus.errors import ConfigurationError, DatabaseUnavailable, StoreError
 from nmbus.flow import FlowLimits
 from nmbus.logs import log_failure, per_message_logs
-from nmbus.messages import StoredMessage
 from nmbus.recovery import Gate, isolate, process_gate
 from nmbus.settings import Settings
 from nmbus.sizing import BatchSizer
@@ -95,12 +97,14 @@ class Worker:
         self._turn = Turn(self._contended)
         self._tasks: list[asyncio.Task[None]] = []
         self._side = Services(log, settings.reconnect_max_delay, f"nmbus-{queue}", queue=queue)
+        # The claims of this worker's loops that have not ended yet.
+        self.claims = Claims(client_id, settings.lease_seconds)
         self.batches = BatchRunner(
             queue=queue,
             store=store,
             dispatcher=dispatcher,
             settings=settings,
-            client_id=client_id,
+            claims=self.claims,
             dead_letter=self.dead_letter,
             metrics=metrics,
             stopping=self._stopping,
@@ -112,8 +116,8 @@ class Worker:
 
     @property
     def in_flight(self) -> set[int]:
-        """Ids of the rows this worker holds now (the lease renewer keeps them leased)."""
-        return self.batches.in_flight
+        """Ids of the rows this worker's live claims hold (the lease renewer keeps them)."""
+        return self.claims.in_flight()
 
     @property
     def handled(self) -> int:
@@ -180,7 +184,7 @@ class Worker:
             self.dispatcher.on_start = None
             return
         if self._marks is None:
-            self._marks = StartMarks(self.store, self.queue, self.client_id)
+            self._marks = StartMarks(self.store, self.queue)
         self.dispatcher.on_start = self._marks.started
 
     def wake(self) -> None:
@@ -200,19 +204,15 @@ class Worker:
         self.flow = self.dispatcher.registry.flow_limits(self.settings.handler_concurrency)
         self._mark_starts()
         sizer = BatchSizer(self.settings.batch_size)
-        async with self.store.worker_session(self.flow, self._held()) as session:
-            ahead: list[StoredMessage] = []
+        async with self.store.worker_session(self.flow) as session:
+            ahead: Claim | None = None
             while True:
-                batch = ahead or await session.claim(
-                    self.queue, sizer.limit, self.client_id, self.settings.lease_seconds
-                )
-                if not batch:
-                    if await session.recover(self.queue):
-                        continue
+                claim = ahead or await self._claim(session, sizer.limit, "burst")
+                if claim is None:
                     if await session.release_sequences(self.queue):
                         continue
                     break
-                ahead = await self._run_gated(session, batch, sizer)
+                ahead = await self._run_gated(session, claim, sizer, "burst")
         if self._marks is not None:
             await self._marks.close()
         done = self.outcomes - before
@@ -222,21 +222,30 @@ class Worker:
         if queue == self.queue or queue == "*":
             self._wakeups.one()
 
+    async def _claim(self, session: WorkerSession, limit: int, loop: int | str) -> Claim | None:
+        """Claim up to ``limit`` ready rows under a new token; None when none is ready."""
+        token = self.claims.token(loop)
+        since = time.monotonic()
+        rows = await session.claim(self.queue, limit, token, self.settings.lease_seconds)
+        return self.claims.take(token, rows, since)
+
     async def _renew_leases(self) -> None:
-        """Keep the leases of in-flight messages alive, every ``lease_seconds / 3``."""
+        """Keep the leases of the live claims alive, every ``lease_seconds / 3``."""
         lease = self.settings.lease_seconds
         while True:
             await asyncio.sleep(lease / 3)
-            ids = list(self.in_flight)
+            ids, tokens = self.claims.leases()
             if not ids:
                 continue
+            sent = time.monotonic()
             try:
-                await self.store.renew_leases(self.queue, ids, self.client_id, lease)
+                renewed = await self.store.renew_leases(self.queue, ids, tokens, lease)
             except StoreError as exc:
                 log.warning("lease_renewal_failed", queue=self.queue, error=str(exc))
                 if self.metrics is not None:
                     self.metrics.lease_renewal_failed()
             else:
+                self.claims.renewed(renewed, sent)
                 if self.metrics is not None:
                     self.metrics.leases_renewed(len(ids))
 
@@ -279,19 +288,22 @@ class Worker:
         if self._marks is not None:
             # Before the leases of abandoned messages end: their starts must count.
             await self._marks.close()
-        # A batch claimed ahead that a cancelled loop never reached never started either.
-        batches = self.batches
-        batches.unstarted |= batches.in_flight - batches.abandoned
-        for ids, refund in ((batches.abandoned, False), (batches.unstarted, True)):
-            if not ids:
-                continue
-            try:
-                await self.store.abandon_leases(
-                    self.queue, sorted(ids), self.client_id, refund=refund
-                )
-            except StoreError as exc:
-                log.warning("worker_abandon_failed", queue=self.queue, ids=len(ids), error=str(exc))
-        batches.abandoned, batches.unstarted = set(), set()
+        # The claims of cancelled loops (a batch cut short, or claimed ahead and never
+        # reached): what started keeps its attempt, the rest goes back without one.
+        for claim in self.claims:
+            open_ids = claim.open_ids()
+            started = [i for i in open_ids if i in claim.started]
+            unstarted = [i for i in open_ids if i not in claim.started]
+            for ids, refund in ((started, False), (unstarted, True)):
+                if not ids:
+                    continue
+                try:
+                    await self.store.abandon_leases(self.queue, ids, claim.token, refund=refund)
+                except StoreError as exc:
+                    log.warning(
+                        "worker_abandon_failed", queue=self.queue, ids=len(ids), error=str(exc)
+                    )
+            self.claims.end(claim)
 
     # -- the loop -----------------------------------------------------------------
 
@@ -303,11 +315,11 @@ class Worker:
         backoff = Backoff(reconnect)
 
         async def connected() -> None:
-            async with self.store.worker_session(self.flow, self._held()) as session:
+            async with self.store.worker_session(self.flow) as session:
                 if backoff.failures:
                     log.info("worker_reconnected", queue=self.queue, loop=index)
                 backoff.reset()
-                await self._serve(session)
+                await self._serve(session, index)
 
         def report(exc: BaseException, pause: float) -> None:
             if isinstance(exc, asyncio.CancelledError):
@@ -334,10 +346,10 @@ class Worker:
             stop=self._stopping,
         )
 
-    async def _serve(self, session: WorkerSession) -> None:
+    async def _serve(self, session: WorkerSession, loop: int) -> None:
         settings = self.settings
         # The next batch, claimed by the statement that finished the previous one.
-        ahead: list[StoredMessage] = []
+        ahead: Claim | None = None
         released = time.monotonic()
         sizer = BatchSizer(settings.batch_size)
         # Whether this loop holds the turn (nmbus/turns.py).
@@ -345,134 +357,118 @@ class Worker:
         try:
             while ahead or not self._stopping.is_set():
                 if time.monotonic() - released >= settings.poll_interval:
-                    # A sequence head a race left parked is released within a poll
-                    # interval, and a held batch whose worker died is recovered.
+                    # A sequence head a race left parked is released within a poll interval.
                     released = time.monotonic()
                     await session.release_sequences(self.queue)
-                    await session.recover(self.queue)
                 self._wakeups.claiming()
                 if turn:
                     turn = self._turn.keep()
-                elif not ahead:  # claimed by the last finish: its rows wait for no turn
+                elif ahead is None:  # claimed by the last finish: its rows wait for no turn
                     turn = await self._turn.take()
-                if self._stopping.is_set() and not ahead:
+                if self._stopping.is_set() and ahead is None:
                     continue  # stopped while it waited for its turn: claims nothing
-                if ahead:
-                    batch, ahead = ahead, []
+                if ahead is not None:
+                    claim: Claim | None = ahead
+                    ahead = None
                 else:
-                    batch = await session.claim(
-                        self.queue, sizer.limit, self.client_id, settings.lease_seconds
-                    )
-                if batch:
-                    if len(batch) >= sizer.limit:
+                    claim = await self._claim(session, sizer.limit, loop)
+                if claim is not None:
+                    if len(claim.rows) >= sizer.limit:
                         self._wakeups.one()  # a full claim: more may be waiting
                     # Without the turn under contention, its finish claims nothing ahead.
                     claims = sizer if turn or not self._contended() else None
-                    ahead = await self._run_gated(session, batch, claims)
+                    ahead = await self._run_gated(session, claim, claims, loop)
                     continue
                 if turn:
                     self._turn.give()
                     turn = False
-                if await session.recover(self.queue) or await session.release_sequences(self.queue):
+                if await session.release_sequences(self.queue):
                     released = time.monotonic()
                     continue
                 wait = settings.poll_interval
                 due = await session.next_due(self.queue)
                 if due is not None:
                     wait = max(0.0, min(wait, due))
-                held = session.recheck is not None  # limited messages wait for room
-                if held:
+                limited = session.recheck is not None  # limited messages wait for room
+                if limited:
                     wait = min(wait, session.recheck or 0.0)
                 began = time.monotonic()
                 if wait > 0:
                     await self._wakeups.wait(wait)
-                if held and self.metrics is not None:
+                if limited and self.metrics is not None:
                     self.metrics.flow_waited(time.monotonic() - began)
         except Exception:
-            if ahead:  # claimed by the last finish, never begun: given back
+            if ahead is not None:  # claimed by the last finish, never begun: given back
                 await self._give_back(ahead)
             raise
         finally:
             if turn:
                 self._turn.give()
 
-    async def _give_back(self, batch: list[StoredMessage]) -> None:
-        """A claimed batch that will not run (its session failed before it began).
-        Its fresh rows go back to I at once, their attempt not counted, unless claimed
-        again since (their lease ran out: another loop may run them, renewed); a
-        crash's suspects, and all when that fails, are left to run out and come back
-        as a crash leaves them. The renewer lets go of all that is not another's."""
-        fresh = [m for m in batch if not m.recovered]
-        let_go = {m.id for m in batch}
+    async def _give_back(self, claim: Claim) -> None:
+        """A claim that will not run (its session failed before it began). Its fresh
+        rows go back to I at once, their attempt not counted, unless claimed again
+        since (their lease ran out: the other claim has them); a crash's suspects, and
+        all when that fails, are left to run out and come back as a crash leaves them."""
+        fresh = [
+            m
+            for m in claim.rows
+            if not m.recovered and m.id not in claim.started and m.id not in claim.committed
+        ]
         try:
             if fresh:
                 ids, attempts = [m.id for m in fresh], [m.retry_count for m in fresh]
-                given = await self.store.give_back(self.queue, ids, attempts, self.client_id)
-                let_go -= set(ids) - set(given)
+                await self.store.give_back(self.queue, ids, attempts, claim.token)
         except StoreError as exc:
             log.warning("worker_abandon_failed", queue=self.queue, ids=len(fresh), error=str(exc))
-        self.in_flight.difference_update(let_go)
+        finally:
+            self.claims.end(claim)
 
     def _contended(self) -> bool:
         """Whether other processes' batches hold what this endpoint's batches need."""
         return any(hook.contended() for hook in self.dispatcher.registry.batch_hooks)
 
-    def _held(self) -> bool:
-        """Whether this worker's batches are held (setting held_batches): not with flow
-        limits (their claims lease, to count what is in flight) nor with handlers
-        run concurrently (their part commits come while other handlers run)."""
-        settings = self.settings
-        return settings.held_batches and self.flow is None and settings.handler_concurrency == 1
-
     async def _run_gated(
-        self, session: WorkerSession, batch: list[StoredMessage], sizer: BatchSizer | None
-    ) -> list[StoredMessage]:
-        """Handle ``batch`` beside the process's other batches, or alone after a crash."""
-        gate = self._gate or process_gate()
-        if any(m.recovered for m in batch):
-            try:
-                suspect = await isolate(session, self.queue, batch, self.client_id)
-            except Exception:
-                await self._give_back(batch)
-                raise
-            if per_message_logs():
-                log.warning(
-                    "message_isolated",
-                    queue=self.queue,
-                    message_id=suspect.id,
-                    attempts=suspect.retry_count,
-                    released=len(batch) - 1,
-                )
-            # Held while it waits for the process to go quiet: keep its lease alive.
-            kept = [suspect.id]
-            self.in_flight.update(kept)
-            async with gate.alone():
-                return await self._guarded(session, [suspect], sizer, kept)
-        kept = []
-        if gate.closed and not session.holding:
-            # Waiting for the process to go quiet: keep the batch's leases alive (a
-            # held batch's rows have none: its transaction keeps them).
-            kept = [m.id for m in batch]
-            self.in_flight.update(kept)
-        await gate.enter()
-        try:
-            return await self._guarded(session, batch, sizer, kept)
-        finally:
-            gate.leave()
+        self, session: WorkerSession, claim: Claim, sizer: BatchSizer | None, loop: int | str
+    ) -> Claim | None:
+        """Handle ``claim`` beside the process's other batches, or alone after a crash.
 
-    async def _guarded(
-        self,
-        session: WorkerSession,
-        batch: list[StoredMessage],
-        sizer: BatchSizer | None,
-        kept: list[int],
-    ) -> list[StoredMessage]:
-        """Run ``batch``; ``kept``: the leases kept alive while it waited at the gate."""
+        The claim ends here, however its batch ends, but for a cancelled loop's:
+        the worker's stop lets go of what it holds. Its lease is renewed while it
+        lives, waiting at the gate included.
+        """
+        gate = self._gate or process_gate()
         try:
-            return await session.guarded(self.batches.process(session, batch, ahead=sizer))
-        except DatabaseUnavailable:
-            # Its connection ended before it began (stopped_with): the leases kept
-            # alive for it are left to run out, as a crash leaves them. (Begun, the
-            # batch has taken its ids out already.)
-            self.in_flight.difference_update(kept)
+            if any(m.recovered for m in claim.rows):
+                try:
+                    suspect = await isolate(session, self.queue, claim.rows, claim.token)
+                except Exception:
+                    await self._give_back(claim)
+                    raise
+                if per_message_logs():
+                    log.warning(
+                        "message_isolated",
+                        queue=self.queue,
+                        message_id=suspect.id,
+                        attempts=suspect.retry_count,
+                        released=len(claim.rows) - 1,
+                    )
+                claim.narrow([suspect])
+                async with gate.alone():
+                    ahead = await self.batches.process(session, claim, sizer, loop)
+            else:
+                await gate.enter()
+                try:
+                    ahead = await self.batches.process(session, claim, sizer, loop)
+                finally:
+                    gate.leave()
+        except asyncio.CancelledError:
             raise
+        except BaseException:
+            # Its session failed (a batch that failed otherwise has recorded every
+            # outcome): what never started goes back at once, on the leases' own
+            # connection; what started is left to run out, as a crash leaves it.
+            await self._give_back(claim)
+            raise
+        self.claims.end(claim)
+        return ahead

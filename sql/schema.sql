@@ -1,4 +1,4 @@
--- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 12).
+-- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 13).
 -- nmbus creates all of this itself when a Bus starts; to run it by hand:
 --   psql -v ON_ERROR_STOP=1 -f FILE
 
@@ -100,7 +100,7 @@ CREATE TABLE IF NOT EXISTS "nmbus"."flow$limits" (
     CONSTRAINT "flow$limits$pkey" PRIMARY KEY (queue, key)
 );
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('12') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('13') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")
@@ -157,13 +157,6 @@ CREATE OR REPLACE TRIGGER "nmbus$unique" BEFORE INSERT ON "nmbus"."billing"
     FOR EACH ROW EXECUTE FUNCTION "nmbus"."billing$unique"();
 CREATE OR REPLACE TRIGGER "nmbus$unique$free" AFTER DELETE ON "nmbus"."billing"
     FOR EACH ROW EXECUTE FUNCTION "nmbus"."billing$unique"();
-CREATE TABLE IF NOT EXISTS "nmbus"."billing$held" (
-    batch bigint CONSTRAINT "billing$held$pkey" PRIMARY KEY,
-    holder bigint NOT NULL,
-    client text NOT NULL,
-    ids bigint[] NOT NULL,
-    started timestamptz NOT NULL DEFAULT now()
-);
 SELECT "nmbus".nmbus_create_segment(n.nspname, c.relname, s.n)
 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace,
      generate_series(0, 1) AS s(n)

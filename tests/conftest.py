@@ -74,19 +74,6 @@ async def facts(db: asyncpg.Connection) -> Facts:
     return await populate(db)
 
 
-@pytest.fixture(params=["leased", "held"])
-def claims(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test in both claim modes: batches leased (the default) and held
-    (setting held_batches). The environment variable reaches every Bus the test
-    builds and every worker process it starts. A module of guarantees' tests
-    uses it for all of its tests (``pytestmark = pytest.mark.usefixtures("claims")``)."""
-    if request.param == "held":
-        monkeypatch.setenv("NMBUS_HELD_BATCHES", "true")
-    else:
-        monkeypatch.delenv("NMBUS_HELD_BATCHES", raising=False)
-    return str(request.param)
-
-
 @pytest.fixture
 def make_bus(dsn: str) -> Callable[..., Bus]:
     """Build a Bus on the test database with test-friendly timings."""

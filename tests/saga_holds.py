@@ -1,6 +1,5 @@
 """A saga held by another transaction, as a batch of another worker process would
-hold it (tests/test_saga_batches.py, tests/test_saga_turns.py,
-tests/test_held_batches.py)."""
+hold it (tests/test_saga_batches.py, tests/test_saga_turns.py)."""
 
 from __future__ import annotations
 

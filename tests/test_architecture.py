@@ -1,7 +1,8 @@
-"""The package's shape: files a reader can hold in mind, and arrows that point down.
+"""The package's shape: arrows that point down.
 
-The layers themselves are import-linter contracts in pyproject.toml
-(``[tool.importlinter]``), checked here and by ``lint-imports`` in CI.
+Files are cut by concept, not by a line count; the layers are import-linter
+contracts in pyproject.toml (``[tool.importlinter]``), checked here and by
+``lint-imports`` in CI.
 """
 
 from __future__ import annotations
@@ -15,19 +16,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nmbus"
-MAX_LINES = 500
-# Every text file nmbus ships or runs: code, SQL, templates, styles, scripts.
-TEXT_SUFFIXES = {".py", ".sql", ".html", ".css", ".js"}
-
-
-def test_no_file_of_the_package_is_over_500_lines() -> None:
-    long = {
-        str(path.relative_to(ROOT)): n
-        for path in sorted(PACKAGE.rglob("*"))
-        if path.suffix in TEXT_SUFFIXES
-        and (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
-    }
-    assert not long, f"split these (at most {MAX_LINES} lines a file): {long}"
 
 
 def lint_imports() -> str:

@@ -12,7 +12,6 @@ import asyncio
 from collections.abc import Callable
 
 import asyncpg
-import pytest
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, Message
@@ -70,7 +69,6 @@ async def test_concurrent_batch_mates_are_committed_while_a_slow_handler_runs(
     assert await db.fetchval("SELECT count(*) FROM nmbus.audit") == 4
 
 
-@pytest.mark.usefixtures("claims")  # leased and held (tests/conftest.py)
 async def test_one_handler_at_a_time_commits_what_came_before_a_long_one(
     make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
@@ -96,7 +94,6 @@ async def test_one_handler_at_a_time_commits_what_came_before_a_long_one(
     assert [(r["subqueue"], r["retry_count"]) for r in states] == [("X", 1)] * 2
 
 
-@pytest.mark.usefixtures("claims")  # leased and held (tests/conftest.py)
 async def test_a_committed_part_is_not_run_again_when_the_rest_of_its_batch_fails(
     make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
@@ -130,7 +127,6 @@ async def test_a_committed_part_is_not_run_again_when_the_rest_of_its_batch_fail
     assert await db.fetchval("SELECT count(*) FROM once WHERE n = 0") == 1
 
 
-@pytest.mark.usefixtures("claims")  # leased and held (tests/conftest.py)
 async def test_stopping_during_a_batch_keeps_its_committed_part_and_gives_back_the_rest(
     make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
@@ -163,7 +159,6 @@ class Tally(BaseModel):
     n: int = 0
 
 
-@pytest.mark.usefixtures("claims")  # leased and held (tests/conftest.py)
 async def test_a_committed_part_is_counted_when_the_rest_of_its_batch_fails_after_it(
     make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
 ) -> None:

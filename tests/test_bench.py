@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 
 from nmbus import Bus
 from nmbus.cli import app
-from nmbus.postgres.held import Holder
 from nmbus.tools import bench_graphile
 from nmbus.tools.bench import BenchOptions, run
 from nmbus.tools.bench_saga import measure_contended
@@ -113,28 +112,6 @@ def test_bench_json_gives_positive_figures_for_each_repeat(dsn: str) -> None:
     latency = data["latency"]["figures"]
     assert 0 < latency["p50_ms"] <= latency["p95_ms"] <= latency["p99_ms"] <= latency["max_ms"]
     assert latency["samples"] == 50  # 100/s for 0.5 s counted, the 0.1 s warm-up not
-
-
-def test_bench_held_batches_drains_with_held_batches_and_says_so(
-    dsn: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("NMBUS_HELD_BATCHES", "false")  # unset again after the test
-    recorded: list[int] = []
-    record = Holder.record
-
-    async def counted(self: Holder, schema: str, queue: str, batch: int, *rest: Any) -> bool:
-        recorded.append(batch)
-        return await record(self, schema, queue, batch, *rest)
-
-    monkeypatch.setattr(Holder, "record", counted)
-    args = ["bench", "drain", "--dsn", dsn, "--json", "--held-batches", *SMALL]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    [drain] = json.loads(result.output)
-    assert drain["settings"]["held_batches"] is True
-    assert len(recorded) >= 300 // 50  # every batch of the drain was held
-    # The worker processes other modes start (scaling, saga) hold theirs too.
-    assert os.environ["NMBUS_HELD_BATCHES"] == "true"
 
 
 def test_bench_rejects_an_unknown_mode_and_a_missing_dsn(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,9 +15,6 @@ from nmbus.testing import MemoryStore
 from tests.messages import Ping
 from tests.waits import wait_until
 
-# Every test here holds with batches leased and held (tests/conftest.py, claims).
-pytestmark = pytest.mark.usefixtures("claims")
-
 ROWS = "SELECT subqueue, error_info FROM nmbus.billing WHERE unique_id = $1"
 
 

@@ -12,7 +12,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
-import pytest
 
 from nmbus import Bus, Context, PermanentError, RetryLater, RetryPolicy
 from nmbus.testing import drain
@@ -21,8 +20,6 @@ from tests.messages import Crash, Event, OrderPlaced, Ping, Pong, Slow
 from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-# Every guarantee holds with batches leased and with batches held (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("claims")
 
 
 class Proc(procs.Proc):
@@ -238,7 +235,7 @@ async def test_permanent_error_and_retry_later(
 
 
 async def test_a_worker_killed_mid_handler_loses_nothing(
-    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection, claims: str
+    dsn: str, make_bus: Callable[..., Bus], db: asyncpg.Connection
 ) -> None:
     await db.execute("CREATE TABLE effects (n int, pid int)")
     doomed = Proc("worker", dsn, "billing", "1.0")
@@ -251,13 +248,7 @@ async def test_a_worker_killed_mid_handler_loses_nothing(
     finally:
         doomed.kill()
     (row,) = await rows(db)
-    if claims == "held":
-        # Counted when a worker recovers the batch's record, which names the row.
-        assert row["subqueue"] == "I" and row["retry_count"] == 0
-        held = await db.fetchval('SELECT ids FROM nmbus."billing$held"')
-        assert held == [row["id"]]
-    else:
-        assert row["subqueue"] == "I" and row["retry_count"] == 1  # the lost attempt counted
+    assert row["subqueue"] == "I" and row["retry_count"] == 1  # the lost attempt counted
 
     bus = make_bus("billing", lease_seconds=1.0, poll_interval=0.3)
     handled: list[int] = []

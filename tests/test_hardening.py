@@ -18,9 +18,6 @@ from nmbus.testing import drain
 from tests.messages import Ping
 from tests.waits import wait_until
 
-# Every test here holds with batches leased and held (tests/conftest.py, claims).
-pytestmark = pytest.mark.usefixtures("claims")
-
 
 class Weird(Message, type_name="test.hardening.Weird"):
     kind: str

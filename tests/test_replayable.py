@@ -30,9 +30,6 @@ from nmbus.testing import drain
 from tests.messages import Ping, Pong
 from tests.waits import wait_until
 
-# Every test here holds with batches leased and held (tests/conftest.py, claims).
-pytestmark = pytest.mark.usefixtures("claims")
-
 
 async def _send(bus: Bus, messages: list[Ping | Pong]) -> None:
     async with Bus("sender", dsn=bus.settings.dsn, concurrency=0) as sender:

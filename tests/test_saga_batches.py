@@ -26,9 +26,6 @@ from tests.saga_holds import WAITING_FOR_A_LOCK, held_elsewhere
 from tests.saga_workers import Counter, Increment
 from tests.waits import wait_until
 
-# Every test here holds with batches leased and held (tests/conftest.py, claims).
-pytestmark = pytest.mark.usefixtures("claims")
-
 
 class Close(Message, type_name="test.saga_batch.Close"):
     counter: str
@@ -188,13 +185,11 @@ async def test_a_batch_whose_every_message_waits_for_a_saga_waits_in_one_transac
     make_bus: Callable[..., Bus],
     db: asyncpg.Connection,
     dsn: str,
-    claims: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Nothing of the batch can run before its saga is free, and it took none:
-    # held, it waits without committing a part first (it stays held, no lease
-    # written for its rows), then runs whole; leased, it commits (nothing) first,
-    # so that its transaction never waits idle, as before.
+    # Nothing of the batch can run before its saga is free, and it took none: it
+    # commits (nothing) first, so that its transaction never waits idle, then
+    # waits for the saga and runs whole.
     parts: list[int] = []
     commit_part = BatchRunner._commit_part
 
@@ -218,14 +213,13 @@ async def test_a_batch_whose_every_message_waits_for_a_saga_waits_in_one_transac
         leased = await db.fetchval(
             "SELECT count(*) FROM nmbus.counting WHERE handling_client_id IS NOT NULL"
         )
-        # Leased, the claim leased the rows; held, they are written only when done.
-        assert leased == (3 if claims == "leased" else 0)
+        assert leased == 3  # the claim leased the rows
         assert handled == []
         await held.commit()
         await drain(bus, timeout=20)
         assert await saga.load("held") == Counter(count=3)
     assert handled == [0, 1, 2]
-    assert parts == ([] if claims == "held" else [1])
+    assert parts == [1]
     assert await db.fetchval("SELECT count(*) FROM nmbus.counting WHERE subqueue <> 'X'") == 0
 
 
@@ -237,11 +231,10 @@ async def test_a_stop_as_a_batch_for_a_held_saga_is_claimed_gives_it_back_withou
     make_bus: Callable[..., Bus],
     db: asyncpg.Connection,
     dsn: str,
-    claims: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The stop comes as the claim of a batch of saga messages answers (leased: with
-    # the finish of the batch before, held: its own claim); the loop still takes the
+    # The stop comes as the claim of a batch of saga messages answers (with the
+    # finish of the batch before, or its own claim); the loop still takes the
     # batch. A stopping worker starts none of it, and gives it back at once instead
     # of waiting for a saga another transaction holds.
     bus = make_bus(

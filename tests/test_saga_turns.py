@@ -4,7 +4,7 @@ has found one of its sagas held by another process's, the process's loops claim
 and run one batch at a time: the loop that has the turn keeps it while its
 batches are short, and no batch keeps another loop waiting longer than
 TURN_SECONDS.
-On a real PostgreSQL, leased and held."""
+On a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ from nmbus.testing import drain
 from tests.saga_holds import WAITING_FOR_A_LOCK, held_elsewhere
 from tests.saga_workers import Counter, Increment
 from tests.waits import wait_until
-
-pytestmark = pytest.mark.usefixtures("claims")
 
 
 class Plain(Message, type_name="test.saga_turns.Plain"):

@@ -25,9 +25,6 @@ from tests.procs import Proc
 from tests.saga_workers import Counter, Increment, Open, counter_bus
 from tests.waits import wait_until
 
-# Every test here holds with batches leased and held (tests/conftest.py, claims).
-pytestmark = pytest.mark.usefixtures("claims")
-
 SAGAS_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "sagas.md").read_text()
 
 

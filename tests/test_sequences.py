@@ -25,9 +25,6 @@ from tests.messages import Crash, Ping, Posted
 from tests.pg import index_parts
 from tests.waits import wait_until
 
-# Every test here holds with batches leased and held (tests/conftest.py, claims).
-pytestmark = pytest.mark.usefixtures("claims")
-
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -121,31 +121,35 @@ async def test_an_expired_lease_lets_another_worker_recover_the_row(store: Store
 async def test_renew_and_abandon_leases(store: Store) -> None:
     await store.insert("q", "me", [envelope(1), envelope(2)])
     a, b = await claim(store, client="c1", lease=0.3)
-    await store.renew_leases("q", [a.id], "c1", 30.0)
+    assert (a.claim, b.claim) == ("c1", "c1")  # a claimed row names its claim
+    assert await store.renew_leases("q", [a.id], ["c1"], 30.0) == {"c1"}
     await store.abandon_leases("q", [b.id], "c1")
     (again,) = await claim(store, client="c2")
     assert again.id == b.id and again.retry_count == 2
+    # The first claim's renewal and give-up no longer reach the row another claim took.
+    assert await store.renew_leases("q", [b.id], ["c1"], 0.1) == set()
+    await store.abandon_leases("q", [b.id], "c1", refund=True)
     await asyncio.sleep(0.4)
-    assert await claim(store, client="c3") == []  # a's lease was renewed
+    assert await claim(store, client="c3") == []  # a's lease was renewed, b is c2's
 
 
 async def test_a_batch_given_back_frees_only_the_claims_still_as_they_were(
     store: Store,
 ) -> None:
     # Rows claimed (attempt 1) and never started go back with that attempt not
-    # counted; a row whose lease ran out and that was claimed again since (by the
-    # same client: another loop of its process) is left to its new claim.
+    # counted; a row whose lease ran out and that was claimed again since (by
+    # another loop of the same process: another claim) is left to its new claim.
     await store.insert("q", "me", [envelope(1), envelope(2)])
     a, b = await claim(store, client="c1", lease=0.2)
     await asyncio.sleep(0.3)
-    (taken,) = await claim(store, client="c1", limit=1)  # b's or a's, claimed again
+    (taken,) = await claim(store, client="c1b", limit=1)  # b's or a's, claimed again
     kept = next(m for m in (a, b) if m.id != taken.id)
-    await store.renew_leases("q", [kept.id], "c1", 30.0)  # not lapsed for the other
+    await store.renew_leases("q", [kept.id], ["c1"], 30.0)  # not lapsed for the other
     given = await store.give_back("q", [a.id, b.id], [a.retry_count, b.retry_count], "c1")
     assert given == [kept.id]
     (again,) = await claim(store, client="c2")
     assert (again.id, again.retry_count, again.recovered) == (kept.id, 1, 0)
-    assert await store.give_back("q", [taken.id], [taken.retry_count - 1], "c1") == []
+    assert await store.give_back("q", [taken.id], [taken.retry_count - 1], "c1b") == []
     assert await claim(store, client="c3") == []  # the new claim still holds it
 
 
@@ -224,7 +228,7 @@ async def test_finishing_a_head_can_claim_its_successor_in_the_same_statement(
     async with store.worker_session() as session, session.batch() as tx:
         failed = Outcomes()
         failed.add(head.id, "F", error_info="PermanentError: no")
-        finished, ahead = await tx.finish_and_claim("q", failed, "c1", 10, 30.0)
+        finished, ahead = await tx.finish_and_claim("q", failed, "c1", 10, 30.0, "c1b")
     assert finished == 1 and ahead == []  # F blocks the sequence
     assert await claim(store) == []
     await store.insert("q", "me", [member(10, "b"), member(11, "b")])
@@ -232,7 +236,7 @@ async def test_finishing_a_head_can_claim_its_successor_in_the_same_statement(
     async with store.worker_session() as session, session.batch() as tx:
         done = Outcomes()
         done.add(head.id, "X")
-        finished, ahead = await tx.finish_and_claim("q", done, "c1", 10, 30.0)
+        finished, ahead = await tx.finish_and_claim("q", done, "c1", 10, 30.0, "c1b")
     # PostgreSQL lets the successor through in the finishing statement; a store
     # that claims nothing ahead hands it to the next claim.
     nxt = ahead or await claim(store)

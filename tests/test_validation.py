@@ -18,9 +18,11 @@ from typing import Any, cast
 
 import asyncpg
 import pytest
+import structlog.testing
 from pydantic import BaseModel, Field
 
 from nmbus import Bus, Context, Message, RetryLater, RetryPolicy, Settings
+from nmbus import settings as settings_module
 from nmbus.errors import (
     MAX_SECONDS,
     HandlerError,
@@ -28,6 +30,7 @@ from nmbus.errors import (
     InvalidSetting,
     MessageTooLarge,
 )
+from nmbus.settings import build_settings
 from nmbus.testing import MemoryStore, drain
 from tests.messages import Event, Ping, Pong
 from tests.saga_workers import Counter
@@ -571,3 +574,21 @@ async def test_the_shortest_lease_still_works(
         async with rival:
             await drain(bus)
     assert handled == [1]
+
+
+def test_a_removed_setting_of_an_old_deployment_is_warned_of_once_and_ignored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Held batches were removed (docs/reliability.md): a deployment that still sets
+    # NMBUS_HELD_BATCHES, or passes held_batches=, starts as before, warned once.
+    monkeypatch.setattr(settings_module, "_warned", set())
+    monkeypatch.setenv("NMBUS_HELD_BATCHES", "true")
+    with structlog.testing.capture_logs() as logs:
+        first = Settings()
+        Settings()
+        build_settings(held_batches=True)
+        Bus("billing", dsn="postgresql://x@127.0.0.1/none", held_batches=True)
+    warned = [e for e in logs if e["event"] == "setting_removed"]
+    assert [(e["setting"], e["where"]) for e in warned] == [("held_batches", "NMBUS_HELD_BATCHES")]
+    assert "held_batches" not in Settings.model_fields
+    assert first == Settings()

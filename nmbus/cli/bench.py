@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from typing import Annotated
 
 import typer
@@ -92,14 +91,6 @@ def bench(
             show_default=False,
         ),
     ] = None,
-    held_batches: Annotated[
-        bool,
-        typer.Option(
-            "--held-batches",
-            help="nmbus's workers hold their batches (setting held_batches; its worker "
-            "processes too): each row written once",
-        ),
-    ] = False,
     unconfigured_logging: Annotated[
         bool,
         typer.Option(
@@ -150,12 +141,8 @@ def bench(
         repeat=repeat,
         processes=processes,
         sagas=sagas,
-        held_batches=held_batches,
         peers=peers,
     )
-    if held_batches:
-        # The worker processes some modes start read their settings from here.
-        os.environ["NMBUS_HELD_BATCHES"] = "true"
     err = Console(stderr=True)
 
     def progress(text: str) -> None:

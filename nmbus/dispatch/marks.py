@@ -31,16 +31,15 @@ CLOSE_WAIT = 5.0
 class StartMarks:
     """Marks the starts of one worker's rate-limited handlers, a statement at a time."""
 
-    def __init__(self, store: Store, queue: str, client_id: str) -> None:
+    def __init__(self, store: Store, queue: str) -> None:
         self.store = store
         self.queue = queue
-        self.client_id = client_id
-        self._pending: list[tuple[str, int, int]] = []
+        self._pending: list[tuple[str, int, int, str]] = []
         self._task: asyncio.Task[None] | None = None
 
     def started(self, row: StoredMessage, key: str) -> None:
         """Handler ``key`` of ``row`` is about to be called: mark it once it has started."""
-        self._pending.append((key, row.id, row.retry_count))
+        self._pending.append((key, row.id, row.retry_count, row.claim))
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._mark(), name=f"nmbus-marks-{self.queue}"
@@ -50,7 +49,7 @@ class StartMarks:
         while self._pending:
             starts, self._pending = self._pending, []
             try:
-                await self.store.flow_started(self.queue, self.client_id, starts)
+                await self.store.flow_started(self.queue, starts)
             except StoreError as exc:
                 # The finish marks them instead (flow_finishing); until then they
                 # count as starts for as long as their claim lasts: safe.

@@ -63,4 +63,5 @@ def claimed_message(row: QueueRow, recovered: int, now: datetime) -> StoredMessa
         recovered=recovered,
         priority=row.priority,
         expired=row.expires_at is not None and row.expires_at <= now,
+        claim=row.handling_client_id or "",
     )

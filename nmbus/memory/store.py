@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -91,20 +91,17 @@ class MemoryBatch:
             self._inserts.append((queue, publisher, batch))
         return {queue: len(batch) for queue, batch in copies.items()}
 
-    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
+    async def finish(self, queue: str, outcomes: Outcomes, claim: str) -> int:
         table = self._store._require(queue)
-        held = sum(1 for i in outcomes.ids if table[i].handling_client_id == client_id)
-        self._finishes.append((queue, outcomes, client_id))
-        return held
-
-    async def lease_rest(self, finished: Collection[int] = ()) -> int:
-        return 0  # every batch here is leased
+        leased = sum(1 for i in outcomes.ids if table[i].handling_client_id == claim)
+        self._finishes.append((queue, outcomes, claim))
+        return leased
 
     async def finish_and_claim(
-        self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
+        self, queue: str, outcomes: Outcomes, claim: str, limit: int, lease: float, next_claim: str
     ) -> tuple[int, list[StoredMessage]]:
         # Nothing is claimed ahead: the next claim comes after the commit.
-        return await self.finish(queue, outcomes, client_id), []
+        return await self.finish(queue, outcomes, claim), []
 
     async def commit(self) -> None:
         self._commit()
@@ -114,8 +111,8 @@ class MemoryBatch:
             self._store.tables.setdefault(queue, {})
         for queue, from_endpoint, envelopes in self._inserts:
             self._store._insert_now(queue, from_endpoint, envelopes)
-        for queue, outcomes, client_id in self._finishes:
-            self._store._finish_now(queue, outcomes, client_id)
+        for queue, outcomes, claim in self._finishes:
+            self._store._finish_now(queue, outcomes, claim)
         self.tables_to_create, self._inserts, self._finishes = set(), [], []
 
 
@@ -125,9 +122,7 @@ class MemorySession:
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
 
-    async def claim(
-        self, queue: str, limit: int, client_id: str, lease: float
-    ) -> list[StoredMessage]:
+    async def claim(self, queue: str, limit: int, claim: str, lease: float) -> list[StoredMessage]:
         now = _now()
         table = self._store._require(queue)
         heads = sequence_heads(table)
@@ -148,7 +143,7 @@ class MemorySession:
                 held,
                 retry_count=min(held.retry_count, 2**31 - 2) + 1,
                 isolated=False,
-                handling_client_id=client_id,
+                handling_client_id=claim,
                 lease_expires=now + timedelta(seconds=lease),
             )
             claimed.append(claimed_message(row, recovery(held), now))
@@ -166,30 +161,20 @@ class MemorySession:
     async def release_sequences(self, queue: str) -> int:
         return 0  # the in-memory claim finds sequence heads itself: nothing is parked
 
-    async def recover(self, queue: str) -> int:
-        return 0  # held batches are PostgreSQL's (worker_session ignores held): none here
-
-    @property
-    def holding(self) -> bool:
-        return False  # held batches are PostgreSQL's
-
-    async def guarded(self, work: Coroutine[Any, Any, list[StoredMessage]]) -> list[StoredMessage]:
-        return await work  # no connection to end under it
-
     async def isolate(
         self,
         queue: str,
         ids: Sequence[int],
         suspect: int,
         marks: Sequence[bool],
-        client_id: str,
+        claim: str,
         refunds: Sequence[int],
     ) -> int:
         table = self._store._require(queue)
         changed = 0
         for row_id, mark, refund in zip(ids, marks, refunds, strict=True):
             row = table.get(row_id)
-            if row is None or row.handling_client_id != client_id:
+            if row is None or row.handling_client_id != claim:
                 continue
             changed += 1
             if row_id == suspect:
@@ -329,12 +314,12 @@ class MemoryStore(MemoryOperations):
             listener(queue)
         return inserted
 
-    def _finish_now(self, queue: str, outcomes: Outcomes, client_id: str) -> None:
+    def _finish_now(self, queue: str, outcomes: Outcomes, claim: str) -> None:
         table = self._require(queue)
         now = _now()
         for i, row_id in enumerate(outcomes.ids):
             row = table[row_id]
-            if row.handling_client_id != client_id:
+            if row.handling_client_id != claim:
                 continue
             subqueue = outcomes.subqueue[i]
             if subqueue is not None:
@@ -436,9 +421,7 @@ class MemoryStore(MemoryOperations):
     async def apply_retention(self, queue: str, settings: Settings) -> None:
         self.clean_queue(queue, RetentionPolicy.from_settings(settings))
 
-    async def flow_started(
-        self, queue: str, client_id: str, starts: Sequence[tuple[str, int, int]]
-    ) -> None:
+    async def flow_started(self, queue: str, starts: Sequence[tuple[str, int, int, str]]) -> None:
         raise ConfigurationError("flow limits need PostgreSQL")  # a worker refuses to start
 
     async def cancel(self, queue: str, request: Cancel) -> int:
@@ -451,40 +434,40 @@ class MemoryStore(MemoryOperations):
         return counts
 
     async def renew_leases(
-        self, queue: str, ids: Sequence[int], client_id: str, lease: float
-    ) -> None:
-        table = self._require(queue)
-        for i in ids:
-            if i in table and table[i].handling_client_id == client_id:
+        self, queue: str, ids: Sequence[int], claims: Sequence[str], lease: float
+    ) -> set[str]:
+        table, renewed = self._require(queue), set()
+        for i, claim in zip(ids, claims, strict=True):
+            if i in table and table[i].handling_client_id == claim:
                 table[i] = replace(table[i], lease_expires=_now() + timedelta(seconds=lease))
+                renewed.add(claim)
+        return renewed
 
     async def abandon_leases(
-        self, queue: str, ids: Sequence[int], client_id: str, refund: bool = False
+        self, queue: str, ids: Sequence[int], claim: str, refund: bool = False
     ) -> None:
-        self._free(queue, ids, [None] * len(ids), client_id, int(refund))
+        self._free(queue, ids, [None] * len(ids), claim, int(refund))
 
     async def give_back(
-        self, queue: str, ids: Sequence[int], attempts: Sequence[int], client_id: str
+        self, queue: str, ids: Sequence[int], attempts: Sequence[int], claim: str
     ) -> list[int]:
-        return self._free(queue, ids, attempts, client_id, 1)
+        return self._free(queue, ids, attempts, claim, 1)
 
     def _free(
-        self, queue: str, ids: Sequence[int], at: Sequence[int | None], client_id: str, refund: int
+        self, queue: str, ids: Sequence[int], at: Sequence[int | None], claim: str, refund: int
     ) -> list[int]:
-        """Free rows ``ids`` held by ``client_id`` (at attempts ``at``, where given)."""
+        """Free rows ``ids`` leased by ``claim`` (at attempts ``at``, where given)."""
         table, freed = self._require(queue), []
         for i, attempt in zip(ids, at, strict=True):
             row = table.get(i)
-            if row and row.handling_client_id == client_id and attempt in (None, row.retry_count):
+            if row and row.handling_client_id == claim and attempt in (None, row.retry_count):
                 n = max(0, row.retry_count - refund)
                 table[i] = replace(row, handling_client_id=None, lease_expires=None, retry_count=n)
                 freed.append(i)
         return freed
 
     @asynccontextmanager
-    async def worker_session(
-        self, flow: FlowLimits | None = None, held: bool = False
-    ) -> AsyncIterator[MemorySession]:
+    async def worker_session(self, flow: FlowLimits | None = None) -> AsyncIterator[MemorySession]:
         if flow is not None:
             raise ConfigurationError(
                 "flow limits (concurrency=, rate=, group_concurrency=) are enforced by "

@@ -42,7 +42,7 @@ async def claim_limited(
     queue: str,
     flow: FlowLimits,
     limit: int,
-    client_id: str,
+    claim: str,
     lease: float,
     floor: int,
 ) -> list[Any]:
@@ -60,7 +60,7 @@ async def claim_limited(
         rows: list[Any] = await conn.fetch(
             render("flow_claim", schema, queue),
             limit,
-            client_id,
+            claim,
             lease,
             floor,
             queue,

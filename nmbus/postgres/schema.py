@@ -37,6 +37,7 @@ MIGRATIONS: dict[int, list[str]] = {
     10: ["migrate_10_function", "migrate_10_segments", "migrate_10_publish"],
     11: ["migrate_11_flow", "migrate_11_group_index"],
     12: ["migrate_12_held"],
+    13: ["migrate_13_drop_held"],
 }
 
 

@@ -9,7 +9,7 @@ finish-and-claim statement and takes the sends and publishes of its handlers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Collection, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,17 +22,6 @@ from nmbus.messages import Envelope, StoredMessage
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import claim_limited, held_back
-from nmbus.postgres.held import (
-    HELD_SAVEPOINT,
-    HELD_SAVEPOINT_NAME,
-    OVERLAP_TRIES,
-    HeldBatch,
-    Holder,
-    lease_held,
-    new_batch_key,
-    recover_held,
-    stopped_with,
-)
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.pubsub import publish_args, publish_on
 from nmbus.postgres.rows import claimed, envelope_arrays, insert_args
@@ -86,9 +75,6 @@ class PostgresBatch:
         # asyncpg's own Transaction, so a handler may still nest conn.transaction().
         self.transaction: Transaction | None = None
         self._unreleased = False
-        #: A held batch (nmbus/postgres/held.py), until its finish or its lease;
-        #: None for a leased batch.
-        self.held: HeldBatch | None = None
 
     @property
     def begun(self) -> bool:
@@ -137,9 +123,6 @@ class PostgresBatch:
         self._unreleased = False  # COMMIT releases every savepoint
         if transaction is not None:
             await transaction.commit()
-            # A held batch's part commit: its rest was leased (lease_rest) in what
-            # just committed; a COMMIT that failed leaves it held (and rolled back).
-            self.held = None
 
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
         await self.begin()
@@ -165,76 +148,55 @@ class PostgresBatch:
         args = publish_args(self._schema, publisher, envelopes, chains, self._channel, self._routed)
         return await publish_on(self._conn, self._schema, args)
 
-    async def finish(self, queue: str, outcomes: Outcomes, client_id: str) -> int:
-        if self.held is not None:
-            # Each row's one write, its record dropped.
-            return await self._finish(queue, outcomes, "finish_held", self.held.number)
+    async def finish(self, queue: str, outcomes: Outcomes, claim: str) -> int:
         if self._flow is not None and self._flow.rated_keys:
             # A start whose mark is still on its way (nmbus/dispatch/marks.py) is
             # marked before its lease ends, so that it counts without a gap.
             await self._conn.execute(
                 render("flow_finishing", self._schema),
                 queue,
-                client_id,
+                claim,
                 self._flow.rated_keys,
                 outcomes.ids,
             )
-        return await self._finish(queue, outcomes, "finish", client_id)
-
-    async def _finish(self, queue: str, outcomes: Outcomes, name: str, owner: object) -> int:
-        """Statement ``name`` (finish, finish_held), or its ``_processed`` form when
-        every message was processed; ``owner`` is the client (leased) or the
-        record (held) whose rows these are."""
         if outcomes.all_processed:
-            sql = render(f"{name}_processed", self._schema, queue)
-            return int(await self._conn.fetchval(sql, outcomes.ids, owner))
+            sql = render("finish_processed", self._schema, queue)
+            return int(await self._conn.fetchval(sql, outcomes.ids, claim))
         return int(
             await self._conn.fetchval(
-                render(name, self._schema, queue),
+                render("finish", self._schema, queue),
                 outcomes.ids,
                 outcomes.subqueue,
                 outcomes.delay,
                 outcomes.error_info,
                 outcomes.correction,
-                owner,
+                claim,
             )
         )
 
-    async def lease_rest(self, finished: Collection[int] = ()) -> int:
-        """Lease a held batch's rows but ``finished`` (those the part being
-        committed finishes), in its transaction, before a part commit lets go of
-        their locks: the batch goes on as a leased one once that commit is done.
-        How many were leased (0 for a leased batch)."""
-        held = self.held
-        if held is None:
-            return 0
-        rest = [i for i in held.ids if i not in finished] if finished else held.ids
-        return await lease_held(
-            self._conn, self._schema, held.queue, held.number, rest, held.client_id, held.lease
-        )
-
     async def finish_and_claim(
-        self, queue: str, outcomes: Outcomes, client_id: str, limit: int, lease: float
+        self, queue: str, outcomes: Outcomes, claim: str, limit: int, lease: float, next_claim: str
     ) -> tuple[int, list[StoredMessage]]:
-        """``finish``, then claim up to ``limit`` more rows, in one statement.
+        """``finish`` (rows of ``claim``), then claim up to ``limit`` more rows as
+        ``next_claim``, in one statement.
 
         With flow limits, only ``finish``: the next claim needs a transaction
         of its own (nmbus/postgres/flow.py), which the loop's next claim runs;
-        the same when the queue's ready rows carry groups (claim_fair), and for
-        a held batch, whose next batch is claimed in a transaction of its own.
+        the same when the queue's ready rows carry groups (claim_fair).
         """
-        if self.held is not None or self._flow is not None or self._floors.grouped(queue):
-            return await self.finish(queue, outcomes, client_id), []
+        if self._flow is not None or self._floors.grouped(queue):
+            return await self.finish(queue, outcomes, claim), []
         floor = await self._floors.floor(self._conn, queue)
         if outcomes.all_processed:
             # The common case needs no per-row outcome arrays on the wire or in a join.
             rows = await self._conn.fetch(
                 render("finish_claim_processed", self._schema, queue),
                 outcomes.ids,
-                client_id,
+                claim,
                 limit,
                 lease,
                 floor,
+                next_claim,
             )
         else:
             rows = await self._conn.fetch(
@@ -244,10 +206,11 @@ class PostgresBatch:
                 outcomes.delay,
                 outcomes.error_info,
                 outcomes.correction,
-                client_id,
+                claim,
                 limit,
                 lease,
                 floor,
+                next_claim,
             )
         finished = int(rows[0]["finished"]) if rows else 0
         messages = claimed(rows)
@@ -266,7 +229,6 @@ class PostgresSession:
         routed: frozenset[str] = frozenset(),
         floors: ReadyFloors | None = None,
         flow: FlowLimits | None = None,
-        holder: Holder | None = None,
     ) -> None:
         self._conn = conn
         self._schema = schema
@@ -274,24 +236,18 @@ class PostgresSession:
         self._routed = routed
         self._floors = floors or ReadyFloors(schema)
         self._flow = flow
-        #: Held batches (nmbus/postgres/held.py) when set: claims hold their rows.
-        self._holder = holder
-        #: The held batch the last claim began, until batch() takes it.
-        self._held: HeldBatch | None = None
         #: Seconds after which to claim again though nothing woke the loop: set when
         #: the last claim held limited messages back (nmbus/flow.py), else None.
         self.recheck: float | None = None
         #: Per queue, the last group this loop's fair claims walked to.
         self._walked: dict[str, str] = {}
 
-    async def claim(
-        self, queue: str, limit: int, client_id: str, lease: float
-    ) -> list[StoredMessage]:
+    async def claim(self, queue: str, limit: int, claim: str, lease: float) -> list[StoredMessage]:
         with wrap_errors(f"claim from {queue}"):
             floor = await self._floors.floor(self._conn, queue)
             if self._flow is not None:
                 rows = await claim_limited(
-                    self._conn, self._schema, queue, self._flow, limit, client_id, lease, floor
+                    self._conn, self._schema, queue, self._flow, limit, claim, lease, floor
                 )
                 self.recheck = None
                 if len(rows) < limit:
@@ -299,103 +255,23 @@ class PostgresSession:
                         self._conn, self._schema, queue, self._flow, floor
                     )
             elif self._floors.grouped(queue):
-                rows = await self._claim_fair(queue, limit, client_id, lease, floor)
-            elif self._holder is not None:
-                rows = await self._claim_held(self._holder, queue, limit, client_id, lease, floor)
+                rows = await self._claim_fair(queue, limit, claim, lease, floor)
             else:
                 rows = await self._conn.fetch(
-                    render("claim", self._schema, queue), limit, client_id, lease, floor
+                    render("claim", self._schema, queue), limit, claim, lease, floor
                 )
         messages = claimed(rows)
         self._floors.claimed(queue, messages)
         return messages
 
-    async def _claim_held(
-        self, holder: Holder, queue: str, limit: int, client_id: str, lease: float, floor: int
-    ) -> list[Any]:
-        """claim_held in a transaction left open for the batch; its record committed.
-
-        A claim that met a record naming one of its rows (see held_record) is
-        rolled back and tried again (its next snapshot sees the record); after
-        OVERLAP_TRIES, the loop claims leased this once. A batch with a
-        recovered row (a crash's suspect) is leased at once: isolating it is
-        the leased path's.
-        """
-        conn = self._conn
-        sql = render("claim_held", self._schema, queue)
-        for _ in range(OVERLAP_TRIES):
-            transaction = conn.transaction()
-            await transaction.start()
-            try:
-                rows: list[Any] = await conn.fetch(sql, limit, floor)
-                if not rows:
-                    await transaction.rollback()
-                    return rows
-                batch = new_batch_key()
-                ids = [r[0] for r in rows]
-                # The record commits on the second connection while this one sets the
-                # savepoint a failed batch rolls back to: it keeps the claim's locks.
-                written, saved = await asyncio.gather(
-                    holder.record(self._schema, queue, batch, client_id, ids),
-                    conn.execute(HELD_SAVEPOINT),
-                    return_exceptions=True,
-                )
-                for outcome in (written, saved):
-                    if isinstance(outcome, BaseException):
-                        raise outcome
-                if not written:
-                    await transaction.rollback()
-                    continue
-                if any(r["recovered"] for r in rows):
-                    await lease_held(conn, self._schema, queue, batch, ids, client_id, lease)
-                    await transaction.commit()
-                    return rows
-            except BaseException:
-                if not conn.is_closed():
-                    await asyncio.shield(transaction.rollback())
-                raise
-            self._held = HeldBatch(transaction, batch, ids, queue, client_id, lease)
-            return rows
-        return list(
-            await conn.fetch(render("claim", self._schema, queue), limit, client_id, lease, floor)
-        )
-
-    async def close(self) -> None:
-        """Before the session's connections close: a held batch claimed and never
-        begun (its loop stopped first) goes back as it was, its record dropped,
-        no attempt counted, as a claimed batch that never started is given back."""
-        held, self._held = self._held, None
-        if held is None or self._conn.is_closed():
-            return
-        with wrap_errors("give back a held batch"):
-            await held.transaction.rollback()
-            await lease_held(
-                self._conn, self._schema, held.queue, held.number, [], held.client_id, 0.0
-            )
-
-    @property
-    def holding(self) -> bool:
-        return self._held is not None
-
-    async def guarded(self, work: Coroutine[Any, Any, list[StoredMessage]]) -> list[StoredMessage]:
-        if self._holder is None:
-            return await work  # a leased batch keeps its rows until its lease runs out
-        return await stopped_with(self._conn, work)
-
-    async def recover(self, queue: str) -> int:
-        """Held batches whose holder is gone become recovered rows (recover_held); how many."""
-        own = self._holder.key if self._holder is not None else 0
-        with wrap_errors(f"recover held batches of {queue}"):
-            return await recover_held(self._conn, self._schema, queue, own)
-
     async def _claim_fair(
-        self, queue: str, limit: int, client_id: str, lease: float, floor: int
+        self, queue: str, limit: int, claim: str, lease: float, floor: int
     ) -> list[Any]:
         """claim_fair from where this loop's walk of the groups stopped."""
         rows: list[Any] = await self._conn.fetch(
             render("claim_fair", self._schema, queue),
             limit,
-            client_id,
+            claim,
             lease,
             floor,
             self._walked.get(queue, ""),
@@ -419,7 +295,7 @@ class PostgresSession:
         ids: Sequence[int],
         suspect: int,
         marks: Sequence[bool],
-        client_id: str,
+        claim: str,
         refunds: Sequence[int],
     ) -> int:
         with wrap_errors(f"isolate a message of {queue}"):
@@ -427,7 +303,7 @@ class PostgresSession:
                 render("isolate", self._schema, queue),
                 list(ids),
                 suspect,
-                client_id,
+                claim,
                 list(marks),
                 list(refunds),
             )
@@ -439,10 +315,6 @@ class PostgresSession:
             batch = PostgresBatch(
                 self._conn, self._schema, self._known, self._routed, self._floors, self._flow
             )
-            if self._held is not None:
-                # The held batch the last claim began goes on in its transaction.
-                batch.held, self._held = self._held, None
-                batch.transaction = batch.held.transaction
             committing = False
             try:
                 yield batch
@@ -450,29 +322,8 @@ class PostgresSession:
                     committing = True
                     await batch.transaction.commit()
             except BaseException:
-                if not self._conn.is_closed():
-                    await asyncio.shield(self._roll_back(batch, committing))
+                transaction = batch.transaction
+                # A COMMIT that failed has rolled back already.
+                if transaction is not None and not committing and not self._conn.is_closed():
+                    await asyncio.shield(transaction.rollback())
                 raise
-
-    async def _roll_back(self, batch: PostgresBatch, committing: bool) -> None:
-        """Roll back a batch that failed. What comes after a held one (a replay, a
-        split, a stop) is the leased path's: its rows are leased as it rolls back,
-        as a claim would have leased them. Rolled back to the savepoint its claim
-        set, it keeps their locks until that lease commits, so no other claim
-        takes them meanwhile; a COMMIT that failed (it has rolled back already)
-        leases them afterwards, behind the record that still keeps claims away."""
-        transaction, held = batch.transaction, batch.held
-        if transaction is not None and not committing:
-            if held is not None:
-                try:
-                    await self._conn.execute(f"ROLLBACK TO SAVEPOINT {HELD_SAVEPOINT_NAME}")
-                    await batch.lease_rest()
-                    await transaction.commit()
-                    batch.held = None
-                    return
-                except Exception as exc:  # the connection's trouble: roll back all
-                    log.warning("held_batch_lease_failed", error=str(exc))
-            await transaction.rollback()
-        if batch.held is not None:
-            await batch.lease_rest()
-            batch.held = None

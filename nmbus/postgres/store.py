@@ -29,7 +29,6 @@ from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import flow_status_on
-from nmbus.postgres.held import Holder
 from nmbus.postgres.listen import close_quietly as _close_quietly
 from nmbus.postgres.listen import listen_loop, notify_channel
 from nmbus.postgres.pubsub import (
@@ -372,13 +371,11 @@ class PostgresStore:
             )
         return [(r[0], r[1], r[2], r[3]) for r in rows]
 
-    async def flow_started(
-        self, queue: str, client_id: str, starts: Sequence[tuple[str, int, int]]
-    ) -> None:
-        keys, ids, attempts = (list(column) for column in zip(*starts, strict=True))
+    async def flow_started(self, queue: str, starts: Sequence[tuple[str, int, int, str]]) -> None:
+        keys, ids, attempts, claims = (list(column) for column in zip(*starts, strict=True))
         with wrap_errors(f"mark starts in {queue}"):
             await self.pool.execute(
-                render("flow_started", self.schema), queue, client_id, keys, ids, attempts
+                render("flow_started", self.schema), queue, keys, ids, attempts, claims
             )
 
     async def flow_status(self, queues: Sequence[str] | None) -> list[LimitStatus]:
@@ -398,17 +395,20 @@ class PostgresStore:
         return {sq: found.get(sq, 0) for sq in "IRXF"}
 
     async def renew_leases(
-        self, queue: str, ids: Sequence[int], client_id: str, lease: float
-    ) -> None:
+        self, queue: str, ids: Sequence[int], claims: Sequence[str], lease: float
+    ) -> set[str]:
         sql = render("renew_leases", self.schema, queue)
-        args = (list(ids), client_id, lease)
-        await self._on_lease_conn(f"renew leases in {queue}", max(1.0, lease / 3), sql, *args)
+        args = (list(ids), list(claims), lease)
+        rows = await self._on_lease_conn(
+            f"renew leases in {queue}", max(1.0, lease / 3), sql, *args
+        )
+        return {row[0] for row in rows}
 
     async def give_back(
-        self, queue: str, ids: Sequence[int], attempts: Sequence[int], client_id: str
+        self, queue: str, ids: Sequence[int], attempts: Sequence[int], claim: str
     ) -> list[int]:
         sql = render("give_back", self.schema, queue)
-        args = (list(ids), list(attempts), client_id)
+        args = (list(ids), list(attempts), claim)
         rows = await self._on_lease_conn(f"give back a batch of {queue}", 5.0, sql, *args)
         return [int(row[0]) for row in rows]
 
@@ -434,36 +434,22 @@ class PostgresStore:
                     raise
 
     async def abandon_leases(
-        self, queue: str, ids: Sequence[int], client_id: str, refund: bool = False
+        self, queue: str, ids: Sequence[int], claim: str, refund: bool = False
     ) -> None:
-        with wrap_errors(f"abandon leases in {queue}"):
-            await self.pool.execute(
-                render("abandon_leases", self.schema, queue), list(ids), client_id, int(refund)
-            )
+        sql = render("abandon_leases", self.schema, queue)
+        args = (list(ids), claim, int(refund))
+        await self._on_lease_conn(f"abandon leases in {queue}", 5.0, sql, *args)
 
     @asynccontextmanager
     async def worker_session(
-        self, flow: FlowLimits | None = None, held: bool = False
+        self, flow: FlowLimits | None = None
     ) -> AsyncIterator[PostgresSession]:
         conn = await self.connect()
-        side: asyncpg.Connection | None = None
         try:
-            holder = None
-            if held:
-                # The records of held batches commit on a connection of their own.
-                side = await self.connect()
-                with wrap_errors("take a holder lock"):
-                    holder = await Holder.take(conn, side, self.schema)
-            session = PostgresSession(
-                conn, self.schema, self._known_queues, self.routed, self._floors, flow, holder
+            yield PostgresSession(
+                conn, self.schema, self._known_queues, self.routed, self._floors, flow
             )
-            try:
-                yield session
-            finally:
-                await asyncio.shield(session.close())
         finally:
-            if side is not None:
-                await _close_quietly(side)
             await _close_quietly(conn)
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:

@@ -421,7 +421,6 @@ def _mode_settings(mode: str, o: BenchOptions) -> dict[str, Any]:
     base = {
         "batch_size": o.batch_size or "adaptive",
         "concurrency": o.concurrency,
-        "held_batches": o.held_batches,
     }
     if mode in ("ceiling", "drain", "scaling"):
         return {**base, "messages": o.messages}

@@ -23,7 +23,7 @@ from typing import Any
 
 from nmbus.bus import Bus
 from nmbus.context import Context
-from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick, held_in_env
+from nmbus.tools.bench_scratch import QUEUE, BenchOptions, Scratch, Tick
 
 
 @asynccontextmanager
@@ -91,9 +91,7 @@ async def measure_processes(options: BenchOptions, scratch: Scratch, *, processe
 
 
 async def _work(schema: str, batch_size: int) -> None:
-    options = BenchOptions(
-        dsn=os.environ["NMBUS_DSN"], batch_size=batch_size, held_batches=held_in_env()
-    )
+    options = BenchOptions(dsn=os.environ["NMBUS_DSN"], batch_size=batch_size)
     bus = Bus(QUEUE, settings=options.bus_settings(schema, concurrency=0))
 
     @bus.handler

@@ -36,7 +36,7 @@ from nmbus.bus import Bus
 from nmbus.context import Context
 from nmbus.postgres.listen import notify_channel
 from nmbus.tools.bench_scenarios import drain_timeout, wait_until
-from nmbus.tools.bench_scratch import QUEUE, TICK, BenchOptions, Scratch, Tick, held_in_env
+from nmbus.tools.bench_scratch import QUEUE, TICK, BenchOptions, Scratch, Tick
 from nmbus.tools.sql import render
 
 DEADLOCKS = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
@@ -127,7 +127,7 @@ def _counting_bus(
 ) -> tuple[Bus, list[float]]:
     """The bench's saga endpoint (every Tick counts into saga ``n % sagas``), and when
     its first handler call was."""
-    options = BenchOptions(dsn=dsn, batch_size=batch_size, held_batches=held_in_env())
+    options = BenchOptions(dsn=dsn, batch_size=batch_size)
     bus = Bus(QUEUE, settings=options.bus_settings(schema, concurrency=loops))
     saga = bus.saga(TickCount, key=lambda msg: msg.n % sagas)
 

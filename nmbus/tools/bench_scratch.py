@@ -8,7 +8,6 @@ the database it is pointed at.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -67,7 +66,6 @@ class BenchOptions:
     repeat: int = 1
     processes: int = 1
     sagas: int = 3
-    held_batches: bool = False
     #: peers: the peers measured beside nmbus (of PEERS), each where it is installed.
     peers: tuple[str, ...] = PEERS
 
@@ -85,16 +83,9 @@ class BenchOptions:
             "concurrency": self.concurrency,
             "subscription_ttl": None,
             "poll_interval": 1.0,
-            "held_batches": self.held_batches,
         }
         values.update(extra)
         return Settings(**values)
-
-
-def held_in_env() -> bool:
-    """Whether the bench's worker processes hold their batches (``nmbus bench
-    --held-batches`` says so in their environment)."""
-    return os.environ.get("NMBUS_HELD_BATCHES") == "true"
 
 
 class Scratch:

@@ -16,8 +16,7 @@ from nmbus import Bus
 from tests.messages import Ping
 from tests.waits import wait_until
 
-# The guarantees hold with batches leased and held (tests/conftest.py, claims).
-pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("claims")]
+pytestmark = pytest.mark.reliability
 
 ROOT = Path(__file__).resolve().parents[2]
 

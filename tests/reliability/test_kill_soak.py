@@ -7,8 +7,7 @@ import pytest
 
 from nmbus.tools.soak import run_soak
 
-# The guarantees hold with batches leased and held (tests/conftest.py, claims).
-pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("claims")]
+pytestmark = pytest.mark.reliability
 
 
 @pytest.mark.timeout(400)

@@ -21,8 +21,7 @@ from nmbus import Bus
 from tests.messages import Ping
 from tests.procs import Proc
 
-# The guarantees hold with batches leased and held (tests/conftest.py, claims).
-pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("claims")]
+pytestmark = pytest.mark.reliability
 
 MESSAGES = 10
 MAX_ATTEMPTS = 3  # tests/workers.py

@@ -15,8 +15,7 @@ from tests.messages import Ping
 from tests.reliability.pgserver import PrivateServer
 from tests.waits import wait_until
 
-# The guarantees hold with batches leased and held (tests/conftest.py, claims).
-pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("claims")]
+pytestmark = pytest.mark.reliability
 
 
 async def _send_through(

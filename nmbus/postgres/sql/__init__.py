@@ -6,7 +6,6 @@ by :func:`load`:
 - ``schema.sql``: the schema's shared tables, the queue table, the queue registry;
 - ``migrations/NNN_*.sql``: what brings an older schema to version NNN;
 - ``runtime.sql``: insert, claim, finish, leases, isolation, sequences;
-- ``held.sql``: the claim, record, finish, lease and recovery of held batches;
 - ``pubsub.sql``, ``sagas.sql``, ``outbox.sql``: publish/subscribe, sagas, routes;
 - ``operations.sql`` and ``retention.sql``: what operators and retention read and change;
 - ``segments.sql``: the segments of a queue table, rolled and dropped.
@@ -72,7 +71,6 @@ IDENTIFIERS = frozenset(
         "subqueue_check",
         "unique_ids",
         "held",
-        "held_pkey",
         "segment",
         "lower",
         "upper",
@@ -207,7 +205,7 @@ def own_name(table: str, role: str) -> str:
     """The name of nmbus's object ``role`` of ``table``.
 
     Roles: ready, group, uid, seq, done, pkey, id_seq, saga, unique (and unique$pkey,
-    unique$id), held (and held$pkey), s<n> (segment n).
+    unique$id), held (the records of held batches, dropped by schema 13), s<n> (segment n).
     """
     name = f"{table}${role}"
     if len(name.encode()) > MAX_IDENTIFIER_BYTES:
@@ -232,7 +230,6 @@ def fill(sql: str, schema: str, queue: str | None = None) -> str:
         values["unique_ids"] = quote_ident(own_name(queue, "unique$id"))
         values["subqueue_check"] = quote_ident(own_name(queue, "subqueue"))
         values["held"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'held'))}"
-        values["held_pkey"] = quote_ident(own_name(queue, "held$pkey"))
         if "{saga" in sql:
             saga = own_name(queue, "saga")
             values["saga"] = f"{quote_ident(schema)}.{quote_ident(saga)}"

@@ -82,17 +82,18 @@ SELECT key, limits, declared_by, declared_at FROM before;
 SELECT pg_advisory_xact_lock($1);
 
 -- flow_started --
--- The handlers of rate-limited messages of queue $1 claimed by client $2 have
--- started: $3 key[], $4 id[], $5 attempt[] name their flights. Run after each
--- handler has started (never before: the time it records must not precede the
--- real start); a flight already marked keeps its time.
+-- The handlers of rate-limited messages of queue $1 have started: $2 key[],
+-- $3 id[], $4 attempt[] and $5 claim[] (the claim each message is leased under)
+-- name their flights. Run after each handler has started (never before: the
+-- time it records must not precede the real start); a flight already marked
+-- keeps its time.
 UPDATE {schema}."flow$flights" AS f SET started = clock_timestamp()
-FROM unnest($3::text[], $4::bigint[], $5::int[]) AS s(key, id, attempt)
+FROM unnest($2::text[], $3::bigint[], $4::int[], $5::text[]) AS s(key, id, attempt, claim)
 WHERE f.queue = $1 AND f.key = s.key AND f.id = s.id AND f.attempt = s.attempt
-  AND f.client = $2 AND f.started IS NULL;
+  AND f.client = s.claim AND f.started IS NULL;
 
 -- flow_finishing --
--- Messages $4[] of queue $1 claimed by client $2 whose handlers ran are about to
+-- Messages $4[] of queue $1 taken by claim $2 whose handlers ran are about to
 -- be finished: every flight of theirs under keys $3[] not marked yet (its mark
 -- still on its way) is marked now, before the finish ends its lease and with it
 -- its count as a start that runs.
@@ -119,7 +120,7 @@ SELECT EXISTS (
            AS next_room;
 
 -- flow_claim --
--- Claim up to $1 ready rows for client $2 with a lease of $3 seconds at or above
+-- Claim up to $1 ready rows as claim $2 with a lease of $3 seconds at or above
 -- the ready floor $4, as claim does, within the limits of queue $5's handlers:
 -- $6 label[] and $7 key[] pair each label with a limit it counts against (the
 -- handler's name); per key, $8 key[], $9 concurrency[] (most running at once),
@@ -187,7 +188,6 @@ WITH limits AS (
       AND (r.lease_expires IS NULL OR r.lease_expires < now())
       AND r.id >= $4
       AND {sequence_head(floor => $4, filter => '')}
-      AND {not_held(row => r)}
 ), free_rows AS (
     SELECT c.* FROM candidates AS c
     WHERE coalesce(c.label, '') <> ALL ($6::text[])

@@ -4,18 +4,17 @@
 -- on a queue; writers touch only F or X rows, which no worker claims.
 
 -- ops_queue_status --
--- One pass over a queue: rows per subqueue, rows held by a worker (leased, or in a held batch's record), age in seconds of the oldest row waiting to be claimed, average/p99 latency (ms) and count of rows processed in the last $1 seconds.
+-- One pass over a queue: rows per subqueue, rows held by a worker (leased), age in seconds of the oldest row waiting to be claimed, average/p99 latency (ms) and count of rows processed in the last $1 seconds.
 SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
        count(*) FILTER (WHERE subqueue = 'R') AS scheduled,
        count(*) FILTER (WHERE subqueue = 'X') AS processed,
        count(*) FILTER (WHERE subqueue = 'F') AS failed,
        count(*) FILTER (WHERE subqueue IN ('I', 'R')
-                        AND (handling_client_id IS NOT NULL OR NOT ({not_held(row => q)})))
+                        AND handling_client_id IS NOT NULL)
            AS in_flight,
        extract(epoch FROM now() - min(retry_time)
            FILTER (WHERE subqueue IN ('I', 'R') AND retry_time <= now()
-                   AND (lease_expires IS NULL OR lease_expires < now())
-                   AND {not_held(row => q)}))::float8
+                   AND (lease_expires IS NULL OR lease_expires < now())))::float8
            AS oldest_ready_seconds,
        count(*) FILTER (WHERE subqueue = 'X'
            AND last_processed > now() - make_interval(secs => $1)) AS recent_processed,
@@ -60,8 +59,7 @@ LEFT JOIN pg_stat_user_tables AS s ON s.relid = p.relid
 -- Fragment of ops_queue_counts and ops_queue_depth, which add columns to it:
 -- the CTE `open`, every I and R row (through the ready index, and the sequence
 -- index for members parked at retry_time 'infinity'), and what they count of
--- it, with the F rows (through the done index). In flight: leased, or in a
--- held batch's record.
+-- it, with the F rows (through the done index). In flight: leased.
 WITH open AS (
     SELECT id, subqueue, handling_client_id, retry_time, lease_expires
     FROM {queue} WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity'
@@ -73,12 +71,11 @@ WITH open AS (
 )
 SELECT count(*) FILTER (WHERE subqueue = 'I') AS ready,
        count(*) FILTER (WHERE subqueue = 'R') AS scheduled,
-       count(*) FILTER (WHERE handling_client_id IS NOT NULL OR NOT ({not_held(row => open)}))
+       count(*) FILTER (WHERE handling_client_id IS NOT NULL)
            AS in_flight,
        extract(epoch FROM now() - min(retry_time)
            FILTER (WHERE retry_time <= now()
-                   AND (lease_expires IS NULL OR lease_expires < now())
-                   AND {not_held(row => open)}))::float8
+                   AND (lease_expires IS NULL OR lease_expires < now())))::float8
            AS oldest_ready_seconds,
        (SELECT count(*) FROM {queue} WHERE subqueue = 'F') AS failed
 
@@ -367,9 +364,7 @@ ORDER BY s.k;
 -- holds it or it is done: in I or R with no live lease, it goes to F with
 -- error_info $2 (which starts 'Cancelled'). One statement: a claim that locked
 -- the row first has leased it when this statement sees it again, so it is left
--- to run; a claim that comes after finds it in F. A row in a held batch's record
--- is held too (a held claim locks it and writes nothing: the record, committed
--- before its handlers run, says so), and is left without waiting for its lock.
+-- to run; a claim that comes after finds it in F.
 -- Returns how many (0 or 1).
 WITH cancelled AS (
     UPDATE {queue} AS q
@@ -378,7 +373,6 @@ WITH cancelled AS (
     FROM {unique_table} AS u
     WHERE u.unique_id = $1 AND q.id = u.id
       AND q.subqueue IN ('I', 'R') AND (q.lease_expires IS NULL OR q.lease_expires < now())
-      AND {not_held(row => q)}
     RETURNING 1
 )
 SELECT count(*) FROM cancelled;
@@ -394,7 +388,6 @@ WITH cancelled AS (
         handling_client_id = NULL, lease_expires = NULL
     WHERE q.correlation_id = $1 AND q.id >= $3
       AND q.subqueue IN ('I', 'R') AND (q.lease_expires IS NULL OR q.lease_expires < now())
-      AND {not_held(row => q)}
     RETURNING 1
 )
 SELECT count(*) FROM cancelled;

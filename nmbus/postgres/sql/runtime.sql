@@ -87,7 +87,8 @@ SELECT count(*) AS inserted, pg_notify($7, $1) FROM ins;
 
 -- claim --
 -- Claim up to $1 ready rows (I, or R that is due) that no live lease holds,
--- for client $2 with a lease of $3 seconds; counts the attempt (saturating, so
+-- as claim $2 (the token of this one claim: nmbus/consume/claim.py) with a
+-- lease of $3 seconds; counts the attempt (saturating, so
 -- a hand-written retry_count cannot overflow the claim). `recovered`: 0 fresh,
 -- 1 let go by `isolate` to be tried alone, 2 the holder's lease ran out with
 -- the row in a batch, 3 it ran out with the row isolated (the holder died on it).
@@ -120,21 +121,11 @@ ready AS (
       AND (lease_expires IS NULL OR lease_expires < now())
       AND id >= {:floor}
       AND {sequence_head(floor => {:floor}, filter => {:sequence_filter})}
-      AND {not_held(row => r)}
       {:row_filter}
     ORDER BY priority DESC, retry_time, id
     LIMIT {:limit}
     FOR UPDATE SKIP LOCKED
 )
-
--- not_held --
--- Fragment of every claim (and of the status's in-flight count): row {:row} is
--- in no held batch's record (a live
--- batch's rows are locked too, but a crashed one's are not: they wait for
--- recover_held, which counts the attempt that died). A hashed subplan over the
--- few records there are (one per held batch in flight); none without
--- held_batches.
-{:row}.id NOT IN (SELECT unnest(h.ids) FROM {held} AS h)
 
 -- sequence_head --
 -- Fragment of claim_ready and has_ready: row r of {queue} is in no sequence,
@@ -149,7 +140,7 @@ ready AS (
     ORDER BY e.sequence_key, e.id LIMIT 1))
 
 -- claim_lease --
--- Fragment of every claim: lease the rows of `ready` to client {:client} for
+-- Fragment of every claim: lease the rows of `ready` to claim {:client} for
 -- {:lease} seconds and count the attempt (see claim); returns what the worker
 -- reads of a claimed row. The last column is the expired flag, which
 -- claim_after_finish names (AS expired). The rows are named as an array of ids,
@@ -171,31 +162,32 @@ WHERE q.id = ANY (ARRAY(SELECT id FROM ready))
 RETURNING {claimed_columns(attempt => q.retry_count)}
 
 -- claimed_columns --
--- Fragment of claim_lease and claim_held: what the worker reads of a claimed
+-- Fragment of claim_lease: what the worker reads of a claimed
 -- row q of `ready` (nmbus/postgres/rows.py), {:attempt} the number of this
--- attempt.
+-- attempt; `claim` is the token the row is leased under.
 q.id, q.from_endpoint, q.insert_time, {:attempt} AS retry_count, q.retry_time,
 q.correlation_id, q.label, q.msg_text, q.msg_headers::text, q.unique_id,
 CASE WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 1)) THEN 1
      WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 2)) THEN 2
      WHEN q.id = ANY (ARRAY(SELECT id FROM ready WHERE recovered = 3)) THEN 3
      ELSE 0 END AS recovered,
-q.priority, coalesce(q.expires_at <= now(), false) AS expired
+q.priority, coalesce(q.expires_at <= now(), false) AS expired, q.handling_client_id AS claim
 
 -- finish --
 -- Record the outcome of a claimed batch in one statement. Per row:
 -- $1 id[], $2 new subqueue[] (X, R, F, or NULL to release it unchanged),
 -- $3 retry delay seconds[] (for R), $4 error_info[] (NULL keeps the old one),
--- $5 attempt correction[] (-1 when the attempt must not count). $6 client id.
--- Only rows still leased by $6 change; returns how many did. A sequence member
+-- $5 attempt correction[] (-1 when the attempt must not count). $6 the claim
+-- that took them. Only rows still leased by claim $6 change (a row whose lease
+-- lapsed and that another claim took since is that claim's); returns how many did. A sequence member
 -- moved to X unparks the next member of its sequence (see insert_messages).
-WITH {finish_done(floor => lowest_id, counted => leased_attempt, owned => leased_by_client)},
+WITH {finish_done(floor => lowest_id)},
 {unparked(floor => lowest_id)}
 SELECT count(*) FROM done;
 
 -- finish_processed --
 -- finish for the common batch (or part) where every message was processed:
--- rows $1 still leased by client $2 go to X. No per-row outcome arrays to send
+-- rows $1 still leased by claim $2 go to X. No per-row outcome arrays to send
 -- or join; returns how many rows changed, as finish does.
 WITH done AS (
     UPDATE {queue}
@@ -208,10 +200,9 @@ WITH done AS (
 SELECT count(*) FROM done;
 
 -- finish_done --
--- Fragment of finish, finish_claim and finish_held: the CTE `done`, the outcome
--- of each row of the batch (see finish for $1..$5) that is {:owned} (leased by $6,
--- or held: held_row); its retry_count becomes {:counted} plus the correction
--- (held_attempt counts the attempt there, for a held batch); returns the rows it
+-- Fragment of finish and finish_claim: the CTE `done`, the outcome of each row
+-- of the batch (see finish for $1..$5) still leased by claim $6; its retry_count
+-- becomes the attempt the claim counted plus the correction; returns the rows it
 -- changed.
 -- The rows are at or above {:floor} (the ready floor they were claimed at, or
 -- the lowest of their ids), so only the segments that can hold them are searched.
@@ -224,23 +215,15 @@ done AS (
                           THEN clock_timestamp() + make_interval(secs => v.delay)
                           ELSE q.retry_time END,
         error_info = coalesce(v.error_info, q.error_info),
-        retry_count = greatest(0, {:counted} + v.correction),
+        retry_count = greatest(0, q.retry_count + v.correction),
         handling_client_id = NULL,
         lease_expires = NULL
     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[])
          AS v(id, subqueue, delay, error_info, correction)
-    WHERE q.id = v.id AND {:owned}
+    WHERE q.id = v.id AND q.handling_client_id = $6
       AND q.id >= {:floor}
     RETURNING q.id, q.subqueue, q.sequence_key
 )
-
--- leased_attempt --
--- Fragment of finish and finish_claim: the attempt was counted by the claim.
-q.retry_count
-
--- leased_by_client --
--- Fragment of finish and finish_claim: the row is still leased by client $6.
-q.handling_client_id = $6
 
 -- unparked --
 -- Fragment of every finish (finish, finish_processed, finish_claim,
@@ -263,18 +246,19 @@ unparked AS (
 
 -- finish_claim --
 -- finish (same $1..$6) and, in the same statement and commit, claim the next
--- batch: up to $7 ready rows for client $6 with a lease of $8 seconds at or
--- above the ready floor $9, as claim does, never one of the rows being finished. Saves a round trip and a commit
+-- batch: up to $7 ready rows as claim $10 (a token of its own) with a lease of
+-- $8 seconds at or above the ready floor $9, as claim does, never one of the
+-- rows being finished. Saves a round trip and a commit
 -- per batch. One row per claimed message, with the count of finished rows in
 -- `finished`; a single row of NULLs beside it when nothing was claimed.
-WITH {finish_done(floor => $9, counted => leased_attempt, owned => leased_by_client)},
+WITH {finish_done(floor => $9)},
 {unparked(floor => $9)},
-{claim_after_finish(limit => $7, client => $6, lease => $8, floor => $9)};
+{claim_after_finish(limit => $7, client => $10, lease => $8, floor => $9)};
 
 -- finish_claim_processed --
 -- finish_claim for the common batch where every message was processed: mark
--- rows $1 held by client $2 X, then claim up to $3 more with a lease of $4
--- seconds at or above the ready floor $5. No per-row outcome arrays to send
+-- rows $1 leased by claim $2 X, then claim up to $3 more as claim $6 with a
+-- lease of $4 seconds at or above the ready floor $5. No per-row outcome arrays to send
 -- or join.
 WITH done AS (
     UPDATE {queue}
@@ -284,11 +268,11 @@ WITH done AS (
     RETURNING id, subqueue, sequence_key
 ),
 {unparked(floor => $5)},
-{claim_after_finish(limit => $3, client => $2, lease => $4, floor => $5)};
+{claim_after_finish(limit => $3, client => $6, lease => $4, floor => $5)};
 
 -- claim_after_finish --
 -- Fragment of finish_claim and finish_claim_processed, after their CTEs `done`
--- and `unparked`: claim up to {:limit} rows for client {:client} with a lease of
+-- and `unparked`: claim up to {:limit} rows as claim {:client} with a lease of
 -- {:lease} seconds at or above the ready floor {:floor}, as claim does, never one of the rows being finished ($1 of
 -- both). The statement's snapshot still sees the finished rows as they were,
 -- so a sequence member whose predecessor this statement moves to X is let
@@ -303,7 +287,7 @@ claimed AS (
 )
 SELECT c.id, c.from_endpoint, c.insert_time, c.retry_count, c.retry_time,
        c.correlation_id, c.label, c.msg_text, c.msg_headers, c.unique_id, c.recovered,
-       c.priority, c.expired, d.finished
+       c.priority, c.expired, c.claim, d.finished
 FROM (SELECT count(*) AS finished FROM done) AS d
 LEFT JOIN claimed AS c ON true
 
@@ -328,28 +312,34 @@ AND id <> ALL($1::bigint[])
 (SELECT min(b.id) FROM unnest($1::bigint[]) AS b(id))
 
 -- renew_leases --
--- Extend the lease of rows $1 held by client $2 to $3 seconds from now. Rows
--- locked right now are skipped, never waited for: they are being finished (or
--- isolated) by this very process, whose statements lock them in another order,
--- so waiting could deadlock with it and fail its batch.
-WITH held AS (
-    SELECT id FROM {queue}
-    WHERE id = ANY($1::bigint[]) AND handling_client_id = $2 AND id >= {lowest_id}
-    FOR UPDATE SKIP LOCKED
+-- Extend to $3 seconds from now the lease of each row $1[i] still leased by
+-- claim $2[i] (a row another claim took since is left alone). Rows locked right
+-- now are skipped, never waited for: they are being finished (or isolated) by
+-- this very process, whose statements lock them in another order, so waiting
+-- could deadlock with it and fail its batch. Returns the claims renewed.
+WITH leased AS (
+    SELECT q.id FROM {queue} AS q
+    JOIN unnest($1::bigint[], $2::text[]) AS v(id, claim)
+      ON q.id = v.id AND q.handling_client_id = v.claim
+    WHERE q.id >= {lowest_id}
+    FOR UPDATE OF q SKIP LOCKED
+), renewed AS (
+    UPDATE {queue} AS q SET lease_expires = now() + make_interval(secs => $3)
+    FROM leased
+    WHERE q.id = leased.id AND q.id >= {lowest_id}
+    RETURNING q.handling_client_id AS claim
 )
-UPDATE {queue} AS q SET lease_expires = now() + make_interval(secs => $3)
-FROM held
-WHERE q.id = held.id AND q.id >= {lowest_id};
+SELECT DISTINCT claim FROM renewed;
 
 -- abandon_leases --
--- Let rows $1 held by client $2 be claimed again at once. $3: how much to take
+-- Let rows $1 leased by claim $2 be claimed again at once. $3: how much to take
 -- off retry_count (0: the attempt stays counted; 1: it never started).
 UPDATE {queue}
 SET lease_expires = NULL, handling_client_id = NULL, retry_count = greatest(0, retry_count - $3)
 WHERE id = ANY($1::bigint[]) AND handling_client_id = $2 AND id >= {lowest_id};
 
 -- give_back --
--- Let rows $1 that client $3 claimed at attempts $2 (their retry_count after the
+-- Let rows $1 that claim $3 took at attempts $2 (their retry_count after the
 -- claim) be claimed again at once, their attempt not counted: they never started.
 -- A row claimed again since (its retry_count moved on) is left alone. Returns the
 -- ids given back.
@@ -361,8 +351,8 @@ WHERE q.id = v.id AND q.retry_count = v.attempt AND q.handling_client_id = $3
 RETURNING q.id;
 
 -- isolate --
--- After a crash, run one suspect alone. Of rows $1 held by client $3, row $2
--- stays held and is marked isolated; the others are let go at once. $4 per
+-- After a crash, run one suspect alone. Of rows $1 leased by claim $3, row $2
+-- stays leased and is marked isolated; the others are let go at once. $4 per
 -- row: whether a row let go must still be tried alone (its mark is a lease
 -- that ran out long ago). $5 per row: attempts given back to a row let go:
 -- this claim's (it has not started), plus the crash's when it died in a batch
@@ -483,7 +473,6 @@ WITH RECURSIVE walk(g, n) AS (
       AND r.id >= $4
       AND r.subqueue IN ('I', 'R') AND r.retry_time <= now() AND r.retry_time < 'infinity'
       AND (r.lease_expires IS NULL OR r.lease_expires < now())
-      AND {not_held(row => r)}
     FOR UPDATE SKIP LOCKED
 ), claimed AS (
     {claim_lease(client => $2, lease => $3, floor => $4)}

@@ -133,7 +133,6 @@ CREATE TABLE IF NOT EXISTS {queue} (
 ) PARTITION BY RANGE (id);
 {queue_indexes}
 {queue_unique_table}
-{queue_held_table}
 SELECT {schema}.nmbus_create_segment(n.nspname, c.relname, s.n)
 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace,
      generate_series(0, 1) AS s(n)
@@ -182,23 +181,6 @@ CREATE OR REPLACE TRIGGER "nmbus$unique" BEFORE INSERT ON {queue}
     FOR EACH ROW EXECUTE FUNCTION {unique_table}();
 CREATE OR REPLACE TRIGGER "nmbus$unique$free" AFTER DELETE ON {queue}
     FOR EACH ROW EXECUTE FUNCTION {unique_table}();
-
--- queue_held_table --
--- Fragment of create_queue and migrate_12_held: the records of the queue's
--- held batches (setting held_batches; docs/reliability.md, "Held batches").
--- A held batch's transaction locks its rows and writes each of them once, when
--- it finishes; until then this record, committed on a second connection before
--- its handlers run, says which rows it holds: `holder` is an advisory lock
--- (one bigint key, at or above 2^32) that its loop's connection holds while it
--- lives, so a record whose holder can be locked by anyone else is a crash's
--- (recover_held). Claims leave the rows of every record alone.
-CREATE TABLE IF NOT EXISTS {held} (
-    batch bigint CONSTRAINT {held_pkey} PRIMARY KEY,
-    holder bigint NOT NULL,
-    client text NOT NULL,
-    ids bigint[] NOT NULL,
-    started timestamptz NOT NULL DEFAULT now()
-);
 
 -- segment_function --
 -- Fragment of create_schema and migrate_10_function: nmbus_create_segment(schema,
@@ -302,11 +284,10 @@ ORDER BY name;
 -- Drop a queue table (its segments with it) and the tables of its own: its
 -- unique table with the trigger function that wrote it (kept, a queue created
 -- again under the name would take the dropped queue's unique_ids for
--- duplicates) and the records of its held batches.
+-- duplicates).
 DROP TABLE IF EXISTS {queue};
 DROP TABLE IF EXISTS {unique_table};
 DROP FUNCTION IF EXISTS {unique_table}();
-DROP TABLE IF EXISTS {held};
 
 -- forget_queue --
 -- Remove queue $1 from the registry.

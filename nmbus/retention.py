@@ -68,6 +68,10 @@ class RetentionResult:
     segments_dropped: int = 0
     rows_moved: int = 0
     segments_pinned: int = 0
+    #: The bytes the dropped segments took on disk (indexes included), given back to
+    #: the system; rows deleted one by one give none back (vacuum makes their space
+    #: reusable inside the table), so they are not counted.
+    bytes_freed: int = 0
 
     @property
     def total(self) -> int:

@@ -15,8 +15,13 @@ import pytest
 import structlog
 from typer.testing import CliRunner, Result
 
+from nmbus import Bus, Context
 from nmbus.cli import app
+from nmbus.cli._table import size_text
+from nmbus.testing import drain
+from tests.messages import Ping
 from tests.ops_data import CHARGE_ERROR, Facts, count, notifications, split_segments
+from tests.waits import wait_until
 
 runner = CliRunner()
 
@@ -279,6 +284,7 @@ async def test_cleanup(cli: Cli, facts: Facts, db: asyncpg.Connection, tmp_path:
     (result,) = got["queues"]
     assert result["deleted_processed"] == 65 and result["deleted_failed"] == 0
     assert result["batches"] == 1 and result["segments_dropped"] == 1  # one segment, whole
+    assert result["bytes_freed"] > 0
     assert len({Path(f).parent.name for f in result["files"]}) == 4  # 1, 2, 3 and 30 days ago
     assert all(Path(f).is_relative_to(tmp_path / "queue=billing") for f in result["files"])
     assert await count(db, "subqueue = 'X'") == 100
@@ -293,6 +299,42 @@ async def test_cleanup(cli: Cli, facts: Facts, db: asyncpg.Connection, tmp_path:
     assert await count(db, "subqueue IN ('I', 'R')") == 9
     await cli("cleanup", "--older-than", "soon", code=2)
     await cli("cleanup", "nosuch", "--yes", code=1)
+
+
+async def test_one_cleanup_removes_a_drained_queue_s_old_rows_and_says_what_went(
+    cli: Cli, dsn: str, db: asyncpg.Connection
+) -> None:
+    """Sent, then drained, no worker running since: every row sits in segment 0, the
+    segment being written. One `nmbus cleanup --older-than 1s` removes them all."""
+    bus = Bus("billing", dsn=dsn, poll_interval=0.2, batch_size=50)
+
+    @bus.handler(Ping)
+    async def on_ping(msg: Ping, ctx: Context) -> None:
+        pass
+
+    async with bus:
+        async with Bus("shop", dsn=dsn, concurrency=0) as shop:
+            for n in range(300):
+                await shop.send(Ping(n=n), to="billing")
+        await drain(bus)
+    assert await count(db, "subqueue = 'X'") == 300
+    assert await db.fetchval("SELECT max(id) FROM nmbus.billing") < 2**36
+    await wait_until(
+        "SELECT count(*) FROM nmbus.billing WHERE last_processed >= now() - interval '1 second'",
+        db=db,
+        until=lambda n: n == 0,
+    )
+    dry = await cli.json("cleanup", "billing", "--older-than", "1s", "--dry-run")
+    assert dry["queues"] == {"billing": {"X": 300, "F": 0}}
+    refused = await cli("cleanup", "billing", "--older-than", "1s", code=1)  # it asks first
+    assert "--yes" in refused.stderr and await count(db, "true") == 300
+    size = await db.fetchval("""SELECT pg_total_relation_size('nmbus."billing$s0"')""")
+    text = (await cli("cleanup", "billing", "--older-than", "1s", "--yes")).stdout
+    assert await count(db, "true") == 0
+    assert await db.fetchval("""SELECT to_regclass('nmbus."billing$s0"')""") is None
+    freed = size_text(size)
+    assert f"removed 300 row(s), dropped 1 segment(s) ({freed})" in text, text
+    assert re.search(rf"billing\s+300\s+0\s+1\s+{re.escape(freed)}\s", text), text
 
 
 async def test_version_and_ddl(cli: Cli) -> None:

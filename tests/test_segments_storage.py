@@ -237,6 +237,157 @@ async def test_retention_gives_the_space_back_without_vacuum(
     assert await db.fetchval("SELECT count(*) FROM nmbus.billing WHERE subqueue = 'I'") == 50
 
 
+SEGMENT_0 = 'nmbus."billing$s0"'
+
+
+async def size_of(db: asyncpg.Connection, segment: str) -> int:
+    return int(await db.fetchval("SELECT pg_total_relation_size($1::text::regclass)", segment))
+
+
+@pytest.mark.parametrize("archive", [False, True], ids=["drop", "archive"])
+async def test_one_run_removes_the_old_rows_of_the_segment_being_written(
+    dsn: str, db: asyncpg.Connection, tmp_path: Path, archive: bool
+) -> None:
+    """A queue no run has rolled yet keeps every row in segment 0, the one being written:
+    one run rolls it first, so the same run drops it."""
+    await make_queue(dsn)
+    await add(db, 5_000, "X")
+    assert await current_segment(db, "nmbus", "billing") == 0
+    expected = [r[0] for r in await db.fetch("SELECT id FROM nmbus.billing ORDER BY id")]
+    size = await size_of(db, SEGMENT_0)
+    policy = RetentionPolicy(max_age=timedelta(days=1), archive_dir=tmp_path if archive else None)
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert result.deleted == {"X": 5_000, "F": 0} and result.segments_dropped == 1
+    assert result.bytes_freed == size > 0
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing") == 0
+    assert await numbers(db) == [1, 2]  # 0 dropped, 1 now written, 2 made ahead
+    assert await current_segment(db, "nmbus", "billing") == 1
+    if archive:
+        archived = ds.dataset(tmp_path, format="parquet", partitioning="hive").to_table()
+        assert sorted(archived.column("id").to_pylist()) == expected
+        assert not await asyncio.to_thread(lambda: list(tmp_path.rglob(".pending-*")))
+    # Nothing left past the age: the next run neither rolls nor drops.
+    again = await clean_queue(db, "nmbus", "billing", policy)
+    assert (again.total, again.segments_dropped, again.bytes_freed) == (0, 0, 0)
+    assert await numbers(db) == [1, 2]
+
+
+async def test_live_rows_of_the_segment_being_written_move_on_and_its_old_rows_go(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await make_queue(dsn)
+    await add(db, 1_000, "X")
+    await add(db, 3, "I", ago="0 seconds", prefix="live")
+    await add(db, 1, "F", ago="1 hour")  # younger than failed_max_age: it waits
+    await add(db, 1, "R", ago="-3 days")  # scheduled three days ahead
+    before = {
+        r["unique_id"]: dict(r)
+        for r in await db.fetch("SELECT * FROM nmbus.billing WHERE subqueue <> 'X'")
+    }
+    policy = RetentionPolicy(max_age=timedelta(days=1), failed_max_age=timedelta(hours=2))
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert result.deleted == {"X": 1_000, "F": 0}
+    assert (result.segments_dropped, result.rows_moved, result.segments_pinned) == (1, 5, 0)
+    assert await numbers(db) == [1, 2]
+    # Every waiting row is in the segment now written, with a new id and nothing else changed.
+    after = {r["unique_id"]: dict(r) for r in await db.fetch("SELECT * FROM nmbus.billing")}
+    assert set(after) == set(before)
+    for key, row in after.items():
+        assert SEGMENT_SPAN <= row["id"] < 2 * SEGMENT_SPAN
+        assert dict(row, id=0) == dict(before[key], id=0)
+    floor = await read_floor(db, "nmbus", "billing")
+    assert len(await db.fetch(render("claim", "nmbus", "billing"), 10, "w", 30.0, floor)) == 3
+
+
+async def test_what_keeps_an_old_segment_keeps_the_segment_being_written(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    # Segments a week wide: the rows (two days old) never roll the segment by its time,
+    # only because they are past the age.
+    policy = RetentionPolicy(max_age=timedelta(days=1), segment_seconds=7 * 86400)
+    await make_queue(dsn)
+    # An empty queue: nothing to roll.
+    assert (await clean_queue(db, "nmbus", "billing", policy)).total == 0
+    assert await numbers(db) == [0, 1]
+    # An X row processed within the age keeps the segment, so it is not even rolled.
+    await add(db, 100, "X")
+    await add(db, 1, "X", ago="1 hour", prefix="recent")
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert (result.total, result.segments_dropped) == (0, 0)
+    assert await numbers(db) == [0, 1] and await current_segment(db, "nmbus", "billing") == 0
+    # So does a sequence member not done (its id is its place in the sequence).
+    await db.execute(
+        "UPDATE nmbus.billing SET last_processed = now() - interval '2 days' "
+        "WHERE unique_id = 'recent-X-1'"
+    )
+    await add(db, 1, "I", ago="0 seconds", prefix="member")
+    await db.execute(
+        "UPDATE nmbus.billing SET sequence_key = 'acct-1' WHERE unique_id = 'member-I-1'"
+    )
+    member = await db.fetchval("SELECT id FROM nmbus.billing WHERE unique_id = 'member-I-1'")
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert (result.total, result.segments_dropped) == (0, 0)
+    assert await numbers(db) == [0, 1] and await current_segment(db, "nmbus", "billing") == 0
+    # A row a worker holds rolls the segment, yet keeps it, with every row, until it is done.
+    await db.execute(
+        "UPDATE nmbus.billing SET sequence_key = NULL, handling_client_id = 'w', "
+        "lease_expires = now() + interval '1 minute' WHERE id = $1",
+        member,
+    )
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert (result.total, result.segments_dropped, result.segments_pinned) == (0, 0, 1)
+    assert await current_segment(db, "nmbus", "billing") == 1
+    assert await db.fetchval(f"SELECT count(*) FROM {SEGMENT_0}") == 102
+    assert await db.fetchval("SELECT id FROM nmbus.billing WHERE id = $1", member) == member
+    await db.execute(
+        "UPDATE nmbus.billing SET subqueue = 'X', last_processed = now() - interval '2 days', "
+        "handling_client_id = NULL, lease_expires = NULL WHERE id = $1",
+        member,
+    )
+    result = await clean_queue(db, "nmbus", "billing", policy)
+    assert result.deleted == {"X": 102, "F": 0} and result.segments_dropped == 1
+    assert await numbers(db) == [1, 2]
+
+
+async def test_two_runs_at_once_remove_the_segment_being_written_once(
+    dsn: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    await make_queue(dsn)
+    await add(db, 3_000, "X")
+    expected = [r[0] for r in await db.fetch("SELECT id FROM nmbus.billing ORDER BY id")]
+    policy = RetentionPolicy(max_age=timedelta(days=1), archive_dir=tmp_path)
+    conns = [await asyncpg.connect(dsn) for _ in range(2)]
+    try:
+        results = await asyncio.gather(*(clean_queue(c, "nmbus", "billing", policy) for c in conns))
+    finally:
+        for conn in conns:
+            await conn.close()
+    assert sum(r.deleted["X"] for r in results) == 3_000
+    assert sum(r.segments_dropped for r in results) == 1
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing") == 0
+    assert await numbers(db) == [1, 2]
+    archived = ds.dataset(tmp_path, format="parquet", partitioning="hive").to_table()
+    assert sorted(archived.column("id").to_pylist()) == expected  # each row once
+
+
+async def test_at_the_most_segments_a_queue_keeps_one_run_still_removes_every_old_row(
+    dsn: str, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the cap the segment being written cannot roll first: it rolls once the
+    drops of the older segments have made room, and goes in the same run."""
+    monkeypatch.setattr("nmbus.postgres.segments.MAX_LIVE_SEGMENTS", 3)
+    await make_queue(dsn)
+    for prefix in ("s0", "s1"):
+        await add(db, 10, "X", prefix=prefix)
+        assert await advance(db, "nmbus", "billing") is not None
+    await add(db, 10, "X", prefix="s2")
+    assert await current_segment(db, "nmbus", "billing") == 2
+    result = await clean_queue(db, "nmbus", "billing", DAY)
+    assert result.deleted == {"X": 30, "F": 0} and result.segments_dropped == 3
+    assert await db.fetchval("SELECT count(*) FROM nmbus.billing") == 0
+    assert await numbers(db) == [3, 4]
+
+
 async def test_waiting_rows_move_and_sequence_members_keep_their_segment(
     dsn: str, db: asyncpg.Connection
 ) -> None:
@@ -275,8 +426,9 @@ async def test_waiting_rows_move_and_sequence_members_keep_their_segment(
     assert await db.fetchval("SELECT id FROM nmbus.billing WHERE sequence_key = 'acct-1'") == moved
 
 
+@pytest.mark.parametrize("by_hand", [True, False], ids=["rolled-by-hand", "rolled-by-retention"])
 async def test_a_worker_loses_nothing_while_retention_drops_segments(
-    dsn: str, db: asyncpg.Connection
+    dsn: str, db: asyncpg.Connection, by_hand: bool
 ) -> None:
     handled: list[int] = []
     bus = Bus("billing", dsn=dsn, poll_interval=0.2, batch_size=20)
@@ -300,7 +452,10 @@ async def test_a_worker_loses_nothing_while_retention_drops_segments(
             while not sending.done() or len(handled) < total:
                 if sending.done() and sending.exception() is not None:
                     raise AssertionError("the sender failed") from sending.exception()
-                await advance(db, "nmbus", "billing")
+                if by_hand:
+                    await advance(db, "nmbus", "billing")
+                # Otherwise the run rolls the segment being written itself, with the
+                # worker claiming and finishing in it, and drops it.
                 dropped += (await clean_queue(db, "nmbus", "billing", policy)).segments_dropped
                 await asyncio.sleep(0.05)
             await sending

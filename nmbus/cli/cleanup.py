@@ -25,7 +25,7 @@ from nmbus.cli._common import (
     settings,
     table,
 )
-from nmbus.cli._table import Column, age_text
+from nmbus.cli._table import Column, age_text, size_text
 from nmbus.settings import Settings
 
 MaxAgeOption = Annotated[
@@ -82,6 +82,7 @@ def _clean(
             "files": [str(p) for p in result.files],
             "recovered_files": result.recovered_files,
             "segments_dropped": result.segments_dropped,
+            "bytes_freed": result.bytes_freed,
             "rows_moved": result.rows_moved,
             "segments_pinned": result.segments_pinned,
             "skipped": result.skipped,
@@ -156,12 +157,17 @@ def cleanup(
     if as_json:
         emit_json({"dry_run": False, "queues": results})
         return
+    removed = sum(r["deleted_processed"] + r["deleted_failed"] for r in results)
+    dropped = sum(r["segments_dropped"] for r in results)
+    freed = sum(r["bytes_freed"] for r in results)
     table(
-        "cleanup",
+        f"cleanup: removed {removed} row(s), dropped {dropped} segment(s) ({size_text(freed)})",
         [
             Column("queue", key=True),
             "X deleted",
             "F deleted",
+            "segments",
+            Column("freed", align="right"),
             "batches",
             "longest batch",
             "files",
@@ -172,6 +178,8 @@ def cleanup(
                 r["queue"],
                 r["deleted_processed"],
                 r["deleted_failed"],
+                r["segments_dropped"],
+                size_text(r["bytes_freed"]),
                 r["batches"],
                 age_text(r["longest_batch_seconds"]),
                 len(r["files"]),

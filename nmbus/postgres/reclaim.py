@@ -1,7 +1,10 @@
 """Reclaim old segments whole: move what still waits, archive, drop.
 
-Retention's pass over a segmented queue (docs/storage.md, "Segments"). For
-each segment older than the one being written, lowest first:
+Retention's pass over a segmented queue (docs/storage.md, "Segments"). The
+segment being written is never dropped; when its processed rows are already
+past ``max_age`` and nothing else keeps it, :func:`roll_ripe` rolls it first,
+so that it is an old segment by the time this pass looks. For each segment
+older than the one being written, lowest first:
 
 1. if it holds an X row processed less than ``max_age`` ago, it stays;
 2. rows that wait for something other than time are moved to the segment
@@ -43,6 +46,9 @@ from nmbus.postgres.segments import (
     LOWEST_ID,
     Segment,
     current_segment,
+    full,
+    roll_now,
+    segment_regclass,
     segments,
     take_segment_lock,
 )
@@ -52,6 +58,26 @@ log = structlog.get_logger("nmbus.retention")
 
 #: Rows per archive file written from one segment (bounded memory per file).
 ARCHIVE_CHUNK = 50_000
+
+
+async def roll_ripe(conn: Any, schema: str, queue: str, policy: RetentionPolicy) -> int | None:
+    """Roll the segment being written if it holds X rows past ``max_age`` and nothing
+    that would keep it anyway (segment_ripe), so that the drops that follow take it.
+
+    Returns the number of the segment now written if it rolled, else None: nothing
+    past the age, something that keeps it, the queue at MAX_LIVE_SEGMENTS (the caller
+    tries again once its drops have made room), or a roll that could not go now
+    (nmbus.postgres.segments.advance: a lock busy, a transaction older than the next
+    segment still open).
+    """
+    present = await segments(conn, schema, queue)
+    current = await current_segment(conn, schema, queue)
+    if not any(s.number == current for s in present) or full(present, current):
+        return None
+    ripe = render_segment("segment_ripe", schema, queue, current)
+    if not await conn.fetchval(ripe, policy.max_age):
+        return None
+    return await roll_now(conn, schema, queue)
 
 
 async def reclaim_segments(
@@ -69,11 +95,13 @@ async def reclaim_segments(
         if segment.number >= current:
             break
         started = time.perf_counter()
-        dropped = await _reclaim(conn, schema, queue, segment, policy, result)
-        if dropped is None:
+        reclaimed = await _reclaim(conn, schema, queue, segment, policy, result)
+        if reclaimed is None:
             continue
+        dropped, size = reclaimed
         elapsed = time.perf_counter() - started
         result.segments_dropped += 1
+        result.bytes_freed += size
         for subqueue, count in dropped.items():
             result.deleted[subqueue] += count
         result.batches += 1
@@ -90,8 +118,9 @@ async def _reclaim(
     segment: Segment,
     policy: RetentionPolicy,
     result: RetentionResult,
-) -> dict[str, int] | None:
-    """Drop one segment if nothing keeps it; returns its X and F rows, None if kept."""
+) -> tuple[dict[str, int], int] | None:
+    """Drop one segment if nothing keeps it; returns its X and F rows and the bytes it
+    took on disk, None if kept."""
     n = segment.number
     if await _pins(conn, schema, queue, n, policy, recent_only=True):
         return None
@@ -101,6 +130,7 @@ async def _reclaim(
         return None
     pending: list[Path] = []
     rows: dict[str, int] = {"X": 0, "F": 0}
+    size = 0
     try:
         if policy.archive_dir is not None:
             try:
@@ -119,6 +149,9 @@ async def _reclaim(
                 await conn.execute(render("segment_lock_queue", schema, queue))
                 if await _pins(conn, schema, queue, n, policy):
                     raise _Kept
+                size = await conn.fetchval(
+                    render("segment_size", schema), segment_regclass(schema, queue, n)
+                )
                 await conn.execute(render_segment("segment_drop", schema, queue, n))
         except (_Kept, asyncpg.LockNotAvailableError) as exc:
             for path in pending:
@@ -132,8 +165,8 @@ async def _reclaim(
             path.unlink(missing_ok=True)
         raise
     result.files.extend(await asyncio.to_thread(publish, pending))
-    log.info("segment_dropped", queue=queue, segment=n, rows=rows, files=len(pending))
-    return rows
+    log.info("segment_dropped", queue=queue, segment=n, rows=rows, bytes=size, files=len(pending))
+    return rows, int(size)
 
 
 class _Kept(Exception):
@@ -214,11 +247,13 @@ async def _archive(
 async def due(conn: Any, schema: str, queue: str, policy: RetentionPolicy) -> tuple[int, int]:
     """What a run would remove now: (X rows of the segments it would drop, F rows past
     ``failed_max_age``). Read only; a segment counts unless a recent X row or a
-    sequence member not done keeps it (what a run moves first is not counted)."""
+    sequence member not done keeps it (what a run moves first is not counted). The
+    segment being written counts too: a run rolls it first when its X rows are past
+    the age and nothing of that keeps it (roll_ripe), and then drops it."""
     current = await current_segment(conn, schema, queue)
     processed = 0
     for segment in await segments(conn, schema, queue):
-        if segment.number >= current:
+        if segment.number > current:
             break
         pins = await conn.fetchrow(
             render_segment("segment_pins", schema, queue, segment.number),

@@ -6,7 +6,11 @@ unless ``retention_failed_max_age`` is set.
 
 A segmented queue (schema 10, docs/storage.md "Segments") loses its X rows
 with their segments, dropped whole by nmbus.postgres.reclaim, and then rolls
-to its next segment (nmbus.postgres.segments). What is left to remove row by
+to its next segment (nmbus.postgres.segments). The segment being written is
+never dropped: when its X rows are already past ``retention_max_age`` (a queue
+no run has rolled for longer than that, or a run with a shorter age than the
+segments' width), it is rolled first, so that the same run drops it instead of
+the next one. What is left to remove row by
 row is the F rows past ``retention_failed_max_age`` that sit in segments kept
 for other reasons, and the X rows of a table not segmented; that is done in
 batches, and never holds a long lock:
@@ -62,7 +66,7 @@ from nmbus.postgres.archive import (
     publish,
     write_pending,
 )
-from nmbus.postgres.reclaim import reclaim_segments
+from nmbus.postgres.reclaim import reclaim_segments, roll_ripe
 from nmbus.postgres.segments import roll, segments
 from nmbus.postgres.sql import render
 
@@ -111,8 +115,15 @@ async def clean_queue(
             pass
         passes: list[tuple[str, timedelta]] = []
         if await segments(conn, schema, queue):
-            # Processed rows go with their segments, whole; then the next segment.
+            # Processed rows go with their segments, whole, never the one being
+            # written: so that one rolls first if its rows are already past the age.
+            early = await roll_ripe(conn, schema, queue, policy)
             await reclaim_segments(conn, schema, queue, policy, result, on_batch)
+            # At MAX_LIVE_SEGMENTS it could not roll: the drops may have made room.
+            again = early is None and result.segments_dropped > 0
+            if again and await roll_ripe(conn, schema, queue, policy) is not None:
+                await reclaim_segments(conn, schema, queue, policy, result, on_batch)
+            # Then the next segment, once the one being written is full of time.
             await roll(conn, schema, queue, policy.segment_seconds)
         else:
             passes.append(("X", policy.max_age))
@@ -128,6 +139,7 @@ async def clean_queue(
         deleted_processed=result.deleted["X"],
         deleted_failed=result.deleted["F"],
         segments_dropped=result.segments_dropped,
+        bytes_freed=result.bytes_freed,
         rows_moved=result.rows_moved,
         segments_pinned=result.segments_pinned,
         files=len(result.files),

@@ -12,12 +12,15 @@ Who writes where:
   goes to the segment that value falls in: the segment being written;
 * :func:`roll` (run by retention) makes sure the segment after it exists,
   and once the segment being written holds a row older than
-  ``segment_seconds`` it moves the sequence to the next segment's first id.
-  The next segment is always created, and committed, before the sequence
-  moves into it, so no insert ever lacks a segment; a queue whose retention
-  never runs simply keeps writing into one segment.
+  ``segment_seconds`` it moves the sequence to the next segment's first id;
+  :func:`roll_now` moves it whatever that age (retention's roll of a segment
+  whose processed rows are already past their age, so that the same run can
+  drop it). The next segment is always created, and committed, before the
+  sequence moves into it, so no insert ever lacks a segment; a queue whose
+  retention never runs simply keeps writing into one segment.
 
-Retention then drops old segments whole (nmbus.postgres.retention).
+Retention drops old segments whole (nmbus.postgres.reclaim), never the one
+being written.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from nmbus.postgres.sql import (
     quote_ident,
     render,
     render_segment,
+    segment_name,
 )
 
 log = structlog.get_logger("nmbus.segments")
@@ -74,6 +78,17 @@ class Segment:
         return (self.number + 1) * SEGMENT_SPAN
 
 
+def live_segments(present: list[Segment], current: int) -> int:
+    """How many of ``present`` count against MAX_LIVE_SEGMENTS: those up to the one
+    being written (``current``), not the one made ahead."""
+    return sum(1 for s in present if s.number <= current)
+
+
+def full(present: list[Segment], current: int) -> bool:
+    """Whether the queue keeps MAX_LIVE_SEGMENTS already: then no roll moves on."""
+    return live_segments(present, current) >= MAX_LIVE_SEGMENTS
+
+
 def segment_of(row_id: int) -> int:
     """The number of the segment an id falls in."""
     return max(0, int(row_id) // SEGMENT_SPAN)
@@ -81,6 +96,11 @@ def segment_of(row_id: int) -> int:
 
 def queue_regclass(schema: str, queue: str) -> str:
     return f"{quote_ident(schema)}.{quote_ident(queue)}"
+
+
+def segment_regclass(schema: str, queue: str, number: int) -> str:
+    """Segment ``number`` of ``queue``, schema-qualified and quoted (as regclass text)."""
+    return f"{quote_ident(schema)}.{quote_ident(segment_name(queue, number))}"
 
 
 async def bound_lock_wait(conn: Any, schema: str, timeout: str) -> None:
@@ -123,19 +143,27 @@ async def roll(conn: Any, schema: str, queue: str, segment_seconds: float) -> in
     transaction. A roll that cannot get the queue's lock within LOCK_TIMEOUT
     tries again on the next run.
     """
-    return await advance(conn, schema, queue, older_than=segment_seconds)
+    return await advance(conn, schema, queue, older_than=segment_seconds, capped=True)
+
+
+async def roll_now(conn: Any, schema: str, queue: str) -> int | None:
+    """Move on now, whatever the age of the segment being written, within the segments
+    a queue keeps (MAX_LIVE_SEGMENTS) like :func:`roll`. Returns what :func:`roll` does.
+    """
+    return await advance(conn, schema, queue, capped=True)
 
 
 async def advance(
-    conn: Any, schema: str, queue: str, older_than: float | None = None
+    conn: Any, schema: str, queue: str, older_than: float | None = None, capped: bool = False
 ) -> int | None:
     """Move the queue's new rows to the next segment (only if the one being written
-    has a row ``older_than`` seconds, when given). Returns the new segment's number,
-    or None when it did not move (nothing old enough, or a lock it needed was busy
-    for longer than LOCK_TIMEOUT: then nothing changed).
+    has a row ``older_than`` seconds, when given, and, when ``capped``, only while
+    the queue has fewer than MAX_LIVE_SEGMENTS up to it). Returns the new segment's
+    number, or None when it did not move (nothing old enough, too many segments, or a
+    lock it needed was busy for longer than LOCK_TIMEOUT: then nothing changed).
     """
     try:
-        return await _advance(conn, schema, queue, older_than)
+        return await _advance(conn, schema, queue, older_than, capped)
     except asyncpg.LockNotAvailableError:
         log.info("segment_roll_deferred", queue=queue, reason="queue table busy")
         return None
@@ -150,7 +178,9 @@ async def _ahead(conn: Any, schema: str, queue: str) -> int:
     return current
 
 
-async def _advance(conn: Any, schema: str, queue: str, older_than: float | None) -> int | None:
+async def _advance(
+    conn: Any, schema: str, queue: str, older_than: float | None, capped: bool
+) -> int | None:
     # The next segment first, committed before any id can fall in it.
     await _ahead(conn, schema, queue)
     async with conn.transaction():
@@ -162,16 +192,15 @@ async def _advance(conn: Any, schema: str, queue: str, older_than: float | None)
             start = await _started(conn, schema, queue, current)
             if start is None or now - start < timedelta(seconds=older_than):
                 return None
-            live = sum(1 for s in present if s.number <= current)
-            if live >= MAX_LIVE_SEGMENTS:
-                log.warning(
-                    "segments_capped",
-                    queue=queue,
-                    segments=live,
-                    reason="the segment being written stays open: retention_max_age / "
-                    "segment_seconds is more than the segments a queue keeps",
-                )
-                return None
+        if capped and full(present, current):
+            log.warning(
+                "segments_capped",
+                queue=queue,
+                segments=live_segments(present, current),
+                reason="the segment being written stays open: retention_max_age / "
+                "segment_seconds is more than the segments a queue keeps",
+            )
+            return None
         following = next((s for s in present if s.number == current + 1), None)
         if following is None:
             return None  # dropped by hand since: the next run creates it again

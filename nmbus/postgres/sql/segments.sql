@@ -130,6 +130,20 @@ SELECT EXISTS (SELECT 1 FROM {segment} WHERE subqueue = 'X'
                     OR last_processed >= now() - $2::interval))
            AS failed;
 
+-- segment_ripe --
+-- Whether retention rolls the segment being written before it drops old ones, so
+-- that this same run drops it: it holds an X row processed more than $1
+-- (interval) ago, and nothing of what segment_pins calls recent or sequenced,
+-- which would keep it anyway (an X row processed less than $1 ago or at an
+-- unknown time, a sequence member not in X). Three index probes, none reads the
+-- X rows. Rows a run moves (F, I/R no live lease holds) do not keep it.
+SELECT EXISTS (SELECT 1 FROM {segment} WHERE subqueue = 'X'
+               AND last_processed < now() - $1::interval)
+       AND NOT EXISTS (SELECT 1 FROM {segment} WHERE subqueue = 'X'
+                       AND (last_processed >= now() - $1::interval OR last_processed IS NULL))
+       AND NOT EXISTS (SELECT 1 FROM {segment} WHERE sequence_key IS NOT NULL
+                       AND subqueue <> 'X');
+
 -- segment_movable --
 -- Lock the rows of the segment that wait for something other than time and may
 -- move to the segment being written, so they do not keep an old segment alive: F rows
@@ -192,6 +206,11 @@ SELECT set_config('lock_timeout', $1, true);
 -- Take the queue table for the drop of a segment (DROP takes the same lock: taken
 -- first, the wait for it is bounded by the caller's lock_timeout).
 LOCK TABLE {queue} IN ACCESS EXCLUSIVE MODE;
+
+-- segment_size --
+-- The bytes segment $1 (schema-qualified and quoted, as regclass text) takes on
+-- disk, its indexes and TOAST included: what its drop gives back to the system.
+SELECT pg_total_relation_size($1::text::regclass);
 
 -- segment_drop --
 -- Drop the segment, its rows and its indexes: the space goes back to the system.

@@ -182,7 +182,9 @@ async def test_flow_limits_report_their_waits_and_what_they_hold_back(
     make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(worker_module, "HELD_BACK_INTERVAL", 0.1)
-    bus = make_bus("limited", metrics_port=0, poll_interval=0.1)
+    # Two loops: the one that runs the message the limit lets through is busy in its
+    # handler, so only the other can wait for room (one loop alone never waits here).
+    bus = make_bus("limited", metrics_port=0, poll_interval=0.1, concurrency=2)
     release = asyncio.Event()
 
     @bus.handler(concurrency=1)
@@ -196,20 +198,30 @@ async def test_flow_limits_report_their_waits_and_what_they_hold_back(
         assert port is not None
         key = "obs.Slow:test_flow_limits_report_their_waits_and_what_they_hold_back.<locals>.slow"
 
+        async def exposed() -> Samples:
+            return samples(await asyncio.to_thread(scrape, port))
+
         async def held() -> float:
-            found = samples(await asyncio.to_thread(scrape, port))
             series = ("nmbus_flow_held_back_messages", (("handler", key), ("queue", "limited")))
-            return found.get(series, -1)
+            return (await exposed()).get(series, -1)
 
         # One runs, the concurrency limit holds the other three back.
         await wait_until(held, until=lambda n: n == 3, timeout=30)
-        # A loop's wait for room is counted when it ends (every poll interval).
+        # The idle loop's claims take nothing while the three wait: each of its waits
+        # for room is counted when it ends (a recheck, at most every poll interval).
+        # Counted from here, while the three are held back: a wait counted as the bus
+        # started (a claim that ran before a send committed, its probe after) is not one.
+        before = await exposed()
+        waits, seconds = "nmbus_flow_waits_total", "nmbus_flow_wait_seconds_total"
         found = await wait_until(
-            lambda: asyncio.to_thread(lambda: samples(scrape(port))),
-            until=lambda found: value(found, "nmbus_flow_waits_total", queue="limited") >= 1,
+            exposed,
+            until=lambda found: (
+                value(found, waits, queue="limited") > value(before, waits, queue="limited")
+            ),
             timeout=30,
+            what="a flow wait counted while three messages are held back",
         )
-        assert value(found, "nmbus_flow_wait_seconds_total", queue="limited") > 0
+        assert value(found, seconds, queue="limited") > value(before, seconds, queue="limited")
         release.set()
         await wait_until(held, until=lambda n: n == 0, timeout=30)
 

@@ -6,6 +6,7 @@ I (ready), R (scheduled), X (processed) and F (failed).
 
 from nmbus.bus import Bus
 from nmbus.context import Context, Effects
+from nmbus.delivery.periodic import Tick
 from nmbus.errors import (
     AttemptFailed,
     AttemptsExhausted,
@@ -37,9 +38,8 @@ from nmbus.errors import (
     UnknownMessageType,
 )
 from nmbus.messages import Message
-from nmbus.periodic import Tick
 from nmbus.retry import RetryPolicy
-from nmbus.sagas import Saga
+from nmbus.sagas.saga import Saga
 from nmbus.settings import Settings
 
 

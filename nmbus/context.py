@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from nmbus.delivery.flow import GROUP_HEADER
 from nmbus.envelopes import (
     IN_REPLY_TO_HEADER,
     REPLY_BY_HEADER,
@@ -31,16 +32,15 @@ from nmbus.envelopes import (
     user_headers,
 )
 from nmbus.errors import ConfigurationError
-from nmbus.flow import GROUP_HEADER
 from nmbus.messages import Envelope, Message
 from nmbus.names import validate_queue_name
-from nmbus.tracer import NULL_TRACER, Tracer
+from nmbus.telemetry.tracer import NULL_TRACER, Tracer
 
 if TYPE_CHECKING:
     import asyncpg
 
+    from nmbus.ports.store import HandlerTransaction
     from nmbus.received import Received
-    from nmbus.store import HandlerTransaction
 
 
 @dataclass(slots=True)

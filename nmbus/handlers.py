@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nmbus.context import Context
+from nmbus.delivery.flow import FlowLimits, Limits
 from nmbus.errors import MAX_SECONDS, HandlerError
-from nmbus.flow import FlowLimits, Limits
 from nmbus.messages import Message, subtypes, type_name
 from nmbus.retry import RetryPolicy
 
 if TYPE_CHECKING:
+    from nmbus.ports.store import Batch
     from nmbus.received import Received
-    from nmbus.store import Batch
 
 HandlerFunc = Callable[[Any, Context], Awaitable[None]]
 
@@ -78,7 +78,7 @@ class Handler:
     # False: the handler's only effects go through ctx.connection, ctx.send and
     # ctx.publish, so running it again after a rollback is invisible.
     outside_effects: bool = True
-    # Flow control (nmbus/flow.py): enforced where the messages are claimed.
+    # Flow control (nmbus/delivery/flow.py): enforced where the messages are claimed.
     limits: Limits | None = None
 
     @property
@@ -87,7 +87,7 @@ class Handler:
 
     @property
     def rated(self) -> bool:
-        """Whether it has a rate: its starts are counted (nmbus/dispatch/marks.py)."""
+        """Whether it has a rate: its starts are counted (nmbus/consume/dispatch/marks.py)."""
         return self.limits is not None and self.limits.rate is not None
 
     @property
@@ -108,7 +108,7 @@ class Registry:
         # Changes with every registration: caches built on the registry check it.
         self.version = 0
         # Run in each batch's transaction around its handlers, with the batch's
-        # decoded messages (the saga locks and states of the batch: nmbus/sagas.py).
+        # decoded messages (the saga locks and states of the batch: nmbus/sagas/saga.py).
         self.batch_hooks: list[BatchHook] = []
 
     def add(

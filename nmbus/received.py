@@ -26,7 +26,7 @@ class Received:
     def __init__(self, row: StoredMessage) -> None:
         self.row = row
         self._headers: dict[str, Any] | None = None
-        #: The saga states its batch holds for it (nmbus.saga_states.SagaStates), set by
+        #: The saga states its batch holds for it (nmbus.sagas.states.SagaStates), set by
         #: the saga hook before the handlers run; None when it needs none.
         self.sagas: Any = None
         #: The sagas it names (saga and key pairs), once the saga hook has found them.

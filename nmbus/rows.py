@@ -4,7 +4,7 @@
 its Python type; :data:`COLUMNS` is their names. Everything else that holds a
 whole row takes its columns from here, by name: the in-memory store's rows
 (``nmbus.testing.Row`` is this class), the operator's
-:class:`nmbus.operations.MessageRow` (a QueueRow with the lengths of its texts)
+:class:`nmbus.ports.operations.MessageRow` (a QueueRow with the lengths of its texts)
 and retention's Parquet archive (``nmbus.postgres.retention``). The table's
 DDL is the ``create_queue`` block of the SQL; ``tests/test_rows.py`` compares
 this list with the columns PostgreSQL's catalogue gives for a real table.

@@ -167,7 +167,7 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         le=10_000,
-        description="messages per claim; unset: each loop adapts it (nmbus/sizing.py)",
+        description="messages per claim; unset: each loop adapts it (nmbus/consume/sizing.py)",
     )
     batch_commit_interval: float = Field(
         default=0.5, gt=0, description="commit what a batch has handled at least this often"

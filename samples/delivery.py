@@ -14,7 +14,7 @@ import logging
 import structlog
 
 from nmbus import Bus, Context, Message, PermanentError, Settings, Tick
-from nmbus.admin import Admin
+from nmbus.ops.admin import Admin
 from nmbus.testing import drain
 
 

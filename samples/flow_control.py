@@ -16,7 +16,7 @@ import time
 import structlog
 
 from nmbus import Bus, Context, Message, Settings
-from nmbus.admin import Admin
+from nmbus.ops.admin import Admin
 from nmbus.testing import drain
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import asyncpg
 import pyarrow.dataset as ds
 
-from nmbus.operations import RetentionPolicy
+from nmbus.ports.operations import RetentionPolicy
 from nmbus.postgres.retention import clean_queue
 from tests.pg import with_database
 from tests.procs import ROOT

@@ -30,7 +30,7 @@ from typing import Any
 
 import asyncpg
 
-from nmbus.operations import RetentionPolicy, RetentionResult
+from nmbus.ports.operations import RetentionPolicy, RetentionResult
 from nmbus.postgres import install_schema
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.retention import clean_queue

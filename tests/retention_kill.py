@@ -22,7 +22,7 @@ from typing import Any
 import asyncpg
 import pyarrow.parquet as pq
 
-from nmbus.operations import RetentionPolicy
+from nmbus.ports.operations import RetentionPolicy
 from nmbus.postgres.retention import clean_queue
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import asyncpg
 
-from nmbus.operations import RetentionPolicy
+from nmbus.ports.operations import RetentionPolicy
 from nmbus.postgres import reclaim
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.segments import advance

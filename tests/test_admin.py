@@ -10,7 +10,13 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from nmbus.admin import (
+from nmbus.errors import (
+    ConfigurationError,
+    InvalidQueueName,
+    QueueNotFound,
+    StoreError,
+)
+from nmbus.ops.admin import (
     Admin,
     FailedMessage,
     QueueStatus,
@@ -18,12 +24,6 @@ from nmbus.admin import (
     RetentionPolicy,
     Subscription,
     schema_ddl,
-)
-from nmbus.errors import (
-    ConfigurationError,
-    InvalidQueueName,
-    QueueNotFound,
-    StoreError,
 )
 from nmbus.postgres.sql import render
 from nmbus.settings import Settings
@@ -67,7 +67,7 @@ async def test_cheap_status_estimates_x_on_big_tables_only(
     for field in ("ready", "scheduled", "failed", "in_flight", "recent_processed"):
         assert getattr(billing, field) == getattr(exact, field), field
     # Over the size limit X comes from the statistics system's live-row count.
-    monkeypatch.setattr("nmbus.admin.EXACT_COUNT_PAGES", 0)
+    monkeypatch.setattr("nmbus.ops.admin.EXACT_COUNT_PAGES", 0)
     # The fixture's inserts reach the statistics system when their backend next
     # goes idle: flushed first, so they cannot land on top of what ANALYZE sets.
     await db.execute("SELECT pg_stat_force_next_flush()")
@@ -96,7 +96,7 @@ async def test_windows_give_throughput_percentiles_and_failure_rate(
 async def test_a_window_past_its_row_cap_is_sampled(
     admin: Admin, facts: Facts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("nmbus.admin.WINDOW_ROWS", 40)
+    monkeypatch.setattr("nmbus.ops.admin.WINDOW_ROWS", 40)
     five = (await admin.queue_status(300))[0].windows[0]
     assert (five.processed, five.sampled) == (40, True)
     # The 40 rows read all went to X two minutes ago: the rate is over their span.
@@ -109,11 +109,11 @@ async def test_a_sampled_window_counts_failures_over_the_span_it_read(
     # ops_data: 100 X rows two minutes ago, 3 F rows 30-50 minutes ago. Capped at
     # 40 rows, the hour's X figures stop two minutes back; F rows older than that
     # are outside the span the rate describes and must not inflate the failure rate.
-    monkeypatch.setattr("nmbus.admin.WINDOW_ROWS", 40)
+    monkeypatch.setattr("nmbus.ops.admin.WINDOW_ROWS", 40)
     hour = (await admin.queue_status(300, windows=[3600]))[0].windows[1]
     assert (hour.processed, hour.sampled, hour.failed) == (40, True, 0)
     assert hour.failure_rate == 0
-    monkeypatch.setattr("nmbus.admin.WINDOW_ROWS", 1000)
+    monkeypatch.setattr("nmbus.ops.admin.WINDOW_ROWS", 1000)
     hour = (await admin.queue_status(300, windows=[3600]))[0].windows[1]
     assert (hour.processed, hour.sampled, hour.failed) == (100, False, 3)
 

@@ -11,8 +11,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from nmbus.admin import Admin, RetentionPolicy
 from nmbus.errors import DatabaseUnavailable, InvalidSetting, QueueNotFound, StoreError
+from nmbus.ops.admin import Admin, RetentionPolicy
 from nmbus.settings import Settings
 from tests.ops_data import Facts
 

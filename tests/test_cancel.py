@@ -9,8 +9,8 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, Context
-from nmbus.admin import Admin
 from nmbus.errors import InvalidMessage, InvalidQueueName, QueueNotFound
+from nmbus.ops.admin import Admin
 from nmbus.testing import MemoryStore
 from tests.messages import Ping
 from tests.waits import wait_until

@@ -1,4 +1,4 @@
-"""Each claim its own identity (nmbus/claim.py), on a real PostgreSQL.
+"""Each claim its own identity (nmbus/consume/claim.py), on a real PostgreSQL.
 
 A lease names the claim that took it, not the process: every finish, renewal,
 give-back and lease-lost decision matches on the claim's token, so a loop can

@@ -191,7 +191,7 @@ async def test_failed_changes_only_what_it_counted(
 ) -> None:
     """A message that fails between the count (the question, the progress bar) and the
     change was changed without having been counted: what is confirmed is what is done."""
-    from nmbus.admin import Admin
+    from nmbus.ops.admin import Admin
 
     counting = Admin.failed_count
     late: list[int] = []

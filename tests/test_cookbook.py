@@ -10,9 +10,9 @@ from pathlib import Path
 import asyncpg
 
 from nmbus import Bus, Context
-from nmbus.admin import schema_ddl
+from nmbus.ops.admin import schema_ddl
+from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres import install_schema
-from nmbus.store import SCHEMA_VERSION
 from tests.cookbook_run import COOKBOOK, psql
 from tests.messages import Ping
 from tests.ops_data import CHARGE_ERROR, REFUND_ERROR, Facts

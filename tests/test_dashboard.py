@@ -21,7 +21,7 @@ import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nmbus.admin import Admin
+from nmbus.ops.admin import Admin
 from nmbus.postgres.sql import render
 from tests.dashboard_server import Server, start
 from tests.ops_data import Facts
@@ -732,8 +732,8 @@ async def test_the_queues_page_pages_many_queues_attention_first(
 async def test_metrics_read_every_queue_in_a_few_statements(
     facts: Facts, db: asyncpg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nmbus.admin import DEPTH_CHUNK, Admin
     from nmbus.dashboard.metrics import exposition
+    from nmbus.ops.admin import DEPTH_CHUNK, Admin
 
     await _many_queues(db, 3 * DEPTH_CHUNK)
     await db.execute(
@@ -831,7 +831,7 @@ async def test_the_header_names_the_schema_and_times_say_utc(
 ) -> None:
     from selenium.webdriver.common.by import By
 
-    from nmbus.store import SCHEMA_VERSION
+    from nmbus.ports.store import SCHEMA_VERSION
 
     server = await serve("--token", TOKEN)
     for path in ("/", "/queues/billing", "/failed", "/subscriptions"):
@@ -846,7 +846,7 @@ async def test_the_header_names_the_schema_and_times_say_utc(
     times = browser.find_elements(By.CSS_SELECTOR, "table.fields td")
     assert sum(t.text.endswith(" UTC") for t in times) == 2
     # More X rows in the last 5 minutes than a window reads: now the footnote shows.
-    from nmbus.admin import WINDOW_ROWS
+    from nmbus.ops.admin import WINDOW_ROWS
 
     await db.execute(
         "INSERT INTO nmbus.shipping (from_endpoint, to_endpoint, subqueue, last_processed, "

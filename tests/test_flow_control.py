@@ -22,9 +22,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from nmbus import Bus, Context
-from nmbus.admin import Admin
+from nmbus.delivery.flow import FlowLimits, Limits
 from nmbus.errors import ConfigurationError, HandlerError, InvalidMessage
-from nmbus.flow import FlowLimits, Limits
+from nmbus.ops.admin import Admin
 from nmbus.postgres.floor import NO_FLOOR
 from nmbus.postgres.flow import claim_limited
 from nmbus.testing import MemoryStore

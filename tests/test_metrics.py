@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nmbus import Bus, Context, Message
-from nmbus import worker as worker_module
+from nmbus.consume import worker as worker_module
 from nmbus.errors import ConfigurationError, InvalidSetting
 from nmbus.messages import Envelope
 from nmbus.settings import Settings
@@ -368,8 +368,8 @@ async def test_nmbus_worker_serves_metrics_from_the_environment(dsn: str) -> Non
 def test_durations_and_batch_sizes_land_in_the_right_buckets() -> None:
     from prometheus_client import generate_latest
 
-    from nmbus.metrics import WorkerMetrics
-    from nmbus.store import Outcomes
+    from nmbus.ports.store import Outcomes
+    from nmbus.telemetry.metrics import WorkerMetrics
 
     metrics = WorkerMetrics("unit", "127.0.0.1", 0)
     for seconds in (0.0001, 0.00011, 0.5, 100.0):

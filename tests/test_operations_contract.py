@@ -18,15 +18,15 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from nmbus.admin import Admin
 from nmbus.errors import ConfigurationError, InvalidQueueName, QueueNotFound
 from nmbus.messages import Envelope
-from nmbus.operations import MessageRow, RetentionPolicy
+from nmbus.ops.admin import Admin
+from nmbus.ports.operations import MessageRow, RetentionPolicy
+from nmbus.ports.store import SCHEMA_VERSION, Outcomes, Store
 from nmbus.postgres import PostgresStore
 from nmbus.postgres.operations import PostgresOperations
 from nmbus.postgres.segments import advance
 from nmbus.rows import COLUMNS
-from nmbus.store import SCHEMA_VERSION, Outcomes, Store
 from nmbus.testing import MemoryStore
 
 TRACE = "ValueError: card declined\nTraceback (most recent call last):\n  ..."

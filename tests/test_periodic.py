@@ -12,9 +12,9 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, ConfigurationError, Context, HandlerError, Tick
+from nmbus.delivery.periodic import Schedule, Scheduler
 from nmbus.envelopes import EnvelopeBuilder
-from nmbus.operations import RetentionPolicy
-from nmbus.periodic import Schedule, Scheduler
+from nmbus.ports.operations import RetentionPolicy
 from nmbus.postgres import PostgresStore
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.segments import advance

@@ -20,8 +20,8 @@ from structlog.testing import capture_logs
 from typer.testing import CliRunner, Result
 
 from nmbus import Bus, Context, QueueNotFound
-from nmbus.admin import DEPTH_CHUNK, Admin
 from nmbus.cli import app
+from nmbus.ops.admin import DEPTH_CHUNK, Admin
 from nmbus.postgres.sql import render
 from nmbus.testing import drain
 from tests.messages import Ping, Pong

@@ -21,13 +21,13 @@ import structlog
 from typer.testing import CliRunner
 
 from nmbus import Bus, Context, Message
-from nmbus.admin import Admin
 from nmbus.cli import app
 from nmbus.errors import ConfigurationError, InvalidSetting
+from nmbus.ops.admin import Admin
+from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres import install_schema
 from nmbus.postgres.forwarder import Forwarder, RemoteUnavailable
 from nmbus.settings import Settings, build_settings
-from nmbus.store import SCHEMA_VERSION
 from tests.pg import Databases
 from tests.waits import wait_until
 

@@ -12,7 +12,7 @@ from dataclasses import fields
 import asyncpg
 
 from nmbus.messages import StoredMessage
-from nmbus.operations import MessageRow
+from nmbus.ports.operations import MessageRow
 from nmbus.postgres.retention import ARCHIVE_COLUMNS, archive_schema
 from nmbus.postgres.rows import CLAIMED, SENT
 from nmbus.postgres.sql import render

@@ -1,4 +1,4 @@
-"""Saga states held by their batch (nmbus/sagas.py, SagaStates): read before the
+"""Saga states held by their batch (nmbus/sagas/saga.py, SagaStates): read before the
 handlers run, changed in memory, written before the batch commits. Each rule of
 docs/sagas.md ("What happens to each message", "Several loops and processes")
 on a real PostgreSQL."""
@@ -15,12 +15,12 @@ import pytest
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, Message, Saga
-from nmbus.batch import BatchRunner
+from nmbus.consume.batch import BatchRunner
 from nmbus.messages import StoredMessage
+from nmbus.ports.store import SagaSave
 from nmbus.postgres.sagas import PostgresSagaTable
 from nmbus.postgres.session import PostgresBatch, PostgresSession
-from nmbus.saga_locks import SagaLocks
-from nmbus.store import SagaSave
+from nmbus.sagas.locks import SagaLocks
 from nmbus.testing import drain
 from tests.saga_holds import WAITING_FOR_A_LOCK, held_elsewhere
 from tests.saga_workers import Counter, Increment

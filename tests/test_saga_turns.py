@@ -1,5 +1,5 @@
-"""The loops of a process take turns under saga contention (nmbus/worker.py,
-nmbus/turns.py; docs/sagas.md, "Several loops and processes"): once a batch
+"""The loops of a process take turns under saga contention (nmbus/consume/worker.py,
+nmbus/consume/turns.py; docs/sagas.md, "Several loops and processes"): once a batch
 has found one of its sagas held by another process's, the process's loops claim
 and run one batch at a time: the loop that has the turn keeps it while its
 batches are short, and no batch keeps another loop waiting longer than
@@ -18,9 +18,9 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, Context, Message, Saga
-from nmbus import saga_locks as saga_locks_module
-from nmbus import turns as turns_module
-from nmbus.batch import BatchRunner
+from nmbus.consume import turns as turns_module
+from nmbus.consume.batch import BatchRunner
+from nmbus.sagas import locks as saga_locks_module
 from nmbus.testing import drain
 from tests.saga_holds import WAITING_FOR_A_LOCK, held_elsewhere
 from tests.saga_workers import Counter, Increment

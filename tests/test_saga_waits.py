@@ -1,4 +1,4 @@
-"""Which waiting batch goes first for a saga (nmbus/saga_locks.py, _waits).
+"""Which waiting batch goes first for a saga (nmbus/sagas/locks.py, _waits).
 
 The loops of one process wait for each other in memory before they take their
 sagas in PostgreSQL. Two batches may hold messages of two sagas crossed (a1
@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import cast
 
 from nmbus.handlers import Registry
-from nmbus.saga_locks import SagaLocks
-from nmbus.store import Batch, SagaKey
+from nmbus.ports.store import Batch, SagaKey
+from nmbus.sagas.locks import SagaLocks
 
 A: SagaKey = ("Counter", "a")
 B: SagaKey = ("Counter", "b")

@@ -16,10 +16,10 @@ import pytest
 from pydantic import BaseModel
 
 from nmbus import Bus, Context, HandlerError, Message, Saga
-from nmbus.dispatch import MAX_FREE_CONFLICTS
+from nmbus.consume.dispatch import MAX_FREE_CONFLICTS
+from nmbus.consume.isolation import is_conflict
 from nmbus.errors import ConfigurationError, StoreError
-from nmbus.recovery import is_conflict
-from nmbus.store import SCHEMA_VERSION
+from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.testing import MemoryStore, drain
 from tests.procs import Proc
 from tests.saga_workers import Counter, Increment, Open, counter_bus

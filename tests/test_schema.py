@@ -11,11 +11,11 @@ import pytest
 
 from nmbus import Bus
 from nmbus.errors import SchemaVersionError
+from nmbus.ports.store import MAX_QUEUE_NAME, SCHEMA_VERSION
 from nmbus.postgres import PostgresStore, install_schema
 from nmbus.postgres.floor import NO_FLOOR, read_floor
 from nmbus.postgres.schema import MIGRATIONS
 from nmbus.postgres.sql import QUERIES, render
-from nmbus.store import MAX_QUEUE_NAME, SCHEMA_VERSION
 from tests.legacy import make_v9
 from tests.messages import Ping
 

@@ -22,8 +22,8 @@ import asyncpg
 import pytest
 from typer.testing import CliRunner, Result
 
-from nmbus.admin import Admin
 from nmbus.cli import app
+from nmbus.ops.admin import Admin
 from nmbus.postgres.sql import render
 from nmbus.testing import MemoryStore
 from tests.cookbook_run import psql

@@ -16,7 +16,7 @@ import pytest
 
 from nmbus import Bus, Context
 from nmbus.errors import InvalidSetting
-from nmbus.operations import RetentionPolicy
+from nmbus.ports.operations import RetentionPolicy
 from nmbus.postgres import install_schema
 from nmbus.postgres.floor import NO_FLOOR, read_floor
 from nmbus.postgres.retention import clean_queue

@@ -14,8 +14,8 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, Context, InvalidMessage, PermanentError, RetryLater
-from nmbus.admin import Admin
 from nmbus.messages import Envelope
+from nmbus.ops.admin import Admin
 from nmbus.postgres import PostgresStore
 from nmbus.postgres.floor import NO_FLOOR
 from nmbus.postgres.sql import render

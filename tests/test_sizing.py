@@ -1,4 +1,4 @@
-"""Adaptive batches (nmbus/sizing.py): what a loop claims when batch_size is left unset."""
+"""Adaptive batches (nmbus/consume/sizing.py): what a loop claims when batch_size is left unset."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, Context
-from nmbus import worker as worker_module
-from nmbus.sizing import MOST, START, TARGET_SECONDS, BatchSizer
+from nmbus.consume import worker as worker_module
+from nmbus.consume.sizing import MOST, START, TARGET_SECONDS, BatchSizer
 from tests.messages import Ping
 from tests.waits import wait_until
 
@@ -80,7 +80,7 @@ async def test_a_deep_backlog_of_quick_handlers_drains_in_batches_of_500(
     # no-ops holds on a quiet machine, not always under a full test run's load
     # (a CI run saw the sizes stop at 320). Ten times the target keeps quick
     # handlers quick there; the unit tests above check the target itself.
-    monkeypatch.setattr("nmbus.sizing.TARGET_SECONDS", TARGET_SECONDS * 10)
+    monkeypatch.setattr("nmbus.consume.sizing.TARGET_SECONDS", TARGET_SECONDS * 10)
     await preload(dsn, 3000)
     handled = 0
     # batch_size left unset, as a new user has it; one loop, so that its claims

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres.sql import QUERIES, Block, load, read, render, render_segment
-from nmbus.store import SCHEMA_VERSION
 from nmbus.tools import sql as tools_sql
 
 NMBUS = Path(__file__).resolve().parent.parent / "nmbus"

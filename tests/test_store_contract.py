@@ -14,8 +14,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from nmbus.messages import Envelope
+from nmbus.ports.store import Outcomes, Store
 from nmbus.postgres import PostgresStore
-from nmbus.store import Outcomes, Store
 from nmbus.testing import MemoryStore
 
 

@@ -15,9 +15,9 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from nmbus import supervise as supervision
+from nmbus.maintenance import supervise as supervision
+from nmbus.maintenance.supervise import FIRST_PAUSE, SPREAD, Backoff, Services, supervise
 from nmbus.postgres.listen import listen_loop, notify_channel
-from nmbus.supervise import FIRST_PAUSE, SPREAD, Backoff, Services, supervise
 from tests.waits import wait_until
 
 

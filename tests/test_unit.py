@@ -237,11 +237,11 @@ async def test_the_worker_runs_on_the_memory_store() -> None:
 
 async def test_a_worker_is_built_alone_and_a_burst_drains_and_counts() -> None:
     # No Bus: the worker takes its collaborators, and a burst is its testing primitive.
-    from nmbus.dispatch import Dispatcher
+    from nmbus.consume.dispatch import Dispatcher
+    from nmbus.consume.worker import Worker
     from nmbus.envelopes import EnvelopeBuilder
     from nmbus.handlers import Registry
     from nmbus.settings import Settings
-    from nmbus.worker import Worker
 
     store = MemoryStore()
     await store.ensure_queue("billing")

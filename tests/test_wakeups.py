@@ -1,4 +1,4 @@
-"""Wake-ups (nmbus/wakeups.py): a notification sends one idle loop to claim, not all."""
+"""Wake-ups (nmbus/consume/wakeups.py): a notification sends one idle loop to claim, not all."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from nmbus import Bus, Context
+from nmbus.consume.wakeups import Wakeups
 from nmbus.postgres.session import PostgresSession
-from nmbus.wakeups import Wakeups
 from tests.messages import Ping
 from tests.waits import wait_until
 

@@ -3,7 +3,7 @@
 Each command group lives in its own module and is registered here. Settings
 are built once, from options and ``NMBUS_*`` variables, in the command itself.
 A command parses its arguments, calls the operations layer
-(:class:`nmbus.admin.Admin`, shared with any other operator's tool) and
+(:class:`nmbus.ops.admin.Admin`, shared with any other operator's tool) and
 renders what it returns as a table or JSON: no SQL and no driver here.
 Errors become one line on stderr in one place, :mod:`nmbus.cli._group`.
 """

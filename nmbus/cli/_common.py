@@ -20,11 +20,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from nmbus.admin import Admin
 from nmbus.cli._table import Column, Grid, age_text
 from nmbus.errors import NmbusError
 from nmbus.logs import scrub
 from nmbus.names import validate_queue_name
+from nmbus.ops.admin import Admin
 from nmbus.settings import Settings
 
 T = TypeVar("T")

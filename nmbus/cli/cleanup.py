@@ -9,7 +9,6 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from nmbus.admin import RetentionPolicy
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -26,6 +25,7 @@ from nmbus.cli._common import (
     table,
 )
 from nmbus.cli._table import Column, age_text, size_text
+from nmbus.ops.admin import RetentionPolicy
 from nmbus.settings import Settings
 
 MaxAgeOption = Annotated[

@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from nmbus.admin import Admin
 from nmbus.cli import app
 from nmbus.cli._common import DsnOption, SchemaOption, fail, run, settings
 from nmbus.logs import scrub
+from nmbus.ops.admin import Admin
 
 # Changes need a token of at least this many characters.
 MIN_TOKEN = 12

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from nmbus.admin import FAILED_BATCH, Admin, FailedCount
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -27,6 +26,7 @@ from nmbus.cli._common import (
     table,
 )
 from nmbus.cli._table import Column
+from nmbus.ops.admin import FAILED_BATCH, Admin, FailedCount
 from nmbus.settings import Settings
 
 failed = typer.Typer(help="Failed (F) messages: list, show, requeue, purge.", no_args_is_help=True)

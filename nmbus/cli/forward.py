@@ -16,7 +16,7 @@ import typer
 
 from nmbus.cli import app
 from nmbus.cli._common import DsnOption, SchemaOption, fail, run, settings
-from nmbus.supervise import supervise
+from nmbus.maintenance.supervise import supervise
 
 log = structlog.get_logger("nmbus.cli.forward")
 

@@ -6,7 +6,6 @@ from typing import Annotated
 
 import typer
 
-from nmbus.admin import Admin, schema_ddl
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -21,6 +20,7 @@ from nmbus.cli._common import (
     settings,
     table,
 )
+from nmbus.ops.admin import Admin, schema_ddl
 from nmbus.settings import Settings
 
 queues = typer.Typer(help="Queue tables: create, drop, list, show DDL.", no_args_is_help=True)

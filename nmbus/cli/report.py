@@ -10,10 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
-from nmbus.admin import Admin
 from nmbus.cli import app
 from nmbus.cli._common import CommandError, operate, settings
 from nmbus.errors import NmbusError, QueueNotFound
+from nmbus.ops.admin import Admin
 from nmbus.stats.progress import Progress, jvm_output_to
 
 

@@ -9,7 +9,6 @@ from typing import Annotated
 
 import typer
 
-from nmbus.admin import Admin, LimitStatus, QueueStatus, RouteStatus, SegmentInfo
 from nmbus.cli import app
 from nmbus.cli._common import (
     DsnOption,
@@ -23,6 +22,7 @@ from nmbus.cli._common import (
     table,
 )
 from nmbus.cli._table import Column, age_text, size_text
+from nmbus.ops.admin import Admin, LimitStatus, QueueStatus, RouteStatus, SegmentInfo
 
 
 @dataclass(frozen=True)

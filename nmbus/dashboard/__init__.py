@@ -2,7 +2,7 @@
 
 A Starlette application (install ``nmbus[dashboard]``) that renders server-side
 templates and refreshes its tables with a few lines of JavaScript. It holds no
-SQL: every figure and every action is a method of :class:`nmbus.admin.Admin`,
+SQL: every figure and every action is a method of :class:`nmbus.ops.admin.Admin`,
 the same ones the ``nmbus`` commands call. See docs/dashboard.md.
 
 Importing this package needs none of the extra: the application is loaded

@@ -1,6 +1,6 @@
 """The dashboard's Starlette application: pages, fragments, actions and /metrics.
 
-Reads are GETs that render templates from what :class:`nmbus.admin.Admin`
+Reads are GETs that render templates from what :class:`nmbus.ops.admin.Admin`
 returns. Changes (requeue, purge) are POSTs, and each one passes three checks
 before it touches a row: the dashboard is not read-only, the form carries the
 CSRF value of its cookie (a double-submit cookie, SameSite=Strict, and an
@@ -34,15 +34,6 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from nmbus.admin import (
-    WINDOW_ROWS,
-    Admin,
-    FailedCount,
-    FailedPage,
-    QueueDepth,
-    QueueStatus,
-    SegmentInfo,
-)
 from nmbus.dashboard import charts, display, forms, guard
 from nmbus.dashboard.guard import DashboardOptions
 from nmbus.dashboard.hosts import is_loopback
@@ -50,6 +41,15 @@ from nmbus.dashboard.metrics import exposition
 from nmbus.errors import (
     InvalidQueueName,
     NmbusError,
+)
+from nmbus.ops.admin import (
+    WINDOW_ROWS,
+    Admin,
+    FailedCount,
+    FailedPage,
+    QueueDepth,
+    QueueStatus,
+    SegmentInfo,
 )
 
 __all__ = ["DashboardOptions", "create_app", "is_loopback", "overview"]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from markupsafe import Markup, escape
 
-from nmbus.admin import HistoryBucket
+from nmbus.ops.admin import HistoryBucket
 
 BLUE = "#3b6fb6"
 RED = "#c8423b"

@@ -9,7 +9,7 @@ from datetime import datetime
 
 from starlette.exceptions import HTTPException
 
-from nmbus.admin import FailedCount
+from nmbus.ops.admin import FailedCount
 
 # Text filters longer than this are refused rather than sent to the database.
 MAX_FILTER = 500

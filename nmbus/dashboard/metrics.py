@@ -1,6 +1,6 @@
 """The dashboard's ``/metrics``: queue depths in the Prometheus text format.
 
-Each scrape reads :meth:`nmbus.admin.Admin.queue_depths` (no scan of the X
+Each scrape reads :meth:`nmbus.ops.admin.Admin.queue_depths` (no scan of the X
 rows, and a few statements for all queues, not some for each one) and renders
 it through ``prometheus_client`` in a registry of its own, so nothing leaks
 into, or out of, the process's default registry.
@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from nmbus.admin import Admin, QueueDepth
+from nmbus.ops.admin import Admin, QueueDepth
 
 SUBQUEUES = (("I", "ready"), ("R", "scheduled"), ("X", "processed"), ("F", "failed"))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from nmbus.cancellation import Cancel
+from nmbus.delivery.cancellation import Cancel
 from nmbus.messages import StoredMessage
 from nmbus.rows import QueueRow
 

@@ -15,11 +15,11 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from nmbus.delivery.flow import LimitStatus
 from nmbus.errors import ConfigurationError, QueueNotFound
-from nmbus.flow import LimitStatus
 from nmbus.memory.segments import whole_table
 from nmbus.names import validate_queue_name
-from nmbus.operations import (
+from nmbus.ports.operations import (
     BlockedSequence,
     FailedCount,
     FailedFilter,
@@ -39,8 +39,8 @@ from nmbus.operations import (
     WindowStats,
     window_stats,
 )
+from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.rows import COLUMNS, QueueRow
-from nmbus.store import SCHEMA_VERSION
 
 _TEXTS = {"error": "error_info", "body": "msg_text", "headers": "msg_headers"}
 

@@ -7,7 +7,7 @@ every row. Rows are counted, not estimated; a dict has no size on disk (0).
 
 from __future__ import annotations
 
-from nmbus.operations import SegmentInfo
+from nmbus.ports.operations import SegmentInfo
 from nmbus.rows import QueueRow
 
 

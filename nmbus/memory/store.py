@@ -3,7 +3,7 @@
 ``MemoryStore`` follows the same contracts as the PostgreSQL store (the suites in
 ``tests/test_store_contract.py`` and ``tests/test_operations_contract.py`` run against
 both), so handlers, retries and shutdown can be unit-tested without a database, and
-:class:`nmbus.admin.Admin` can run over it (``Admin.over(store)``). It has no SQL
+:class:`nmbus.ops.admin.Admin` can run over it (``Admin.over(store)``). It has no SQL
 connection: handlers that use ``ctx.connection`` need the real store. Import it from
 :mod:`nmbus.testing`.
 """
@@ -18,17 +18,17 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from nmbus.cancellation import Cancel
+from nmbus.delivery.cancellation import Cancel
+from nmbus.delivery.flow import FlowLimits
 from nmbus.errors import ConfigurationError, QueueNotFound
-from nmbus.flow import FlowLimits
 from nmbus.memory.claims import cancel_rows, claimed_message, recovery
 from nmbus.memory.operations import MemoryOperations, sequence_heads
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.names import validate_queue_name
-from nmbus.operations import RetentionPolicy
+from nmbus.ports.operations import RetentionPolicy
+from nmbus.ports.store import Outcomes, SagaTable
 from nmbus.rows import QueueRow
 from nmbus.settings import Settings
-from nmbus.store import Outcomes, SagaTable
 
 
 def _now() -> datetime:
@@ -203,7 +203,7 @@ class MemoryStore(MemoryOperations):
     (:class:`nmbus.memory.operations.MemoryOperations`).
     """
 
-    #: Flow limits (nmbus/flow.py) need PostgreSQL's claim: a worker refuses to start.
+    #: Flow limits (nmbus/delivery/flow.py) need PostgreSQL's claim: a worker refuses to start.
     flow_limits = False
 
     def __init__(self, schema: str = "nmbus") -> None:

@@ -1,10 +1,10 @@
-"""Cancellation on PostgreSQL: one statement per request (nmbus/cancellation.py)."""
+"""Cancellation on PostgreSQL: one statement per request (nmbus/delivery/cancellation.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from nmbus.cancellation import Cancel
+from nmbus.delivery.cancellation import Cancel
 from nmbus.postgres.floor import read_floor
 from nmbus.postgres.sql import render
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import asyncpg
 
-from nmbus.flow import FlowLimits, LimitStatus
+from nmbus.delivery.flow import FlowLimits, LimitStatus
 from nmbus.postgres.sql import render
 
 #: How many batches of ready rows a limited claim looks at, at most: rows held

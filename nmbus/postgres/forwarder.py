@@ -37,6 +37,7 @@ import structlog
 
 from nmbus.errors import DatabaseUnavailable
 from nmbus.logs import log_failure, scrub
+from nmbus.maintenance.supervise import Backoff
 from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.postgres.errors import is_connection_error, wrap_errors
 from nmbus.postgres.listen import listen_loop, notify_channel
@@ -44,7 +45,6 @@ from nmbus.postgres.pubsub import install_publish_function
 from nmbus.postgres.rows import insert_args, outbox_arrays
 from nmbus.postgres.sql import render
 from nmbus.postgres.store import ensure_queue_on, install_schema
-from nmbus.supervise import Backoff
 
 log = structlog.get_logger("nmbus.forwarder")
 

@@ -7,7 +7,7 @@ calls ``on_notify("*")`` (whatever was announced while nobody listened must
 be looked at now) and then waits, checking every few seconds with a cheap
 round trip that the server is still there. A session that ends (the
 connection lost or failed) is started again under
-:func:`nmbus.supervise.supervise`, after a pause that grows up to
+:func:`nmbus.maintenance.supervise.supervise`, after a pause that grows up to
 ``reconnect_max`` and starts over once connected.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 import asyncpg
 
 from nmbus.logs import log_failure, scrub
+from nmbus.maintenance.supervise import Backoff, supervise
 from nmbus.postgres.errors import is_connection_error
-from nmbus.supervise import Backoff, supervise
 
 #: Seconds between two checks that a quiet listening connection is still alive
 #: (a round trip notices a dead server sooner than TCP does), and the longest

@@ -1,7 +1,7 @@
-"""The operations port on PostgreSQL: every query and action of :class:`nmbus.admin.Admin`.
+"""The operations port on PostgreSQL: every query and action of :class:`nmbus.ops.admin.Admin`.
 
 The SQL is the ``ops_*`` and ``retention_*`` blocks; results are typed
-(:mod:`nmbus.operations`), never driver records; driver errors become nmbus
+(:mod:`nmbus.ports.operations`), never driver records; driver errors become nmbus
 errors. Methods that read run in a read-only transaction, so PostgreSQL itself
 refuses any write in them, and none of them creates a missing schema: they
 raise QueueNotFound instead. The pool (``pool_size`` connections) opens on
@@ -18,12 +18,12 @@ from typing import Any
 
 import asyncpg
 
-from nmbus.cancellation import Cancel
+from nmbus.delivery.cancellation import Cancel
+from nmbus.delivery.flow import LimitStatus
 from nmbus.errors import QueueNotFound
-from nmbus.flow import LimitStatus
 from nmbus.logs import scrub
 from nmbus.names import validate_queue_name, validate_schema_name
-from nmbus.operations import (
+from nmbus.ports.operations import (
     FailedCount,
     FailedFilter,
     FailedMessage,
@@ -40,6 +40,7 @@ from nmbus.operations import (
     SegmentInfo,
     Subscription,
 )
+from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.flow import flow_status_on
@@ -51,7 +52,6 @@ from nmbus.postgres.segments import segments
 from nmbus.postgres.sql import render
 from nmbus.postgres.status import created_by_send, each_queue, segments_of, status_of
 from nmbus.postgres.store import PostgresStore
-from nmbus.store import SCHEMA_VERSION
 
 # queue_depths reads this many queues per statement (and transaction), so one
 # read never holds the locks of hundreds of tables at once.

@@ -40,7 +40,7 @@ import asyncpg
 import structlog
 
 from nmbus.errors import RetentionError
-from nmbus.operations import ProgressCallback, RetentionPolicy, RetentionResult
+from nmbus.ports.operations import ProgressCallback, RetentionPolicy, RetentionResult
 from nmbus.postgres.archive import publish, write_pending
 from nmbus.postgres.segments import (
     LOWEST_ID,

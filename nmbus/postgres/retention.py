@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from nmbus.errors import RetentionError
-from nmbus.operations import ProgressCallback, RetentionPolicy, RetentionResult
+from nmbus.ports.operations import ProgressCallback, RetentionPolicy, RetentionResult
 from nmbus.postgres.archive import (
     ARCHIVE_COLUMNS,
     PENDING,

@@ -2,7 +2,7 @@
 
 Its statements run on the batch's connection, in the batch's transaction: the
 locks before the handlers run, the states written before the batch commits
-with the messages' move to X (nmbus/sagas.py).
+with the messages' move to X (nmbus/sagas/saga.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import asyncpg
 import structlog
 
 from nmbus.names import validate_queue_name
+from nmbus.ports.store import SagaKey, SagaRow, SagaSave
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.sql import own_name, render
-from nmbus.store import SagaKey, SagaRow, SagaSave
 
 log = structlog.get_logger("nmbus.postgres")
 

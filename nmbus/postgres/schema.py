@@ -2,7 +2,7 @@
 
 One schema holds every queue table of a database (``{schema}.{queue}``),
 the registry of queues, the subscriptions, the outbox and the periodic
-records; its version is SCHEMA_VERSION (nmbus.store), and an older one is
+records; its version is SCHEMA_VERSION (nmbus.ports.store), and an older one is
 migrated in place under the schema's advisory lock.
 """
 
@@ -14,10 +14,10 @@ import structlog
 
 from nmbus.errors import QueueNotFound, SchemaVersionError
 from nmbus.names import validate_queue_name, validate_schema_name
+from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.pubsub import create_queue_on
 from nmbus.postgres.sql import QUERIES, names_a_queue, render
-from nmbus.store import SCHEMA_VERSION
 
 log = structlog.get_logger("nmbus.postgres")
 

@@ -17,8 +17,9 @@ import asyncpg
 import structlog
 from asyncpg.transaction import Transaction
 
-from nmbus.flow import FlowLimits
+from nmbus.delivery.flow import FlowLimits
 from nmbus.messages import Envelope, StoredMessage
+from nmbus.ports.store import Outcomes
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import claim_limited, held_back
@@ -27,7 +28,6 @@ from nmbus.postgres.pubsub import publish_args, publish_on
 from nmbus.postgres.rows import claimed, envelope_arrays, insert_args
 from nmbus.postgres.schema import ensure_queue_on
 from nmbus.postgres.sql import render
-from nmbus.store import Outcomes
 
 log = structlog.get_logger("nmbus.worker")
 
@@ -150,7 +150,7 @@ class PostgresBatch:
 
     async def finish(self, queue: str, outcomes: Outcomes, claim: str) -> int:
         if self._flow is not None and self._flow.rated_keys:
-            # A start whose mark is still on its way (nmbus/dispatch/marks.py) is
+            # A start whose mark is still on its way (nmbus/consume/dispatch/marks.py) is
             # marked before its lease ends, so that it counts without a gap.
             await self._conn.execute(
                 render("flow_finishing", self._schema),
@@ -237,7 +237,7 @@ class PostgresSession:
         self._floors = floors or ReadyFloors(schema)
         self._flow = flow
         #: Seconds after which to claim again though nothing woke the loop: set when
-        #: the last claim held limited messages back (nmbus/flow.py), else None.
+        #: the last claim held limited messages back (nmbus/delivery/flow.py), else None.
         self.recheck: float | None = None
         #: Per queue, the last group this loop's fair claims walked to.
         self._walked: dict[str, str] = {}

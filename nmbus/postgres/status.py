@@ -13,7 +13,7 @@ from typing import Any
 
 import asyncpg
 
-from nmbus.operations import (
+from nmbus.ports.operations import (
     BlockedSequence,
     QueueStatus,
     ReadLimits,

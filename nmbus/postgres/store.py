@@ -18,13 +18,13 @@ from typing import Any
 import asyncpg
 import structlog
 
-from nmbus.cancellation import Cancel
+from nmbus.delivery.cancellation import Cancel
+from nmbus.delivery.flow import FlowLimits, LimitStatus
 from nmbus.errors import QueueNotFound
-from nmbus.flow import FlowLimits, LimitStatus
 from nmbus.logs import scrub
 from nmbus.messages import Envelope
 from nmbus.names import validate_queue_name, validate_schema_name
-from nmbus.operations import RetentionPolicy
+from nmbus.ports.operations import RetentionPolicy
 from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.floor import ReadyFloors

@@ -43,9 +43,9 @@ from typing import Any
 import asyncpg
 import structlog
 
-from nmbus.admin import Admin
 from nmbus.dashboard.app import overview
 from nmbus.dashboard.metrics import exposition
+from nmbus.ops.admin import Admin
 from nmbus.postgres.schema import install_schema
 from nmbus.postgres.sql import render as render_runtime
 from nmbus.tools.bench_scenarios import measure_drain

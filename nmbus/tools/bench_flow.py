@@ -31,7 +31,7 @@ from typing import Any
 
 from nmbus.bus import Bus
 from nmbus.context import Context
-from nmbus.flow import GROUP_HEADER, FlowLimits, Limits
+from nmbus.delivery.flow import GROUP_HEADER, FlowLimits, Limits
 from nmbus.postgres import sql as core_sql
 from nmbus.postgres.floor import read_floor
 from nmbus.postgres.flow import claim_limited

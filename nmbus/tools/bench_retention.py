@@ -25,7 +25,7 @@ from typing import Any
 
 import asyncpg
 
-from nmbus.operations import RetentionPolicy, RetentionResult
+from nmbus.ports.operations import RetentionPolicy, RetentionResult
 from nmbus.postgres import sql as core_sql
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.retention import _walk, clean_queue

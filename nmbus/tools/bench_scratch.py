@@ -16,12 +16,12 @@ from typing import Any
 import asyncpg
 
 from nmbus.bus import Bus
+from nmbus.consume.sizing import MOST
 from nmbus.context import Context
 from nmbus.messages import Message, type_name
 from nmbus.postgres.pubsub import create_queue_on
 from nmbus.postgres.schema import install_schema
 from nmbus.settings import Settings
-from nmbus.sizing import MOST
 from nmbus.tools.sql import render
 
 QUEUE = "bench"

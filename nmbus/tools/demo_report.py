@@ -13,8 +13,8 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from nmbus.admin import Admin
 from nmbus.errors import NmbusError
+from nmbus.ops.admin import Admin
 from nmbus.tools.demo import QUEUES, DemoOptions
 
 

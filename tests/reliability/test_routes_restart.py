@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 
 from nmbus import Bus, Message
-from nmbus.admin import Admin
+from nmbus.ops.admin import Admin
 from tests.pg import with_database
 from tests.reliability.pgserver import PrivateServer, private_server
 from tests.waits import wait_until

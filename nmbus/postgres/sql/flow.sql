@@ -1,4 +1,4 @@
--- Flow control (nmbus/flow.py, nmbus/postgres/flow.py, docs/flow-control.md):
+-- Flow control (nmbus/delivery/flow.py, nmbus/postgres/flow.py, docs/flow-control.md):
 -- the claim of an endpoint whose handlers declare limits, and the flights table
 -- it counts them in. A flight is one limited message claimed by one worker: it
 -- counts as running while the queue row is still leased by that claim (so a

@@ -1,5 +1,5 @@
 -- Operations: status, failed messages, subscriptions (run by
--- nmbus/postgres/operations.py and status.py for nmbus.admin, the nmbus
+-- nmbus/postgres/operations.py and status.py for nmbus.ops.admin, the nmbus
 -- commands and the dashboard). Readers never take more than ROW EXCLUSIVE
 -- on a queue; writers touch only F or X rows, which no worker claims.
 
@@ -360,7 +360,7 @@ LEFT JOIN pending AS p ON p.tableoid = s.oid
 ORDER BY s.k;
 
 -- cancel_unique --
--- Cancel the message of unique_id $1 (nmbus/cancellation.py) unless a worker
+-- Cancel the message of unique_id $1 (nmbus/delivery/cancellation.py) unless a worker
 -- holds it or it is done: in I or R with no live lease, it goes to F with
 -- error_info $2 (which starts 'Cancelled'). One statement: a claim that locked
 -- the row first has leased it when this statement sees it again, so it is left

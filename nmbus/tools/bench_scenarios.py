@@ -7,6 +7,7 @@ the modes are described there.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -96,11 +97,15 @@ async def measure_ceiling(
     async def crash_safe(conn: asyncpg.Connection, _: int) -> None:
         nonlocal done
         claim, finish = statements
-        rows = await conn.fetch(claim, batch, client, lease, floor)
+        # A token per claim, as nmbus's loops lease each batch (nmbus/consume/claim.py).
+        numbers = itertools.count()
+        token = f"{client}/{next(numbers)}"
+        rows = await conn.fetch(claim, batch, token, lease, floor)
         while rows:
             ids = [r[0] for r in rows]
-            rows = await conn.fetch(finish, ids, client, batch, lease, floor)
-            done += rows[0][13]
+            token, last = f"{client}/{next(numbers)}", token
+            rows = await conn.fetch(finish, ids, last, batch, lease, floor, token)
+            done += rows[0]["finished"]
             if rows[0][0] is None:
                 return
 

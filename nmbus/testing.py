@@ -1,11 +1,11 @@
 """Test helpers: an in-memory store that runs the real worker, and ``drain``.
 
-``MemoryStore`` follows the same contracts as the PostgreSQL store (the suites
-in ``tests/test_store_contract.py`` and ``tests/test_operations_contract.py``
-run against both), so handlers, retries and shutdown can be unit-tested
-without a database, and ``Admin.over(store)`` runs the operations layer on it.
-It has no SQL connection: handlers that use ``ctx.connection`` need the real
-store. The store itself is :mod:`nmbus.memory`.
+``MemoryStore`` follows the storage port's contract as the PostgreSQL store does
+(``tests/test_store_contract.py`` runs against both), so sending, handling,
+publish/subscribe, retries, sagas and shutdown can be tested without a
+database. It has no SQL connection: handlers that use ``ctx.connection`` need
+the real store, and operations (Admin, the dashboard) run on PostgreSQL only.
+The store itself is :mod:`nmbus.memory`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The operations port's contract, run against both adapters through Admin.over.
+"""The operations port's contract, on PostgreSQL through Admin.over.
 
-Rows are written through the storage port (insert, claim, finish), so both
-stores hold the same queues; Admin then reads and changes them through the
-operations port. tests/test_admin.py checks the PostgreSQL side further
-(estimates, read-only transactions, history over hours of rows).
+Rows are written through the storage port (insert, claim, finish); Admin then
+reads and changes them through the operations port, which only PostgreSQL's
+adapter implements (the in-memory store keeps no copy of the operations SQL).
+tests/test_admin.py checks it further (estimates, read-only transactions,
+history over hours of rows).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import asyncpg
 import pytest
@@ -41,7 +41,7 @@ class Both:
     dsn: str | None = None
 
     async def close_segment(self, queue: str) -> None:
-        """Start a new segment of ``queue`` (the memory store keeps one: nothing to do)."""
+        """Start a new segment of ``queue``."""
         if self.dsn is not None:
             conn = await asyncpg.connect(self.dsn)
             try:
@@ -50,13 +50,8 @@ class Both:
                 await conn.close()
 
 
-@pytest.fixture(params=["memory", "postgres"])
-async def both(request: pytest.FixtureRequest) -> AsyncIterator[Both]:
-    if request.param == "memory":
-        memory = MemoryStore()
-        yield Both(memory, Admin.over(memory))
-        return
-    dsn = request.getfixturevalue("dsn")
+@pytest.fixture
+async def both(dsn: str) -> AsyncIterator[Both]:
     pg = PostgresStore(dsn)
     await pg.open()
     try:
@@ -368,13 +363,9 @@ async def test_without_a_route_nothing_waits_in_the_outbox(both: Both) -> None:
     assert await admin.queues_created_by_send() == {}
 
 
-# -- the in-memory store's own limits ---------------------------------------------------
+# -- the in-memory store has no operations ------------------------------------------------
 
 
-async def test_the_memory_store_refuses_to_archive(tmp_path: Path) -> None:
-    store = MemoryStore()
-    await store.ensure_queue("q")
-    admin = Admin.over(store)
-    with pytest.raises(ConfigurationError, match=r"archive .* needs PostgreSQL"):
-        await admin.run_retention(RetentionPolicy(archive_dir=tmp_path))
-    assert "reaches no other database" in ((await admin.route_status({"q": "x"}))[0].error or "")
+def test_operations_over_the_memory_store_are_refused_with_a_clear_error() -> None:
+    with pytest.raises(ConfigurationError, match=r"MemoryStore has no operations: .*PostgreSQL"):
+        Admin.over(MemoryStore())  # type: ignore[arg-type]

@@ -25,7 +25,6 @@ from typer.testing import CliRunner, Result
 from nmbus.cli import app
 from nmbus.ops.admin import Admin
 from nmbus.postgres.sql import render
-from nmbus.testing import MemoryStore
 from tests.cookbook_run import psql
 from tests.dashboard_server import start
 from tests.ops_data import COLUMNS, create_queue, row
@@ -153,15 +152,6 @@ async def test_the_probe_never_reads_the_x_rows(
 
 def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
-
-
-async def test_the_memory_store_is_one_segment_per_queue() -> None:
-    store = MemoryStore()
-    async with Admin.over(store) as admin:
-        assert await admin.queue_segments() == []
-        await admin.create_queues(["billing"])
-        (empty,) = await admin.queue_segments()
-        assert (empty.name, empty.number, empty.rows, empty.oldest) == ("billing", 0, 0, None)
 
 
 # -- the commands ------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The in-memory adapter of the storage and operations ports, for unit tests.
+"""The in-memory adapter of the storage port: the store application tests run on.
 
 Its public face is :mod:`nmbus.testing` (``MemoryStore``, ``Row``, ``drain``).
 """

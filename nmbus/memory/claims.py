@@ -1,6 +1,6 @@
 """What the in-memory store decides of a row as it claims or cancels it: the claim's
-``recovered`` (nmbus/postgres/sql/runtime.sql), and what cancel_unique and
-cancel_correlated do."""
+``recovered`` (nmbus/postgres/sql/runtime.sql), the heads of sequences, and what
+cancel_unique and cancel_correlated do."""
 
 from __future__ import annotations
 
@@ -65,3 +65,15 @@ def claimed_message(row: QueueRow, recovered: int, now: datetime) -> StoredMessa
         expired=row.expires_at is not None and row.expires_at <= now,
         claim=row.handling_client_id or "",
     )
+
+
+def sequence_heads(table: dict[int, QueueRow]) -> set[int]:
+    """Ids of the members that may run: the lowest not in X of each sequence (see `claim`)."""
+    seen: set[str] = set()
+    heads: set[int] = set()
+    for r in sorted(table.values(), key=lambda r: r.id):
+        if r.sequence_key is not None and r.subqueue != "X":
+            if r.sequence_key not in seen:
+                heads.add(r.id)
+            seen.add(r.sequence_key)
+    return heads

@@ -1,11 +1,11 @@
 """The in-memory store: queue tables and subscriptions in dicts, for unit tests.
 
-``MemoryStore`` follows the same contracts as the PostgreSQL store (the suites in
-``tests/test_store_contract.py`` and ``tests/test_operations_contract.py`` run against
-both), so handlers, retries and shutdown can be unit-tested without a database, and
-:class:`nmbus.ops.admin.Admin` can run over it (``Admin.over(store)``). It has no SQL
-connection: handlers that use ``ctx.connection`` need the real store. Import it from
-:mod:`nmbus.testing`.
+``MemoryStore`` follows the storage port's contract as the PostgreSQL store does
+(``tests/test_store_contract.py`` runs against both), so sending, handling,
+publish/subscribe, retries, sagas and shutdown can be tested without a database. It
+has no SQL connection: handlers that use ``ctx.connection`` need the real store, and
+operations (:class:`nmbus.ops.admin.Admin`, the dashboard) run on PostgreSQL only.
+Import it from :mod:`nmbus.testing`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from typing import Any
 from nmbus.delivery.cancellation import Cancel
 from nmbus.delivery.flow import FlowLimits
 from nmbus.errors import ConfigurationError, QueueNotFound
-from nmbus.memory.claims import cancel_rows, claimed_message, recovery
-from nmbus.memory.operations import MemoryOperations, sequence_heads
+from nmbus.memory.claims import cancel_rows, claimed_message, recovery, sequence_heads
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.names import validate_queue_name
 from nmbus.ports.operations import RetentionPolicy
@@ -196,11 +195,13 @@ class MemorySession:
         batch._commit()
 
 
-class MemoryStore(MemoryOperations):
-    """Queue tables and subscriptions in a dict, for unit tests.
+class MemoryStore:
+    """Queue tables and subscriptions in a dict, for application tests.
 
-    It implements the storage port and the operations port
-    (:class:`nmbus.memory.operations.MemoryOperations`).
+    It implements the storage port: sending, handling, publish/subscribe,
+    retries, sagas and their timeouts run on it as on PostgreSQL (one contract
+    suite, tests/test_store_contract.py). Operations (Admin, the dashboard, the
+    command line) run on PostgreSQL only.
     """
 
     #: Flow limits (nmbus/delivery/flow.py) need PostgreSQL's claim: a worker refuses to start.
@@ -419,13 +420,41 @@ class MemoryStore(MemoryOperations):
         )
 
     async def apply_retention(self, queue: str, settings: Settings) -> None:
-        self.clean_queue(queue, RetentionPolicy.from_settings(settings))
+        """Remove the old rows of ``queue`` as PostgreSQL's retention does (no archive)."""
+        policy = RetentionPolicy.from_settings(settings)
+        if policy.archive_dir is not None:
+            raise ConfigurationError(
+                "the in-memory store cannot archive: retention's Parquet archive "
+                "(archive_dir, NMBUS_RETENTION_ARCHIVE_DIR) needs PostgreSQL"
+            )
+        table, now = self._require(queue), _now()
+        for row in list(table.values()):
+            # I/R rows that expired long ago and no worker took: to X, as retention_expire.
+            held = row.lease_expires is not None and row.lease_expires >= now
+            gone = row.expires_at is not None and row.expires_at < now - policy.max_age
+            if row.subqueue in "IR" and gone and not held:
+                error = f"dropped: Expired: {row.label or '?'} expired and no worker took it"
+                table[row.id] = replace(
+                    row,
+                    subqueue="X",
+                    last_processed=row.expires_at,
+                    error_info=f"{error} (removed by retention)",
+                    handling_client_id=None,
+                    lease_expires=None,
+                )
+        for subqueue, age in (("X", policy.max_age), ("F", policy.failed_max_age)):
+            if age is None:
+                continue
+            for row in list(table.values()):
+                done = row.last_processed is not None and row.last_processed < now - age
+                if row.subqueue == subqueue and done:
+                    del table[row.id]
 
     async def flow_started(self, queue: str, starts: Sequence[tuple[str, int, int, str]]) -> None:
         raise ConfigurationError("flow limits need PostgreSQL")  # a worker refuses to start
 
     async def cancel(self, queue: str, request: Cancel) -> int:
-        return cancel_rows(self.tables[self._queue(queue)], request)
+        return cancel_rows(self._require(queue), request)
 
     async def counts(self, queue: str) -> dict[str, int]:
         counts = dict.fromkeys("IRXF", 0)

@@ -119,10 +119,15 @@ class Admin:
 
     @classmethod
     def over(cls, operations: Operations, *, pool_size: int = 1) -> Admin:
-        """An Admin over ``operations`` (a MemoryStore, say), which it closes on close.
+        """An Admin over ``operations`` (PostgresOperations), which it closes on close.
 
         ``pool_size`` says how many callers it serves at once (see :attr:`pool_size`).
         """
+        if not hasattr(operations, "queue_status"):
+            raise ConfigurationError(
+                f"{type(operations).__name__} has no operations: Admin, the dashboard and the "
+                "command line run on PostgreSQL (PostgresOperations, or Admin(dsn))"
+            )
         admin = cls.__new__(cls)
         admin.dsn = None
         admin.schema = validate_schema_name(operations.schema)

@@ -2,10 +2,11 @@
 
 :class:`nmbus.ops.admin.Admin` (behind the CLI and the dashboard) checks its
 arguments and pages, binds changes to counts, and calls these methods; a store
-answers them. Two adapters implement the port, as they implement the storage
-port: :class:`nmbus.postgres.operations.PostgresOperations` and the in-memory
-store (:class:`nmbus.testing.MemoryStore`). One contract suite,
-``tests/test_operations_contract.py``, runs against both.
+answers them. PostgreSQL's adapter implements it
+(:class:`nmbus.postgres.operations.PostgresOperations`), with its contract suite
+``tests/test_operations_contract.py``; operations run on PostgreSQL only (the
+in-memory store is the store of application tests: it keeps no copy of the
+operations SQL).
 
 Results are typed (the dataclasses below; ``nmbus.ops.admin`` exports them too).
 Methods that read never create anything: a queue that has no table raises

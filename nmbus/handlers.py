@@ -14,7 +14,7 @@ import math
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from nmbus.context import Context
 from nmbus.delivery.flow import FlowLimits, Limits
@@ -23,48 +23,9 @@ from nmbus.messages import Message, subtypes, type_name
 from nmbus.retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from nmbus.ports.store import Batch
-    from nmbus.received import Received
+    pass
 
 HandlerFunc = Callable[[Any, Context], Awaitable[None]]
-
-
-class BatchHook(Protocol):
-    """Work of a batch's own around its handlers, in its transaction (the saga locks)."""
-
-    async def prepare(
-        self,
-        tx: Batch,
-        batch: list[Received],
-        wait: bool,
-    ) -> set[int]:
-        """Before the handlers of ``batch`` run: the ids of messages to run later.
-
-        Without ``wait``, it takes only what is free now and names the messages
-        that need the rest; the worker runs the others, commits, and calls it
-        again for those with ``wait``: take everything, waiting for it (only
-        while the transaction holds nothing of the hook's, so that two batches
-        never wait for each other in a cycle).
-        """
-        ...
-
-    async def flush(self, tx: Batch, batch: list[Received]) -> None:
-        """Before the batch (or a part of it) commits: write what its handlers changed."""
-        ...
-
-    def contended(self) -> bool:
-        """Whether other processes' batches lately held what this process's batches
-        needed (the worker's loops then take turns: one batch at a time)."""
-        ...
-
-    def released(self, tx: Batch, rest: list[Received]) -> None:
-        """A part of the batch committed, and the stopping worker does not prepare
-        ``rest`` again (what the hook took for them was let go of by the commit)."""
-        ...
-
-    def done(self, tx: Batch) -> None:
-        """The batch's transaction ``tx`` has ended (committed or rolled back)."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +68,6 @@ class Registry:
         self._outside = 0
         # Changes with every registration: caches built on the registry check it.
         self.version = 0
-        # Run in each batch's transaction around its handlers, with the batch's
-        # decoded messages (the saga locks and states of the batch: nmbus/sagas/saga.py).
-        self.batch_hooks: list[BatchHook] = []
 
     def add(
         self,

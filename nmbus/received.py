@@ -1,7 +1,7 @@
 """A claimed row, decoded once: the class its body is read as, and its headers.
 
 The worker makes one :class:`Received` per row of a batch and hands it down:
-to the batch hooks (a saga's locks), to the dispatcher (a reply's hand-back,
+to the saga locks, to the dispatcher (a reply's hand-back,
 the handlers, the retry policy), to the handler's Context and to its span. The
 type is looked up once and the headers JSON is parsed at most once, when
 something first reads it; no one reads the raw columns again.
@@ -27,11 +27,11 @@ class Received:
         self.row = row
         self._headers: dict[str, Any] | None = None
         #: The saga states its batch holds for it (nmbus.sagas.states.SagaStates), set by
-        #: the saga hook before the handlers run; None when it needs none.
+        #: the saga locks before the handlers run; None when it needs none.
         self.sagas: Any = None
-        #: The sagas it names (saga and key pairs), once the saga hook has found them.
+        #: The sagas it names (saga and key pairs), once the saga locks have found them.
         self.found: Any = None
-        #: Its body, decoded before its handlers run (by the saga hook), for the
+        #: Its body, decoded before its handlers run (by the saga locks), for the
         #: first run of its handlers only: a run again decodes it anew.
         self.message: Message | None = None
         #: The class to decode the body as: the row's own type, else the nearest

@@ -518,7 +518,7 @@ class HeldAndWaiting:
         self.saga = self.bus.saga(Counter, key="counter")
         self.started: dict[int, asyncio.Event] = {n: asyncio.Event() for n in range(6)}
         self.h_go, self.w_go = asyncio.Event(), asyncio.Event()
-        self.hook = next(h for h in self.bus.registry.batch_hooks if isinstance(h, SagaLocks))
+        self.hook = SagaLocks.of(self.bus.registry)
 
         @self.saga.handler(start=True)
         async def counted(msg: Increment, state: Counter, ctx: Context) -> None:
@@ -592,7 +592,7 @@ async def test_batches_waiting_for_a_saga_take_it_in_queue_order_whichever_claim
         state.count += 1
         state.seen.append(msg.n)
 
-    hook = next(h for h in bus.registry.batch_hooks if isinstance(h, SagaLocks))
+    hook = SagaLocks.of(bus.registry)
     async with make_bus("counting", concurrency=0) as sender, bus:
         await sender.send(Increment(counter="a", n=0), to="counting")
         await asyncio.wait_for(running.wait(), 20)

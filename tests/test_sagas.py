@@ -20,6 +20,7 @@ from nmbus.consume.dispatch import MAX_FREE_CONFLICTS
 from nmbus.consume.isolation import is_conflict
 from nmbus.errors import ConfigurationError, StoreError
 from nmbus.ports.store import SCHEMA_VERSION
+from nmbus.sagas.locks import SagaLocks
 from nmbus.testing import MemoryStore, drain
 from tests.procs import Proc
 from tests.saga_workers import Counter, Increment, Open, counter_bus
@@ -817,44 +818,34 @@ async def test_a_handler_that_conflicts_every_time_reaches_f_after_its_free_retr
 
 
 async def test_a_batch_that_loses_a_deadlock_outside_its_handlers_runs_again_at_no_cost(
-    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+    make_bus: Callable[..., Bus],
+    db: asyncpg.Connection,
+    dsn: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     await db.execute("CREATE TABLE pair (id int PRIMARY KEY, v int NOT NULL)")
     await db.execute("INSERT INTO pair VALUES (1, 0), (2, 0)")
     bus = make_bus("locking", poll_interval=0.2, max_attempts=1)
+    bus.saga(Counter, key="counter")  # the endpoint's batches take their saga locks
     holding, go = asyncio.Event(), asyncio.Event()
     hooks: list[int] = []
     runs: list[int] = []
+    prepare = SagaLocks.prepare
 
-    class BeforeHandlers:
-        async def prepare(
-            self, tx: Any, rows: list[Any], wait: bool, at_once: Any = None
-        ) -> set[int]:
-            # Statements of the batch's own, outside any handler's savepoint (as the
-            # saga locks are): a deadlock here aborts the whole batch's transaction.
-            hooks.append(len(rows))
-            await tx.begin()
-            await tx.connection.execute("SET LOCAL deadlock_timeout = '100ms'")
-            await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 1")
-            if len(hooks) == 1:
-                holding.set()
-                await go.wait()
-            await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 2")
-            return set()
+    async def before_handlers(self: SagaLocks, tx: Any, rows: list[Any], wait: bool) -> set[int]:
+        # Statements of the batch's own, outside any handler's savepoint (as the
+        # saga locks' are): a deadlock here aborts the whole batch's transaction.
+        hooks.append(len(rows))
+        await tx.begin()
+        await tx.connection.execute("SET LOCAL deadlock_timeout = '100ms'")
+        await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 1")
+        if len(hooks) == 1:
+            holding.set()
+            await go.wait()
+        await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 2")
+        return await prepare(self, tx, rows, wait)
 
-        async def flush(self, tx: Any, rows: list[Any]) -> None:
-            return None
-
-        def contended(self) -> bool:
-            return False
-
-        def released(self, tx: Any, rest: list[Any]) -> None:
-            return None
-
-        def done(self, tx: Any) -> None:
-            return None
-
-    bus.registry.batch_hooks.append(BeforeHandlers())
+    monkeypatch.setattr(SagaLocks, "prepare", before_handlers)
 
     @bus.handler
     async def handled(msg: Pair, ctx: Context) -> None:

@@ -2,7 +2,7 @@
 
 Steps 2 and 3 of :mod:`nmbus.consume.worker`'s path: the :class:`BatchRunner` of a
 worker takes the :class:`~nmbus.consume.claim.Claim` a loop claimed, runs the
-registry's batch hooks and the handlers (one after another, or up to
+saga locks and the handlers (one after another, or up to
 ``handler_concurrency`` at once), stores what they sent, writes the outcomes
 with the statement that claims the next batch, and commits, in parts when the
 handlers take long. What became of each message is the claim's own (its
@@ -41,6 +41,7 @@ from nmbus.logs import debug_enabled
 from nmbus.messages import StoredMessage
 from nmbus.ports.store import Batch, Outcomes, Store, WorkerSession
 from nmbus.received import Received
+from nmbus.sagas.locks import SagaLocks
 from nmbus.settings import Settings
 
 if TYPE_CHECKING:
@@ -247,9 +248,9 @@ class BatchRunner:
         debug = debug_enabled()
         self.dispatcher.start_batch()
         partial = False
-        hooks = self.dispatcher.registry.batch_hooks
-        # The transaction the hooks are told has ended (they let go of what they
-        # took for it in this process), committed or not.
+        sagas = SagaLocks.found(self.dispatcher.registry)
+        # The transaction the saga locks are told has ended (they let go of what
+        # they took for it in this process), committed or not.
         ended: Batch | None = None
         ahead: Claim | None = None
         try:
@@ -259,8 +260,8 @@ class BatchRunner:
                 # Time spent taking the batch's sagas (waiting for other batches),
                 # which its size has no part in: the sizer does not count it.
                 waited = time.monotonic()
-                for hook in hooks:
-                    later |= await hook.prepare(tx, received, False)
+                if sagas is not None:
+                    later = await sagas.prepare(tx, received, False)
                 waited = time.monotonic() - waited
                 first = [r for r in received if r.row.id not in later] if later else received
                 run = (outcomes, done, debug, claim, unguarded, failed)
@@ -314,9 +315,8 @@ class BatchRunner:
                 self.claims.end(ahead)
             raise
         finally:
-            if ended is not None:
-                for hook in hooks:
-                    hook.done(ended)
+            if ended is not None and sagas is not None:
+                sagas.done(ended)
         self.handled += len(outcomes)
         self.outcomes.update(sq or "released" for sq in outcomes.subqueue)
         claim.committed.update(outcomes.ids)
@@ -377,10 +377,11 @@ class BatchRunner:
         outcomes: Outcomes,
         effects: list[Effects],
     ) -> None:
-        """Before a finish: the hooks' writes (saga states), what the handlers sent,
-        and the failure port's copies of the messages going to F."""
-        for hook in self.dispatcher.registry.batch_hooks:
-            await hook.flush(tx, received)
+        """Before a finish: the saga states the handlers changed, what they sent, and
+        the failure port's copies of the messages going to F."""
+        sagas = SagaLocks.found(self.dispatcher.registry)
+        if sagas is not None:
+            await sagas.flush(tx, received)
         if effects:
             await store_effects(tx, self.queue, effects)
         if self.dead_letter is not None and not outcomes.all_processed:
@@ -405,7 +406,7 @@ class BatchRunner:
         part = outcomes.take()
         effects = done[:]
         done.clear()
-        hooks = self.dispatcher.registry.batch_hooks
+        sagas = SagaLocks.found(self.dispatcher.registry)
         await self._write(tx, received, batch, part, effects)
         # Nothing done yet (the whole batch waits for its sagas): no statement.
         changed = await tx.finish(self.queue, part, claim.token) if len(part) else 0
@@ -424,19 +425,17 @@ class BatchRunner:
             log.warning("lease_lost", queue=self.queue, messages=lost, batch=len(part))
         elif self.metrics is not None:
             self.metrics.committed(batch, part, whole_batch=False)
-        if not hooks:
+        if sagas is None:
             return 0.0
         rest = [r for r in received if r.row.id not in claim.committed]
         if self._stopping.is_set():
             # A stopping worker starts none of the rest: it takes nothing again.
-            for hook in hooks:
-                hook.released(tx, rest)
+            sagas.released(tx, rest)
             return 0.0
-        # The commit let go of what the hooks took (the saga locks): the rest of
-        # the batch takes its own again, all at once, holding nothing meanwhile.
+        # The commit let go of the saga locks: the rest of the batch takes its own
+        # again, all at once, holding nothing meanwhile.
         began = time.monotonic()
-        for hook in hooks:
-            await hook.prepare(tx, rest, True)
+        await sagas.prepare(tx, rest, True)
         return time.monotonic() - began
 
     async def _handle_concurrently(
@@ -514,5 +513,5 @@ class BatchRunner:
 
 
 def _holds_sagas(received: list[Received]) -> bool:
-    """Whether the batch's saga hook took sagas for it (their locks are held to its commit)."""
+    """Whether the batch's saga locks took sagas for it (their locks are held to its commit)."""
     return any(r.sagas is not None and r.sagas.held for r in received)

@@ -14,8 +14,8 @@ Where a message is at every step:
    undoes only its own writes; what handlers send is buffered. The transaction
    itself begins only with the first such write: a batch of handlers that
    write nothing costs no BEGIN and no COMMIT round trip. The registry's batch
-   hooks run first (an endpoint with sagas locks the batch's sagas there, in
-   one order). A batch that loses a deadlock outside its handlers is rolled
+   saga locks are taken first (an endpoint with sagas locks the batch's sagas,
+   in one order). A batch that loses a deadlock outside its handlers is rolled
    back and run again under the same claim: no attempt is spent.
 3. The buffered messages are inserted and the outcomes (X, R with
    ``retry_time``, F with ``error_info``) are written by one statement, which
@@ -56,6 +56,7 @@ from nmbus.errors import ConfigurationError, DatabaseUnavailable, StoreError
 from nmbus.logs import log_failure, per_message_logs
 from nmbus.maintenance.supervise import Backoff, Services, supervise
 from nmbus.ports.store import Store, WorkerSession
+from nmbus.sagas.locks import SagaLocks
 from nmbus.settings import Settings
 
 if TYPE_CHECKING:
@@ -426,7 +427,8 @@ class Worker:
 
     def _contended(self) -> bool:
         """Whether other processes' batches hold what this endpoint's batches need."""
-        return any(hook.contended() for hook in self.dispatcher.registry.batch_hooks)
+        sagas = SagaLocks.found(self.dispatcher.registry)
+        return sagas is not None and sagas.contended()
 
     async def _run_gated(
         self, session: WorkerSession, claim: Claim, sizer: BatchSizer | None, loop: int | str

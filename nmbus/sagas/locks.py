@@ -1,7 +1,7 @@
-"""The saga hook of a batch: which sagas its messages name, taken before its handlers run.
+"""The saga locks of a batch: which sagas its messages name, taken before its handlers run.
 
-:class:`SagaLocks` is the batch hook (nmbus.handlers.BatchHook) an endpoint
-with sagas adds: it finds the saga each message names, takes those sagas for
+:class:`SagaLocks` is what a batch of an endpoint with sagas calls around its
+handlers (nmbus/consume/batch.py): it finds the saga each message names, takes those sagas for
 the batch (apart in memory from the batches of the process's other loops, then
 locked in the store), hands their states to the handlers
 (nmbus.sagas.states.SagaStates), and writes them before each commit. The saga
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol, cast
@@ -49,6 +50,10 @@ CONTENDED_SECONDS = 1.0
 KEY_TYPES = (str, int, uuid.UUID)
 
 
+#: The saga locks of each registry that declares sagas (SagaLocks.of).
+_LOCKS: weakref.WeakKeyDictionary[Registry, SagaLocks] = weakref.WeakKeyDictionary()
+
+
 def key_text(value: object) -> str:
     """The stored form of a saga key: ``str`` of a str, int or UUID; anything else is refused.
 
@@ -74,7 +79,7 @@ def key_text(value: object) -> str:
 
 
 class SagaLocks:
-    """The batch hook of an endpoint with sagas: its batch's sagas held, read and written.
+    """The saga locks of an endpoint with sagas: its batches' sagas held, read and written.
 
     Before any handler of a batch runs, the sagas of all its messages are found
     (the key of each message for each saga handler of its type, or a timeout's
@@ -124,13 +129,16 @@ class SagaLocks:
 
     @classmethod
     def of(cls, registry: Registry) -> SagaLocks:
-        """The registry's hook, added to its batch hooks the first time."""
-        for hook in registry.batch_hooks:
-            if isinstance(hook, SagaLocks):
-                return hook
-        made = cls(registry)
-        registry.batch_hooks.append(made)
-        return made
+        """The saga locks of ``registry``'s batches, made when its first saga is declared."""
+        found = _LOCKS.get(registry)
+        if found is None:
+            found = _LOCKS[registry] = cls(registry)
+        return found
+
+    @staticmethod
+    def found(registry: Registry) -> SagaLocks | None:
+        """The saga locks of ``registry``, None while it declares no saga."""
+        return _LOCKS.get(registry)
 
     def add(self, func: Callable[..., Any], saga: SagaLike, field: str | None) -> None:
         self._handlers[func] = (saga, field)

@@ -279,7 +279,7 @@ class BatchRunner:
                 # batch that holds sagas, which other batches may be waiting for: the
                 # claim would keep them waiting longer.
                 if sizer is not None and not self._stopping.is_set() and not _holds_sagas(received):
-                    token = self.claims.token(loop)
+                    token, since = self.claims.token(loop), time.monotonic()
                     changed, rows = await tx.finish_and_claim(
                         self.queue,
                         outcomes,
@@ -288,9 +288,8 @@ class BatchRunner:
                         self.settings.lease_seconds,
                         token,
                     )
-                    # Its lease runs from the statement's now(), which in a transaction
-                    # is when the transaction began: after the batch began, surely.
-                    ahead = self.claims.take(token, rows, began)
+                    # Its lease runs from the statement (clock_timestamp), sent after since.
+                    ahead = self.claims.take(token, rows, since)
                 else:
                     changed = await tx.finish(self.queue, outcomes, claim.token)
                 if changed != len(outcomes) and not tx.begun:

@@ -151,12 +151,14 @@ ready AS (
 -- keeps the update on one scan of the primary key, and the
 -- ready floor {:floor} on the segments that can hold them. `recovered` is
 -- looked up in arrays of the few rows a lease had held (empty in the common
--- case).
+-- case). The lease runs from the statement (clock_timestamp), not from its
+-- transaction's start: a finish-and-claim that ends a long transaction leases
+-- the next batch for as long as a claim of its own would.
 UPDATE {queue} AS q
 SET retry_count = least(q.retry_count, 2147483646) + 1,
     isolated = false,
     handling_client_id = {:client},
-    lease_expires = now() + make_interval(secs => {:lease})
+    lease_expires = clock_timestamp() + make_interval(secs => {:lease})
 WHERE q.id = ANY (ARRAY(SELECT id FROM ready))
   AND q.id >= {:floor}
 RETURNING {claimed_columns(attempt => q.retry_count)}
@@ -324,7 +326,7 @@ WITH leased AS (
     WHERE q.id >= {lowest_id}
     FOR UPDATE OF q SKIP LOCKED
 ), renewed AS (
-    UPDATE {queue} AS q SET lease_expires = now() + make_interval(secs => $3)
+    UPDATE {queue} AS q SET lease_expires = clock_timestamp() + make_interval(secs => $3)
     FROM leased
     WHERE q.id = leased.id AND q.id >= {lowest_id}
     RETURNING q.handling_client_id AS claim

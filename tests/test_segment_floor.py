@@ -101,11 +101,11 @@ async def test_the_worker_s_statements_leave_the_segments_below_the_floor_out(
         assert len(claimed) == 100
         statements = {
             "claim": f"100, 'w', 30.0, {floor}",
-            "finish_claim_processed": f"ARRAY{claimed}::bigint[], 'w', 100, 30.0, {floor}",
+            "finish_claim_processed": f"ARRAY{claimed}::bigint[], 'w', 100, 30.0, {floor}, 'w2'",
             "finish_claim": (
                 f"ARRAY{claimed}::bigint[], ARRAY{['X'] * 100}::text[], "
                 f"ARRAY{[0.0] * 100}::float8[], ARRAY{[None] * 100}::text[], "
-                f"ARRAY{[0] * 100}::int[], 'w', 100, 30.0, {floor}"
+                f"ARRAY{[0] * 100}::int[], 'w', 100, 30.0, {floor}, 'w2'"
             ).replace("None", "NULL"),
         }
         for name, args in statements.items():

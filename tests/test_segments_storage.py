@@ -698,7 +698,10 @@ async def test_the_worker_s_generic_plans_keep_to_the_indexes(
         for name, args in (
             ("claim", f"100, 'w', 30.0, {NO_FLOOR}"),
             ("finish_processed", f"ARRAY{claimed}::bigint[], 'w'"),
-            ("finish_claim_processed", f"ARRAY{claimed}::bigint[], 'w', 100, 30.0, {NO_FLOOR}"),
+            (
+                "finish_claim_processed",
+                f"ARRAY{claimed}::bigint[], 'w', 100, 30.0, {NO_FLOOR}, 'w2'",
+            ),
         ):
             plan = await _generic_plan(worker, name, args)
             assert 'Seq Scan on "billing$s0"' not in plan, plan
@@ -723,7 +726,7 @@ async def test_a_claim_over_a_burst_no_analyze_has_seen_joins_no_row_to_every_ot
     try:
         calls = (
             ("claim", f"500, 'w', 30.0, {NO_FLOOR}"),
-            ("finish_claim_processed", f"ARRAY[]::bigint[], 'w', 500, 30.0, {NO_FLOOR}"),
+            ("finish_claim_processed", f"ARRAY[]::bigint[], 'w', 500, 30.0, {NO_FLOOR}, 'w2'"),
         )
         for name, args in calls:
             plan = await _generic_plan(worker, name, args)

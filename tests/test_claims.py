@@ -144,11 +144,9 @@ async def test_a_claim_taken_ahead_ends_when_its_loop_loses_the_connection_first
 ) -> None:
     # A finish claims the next batch; the loop's backend is then ended for real
     # before that batch begins, with nothing in between to notice. The batch fails
-    # at once and its claim ends with it, its rows given back: nothing is kept in
-    # flight, renewed for nobody, and the drain completes. An old deployment's
-    # NMBUS_HELD_BATCHES (held batches, removed: they stranded exactly such a
-    # batch for the life of the process) is warned of and changes nothing.
-    monkeypatch.setenv("NMBUS_HELD_BATCHES", "true")
+    # at once and its claim ends with it, what it never started given back: nothing
+    # is kept in flight, renewed for nobody, and the drain completes. (Held batches,
+    # removed, stranded such a batch for the life of the process.)
     bus = make_bus(
         "billing", batch_size=5, batch_commit_interval=0.02, lease_seconds=2.0, poll_interval=5.0
     )

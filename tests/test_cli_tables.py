@@ -359,7 +359,7 @@ def demo_summary() -> dict[str, Any]:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_demo_tables(width: int) -> None:
     from nmbus.cli import demo as demo_cli
-    from nmbus.tools.demo import QueueCounts, Snapshot
+    from nmbus.demo.services import QueueCounts, Snapshot
 
     snap = Snapshot(
         orders=3000,
@@ -386,7 +386,7 @@ def test_demo_summary_says_what_became_of_failed_attempts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from nmbus.cli import demo as demo_cli
-    from nmbus.tools.demo import BusResult, QueueCounts, Snapshot
+    from nmbus.demo.services import BusResult, QueueCounts, Snapshot
 
     snap = Snapshot(
         orders=3000,

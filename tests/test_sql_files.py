@@ -1,8 +1,9 @@
 """The SQL files: each statement written once, short files, no block nobody runs.
 
 The adapter's SQL is in files by purpose (nmbus/postgres/sql/), the tools' in
-nmbus/tools/queries.sql. A part two statements share (the claim of claim and
-finish_claim) is a fragment they name, put in when the files are loaded.
+nmbus/tools/queries.sql, the demo's in nmbus/demo/queries.sql. A part two
+statements share (the claim of claim and finish_claim) is a fragment they name,
+put in when the files are loaded.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from nmbus.demo import sql as demo_sql
 from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres.sql import QUERIES, Block, load, read, render, render_segment
 from nmbus.tools import sql as tools_sql
 
 NMBUS = Path(__file__).resolve().parent.parent / "nmbus"
-PACKAGES = ("nmbus.postgres.sql", "nmbus.tools")
+PACKAGES = ("nmbus.postgres.sql", "nmbus.tools", "nmbus.demo")
 # A run of this many words found twice is a copy: a CTE, a table, a statement.
 # A shorter clause (a column list, a WHERE of three lines) may repeat.
 COPY_WORDS = 40
@@ -184,8 +186,9 @@ def test_every_statement_renders_with_every_name_filled() -> None:
         else:
             text = render(name, "s", "q")
         assert not re.search(r"\{:?[a-z_]+[(}]", text), (name, text)
-    for name in tools_sql.QUERIES:
-        tools_sql.render(name, "s", "q")
+    for tool in (tools_sql, demo_sql):
+        for name in tool.QUERIES:
+            tool.render(name, "s", "q")
 
 
 def test_the_three_claims_share_one_claim() -> None:

@@ -102,7 +102,7 @@ def time_job(
             "spark.eventLog.compress": "false",
             "spark.eventLog.rolling.enabled": "false",
         }
-    from nmbus.tools.demo_report import rows_estimate
+    from nmbus.demo.report import rows_estimate
 
     spark = job.build_session(master, extra_conf=conf, expected_rows=rows_estimate(dsn, schema))
     try:

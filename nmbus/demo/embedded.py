@@ -20,7 +20,7 @@ Running as root changes the machine. PostgreSQL refuses to run as root, so
 (as pgserver does) the server then runs as the system user ``pgserver``: the
 first :meth:`EmbeddedPostgres.start` creates that user with ``useradd``, opens
 the folders above the data folder and the pgserver binaries to other users,
-and gives it the data folder. All of it is in :mod:`nmbus.tools.embedded_root`,
+and gives it the data folder. All of it is in :mod:`nmbus.demo.embedded_root`,
 runs only when the effective uid is 0 and only in ``start()``, never at
 import, and is logged. As any other user, nothing outside the data folder is
 touched.
@@ -44,10 +44,10 @@ from typing import Any
 
 import structlog
 
+from nmbus.demo import embedded_root
 from nmbus.errors import ConfigurationError, NmbusError
-from nmbus.tools import embedded_root
 
-log = structlog.get_logger("nmbus.tools.embedded")
+log = structlog.get_logger("nmbus.demo.embedded")
 
 DEFAULT_DATA_DIR = Path(".nmbus")
 HOST = "127.0.0.1"
@@ -248,7 +248,7 @@ class EmbeddedPostgres:
         """Create the data folder (and, as root, make it the system user's) and initdb it."""
         self.pgdata.mkdir(parents=True, exist_ok=True)
         if self._user is not None:
-            # Root only: the system changes are all in nmbus.tools.embedded_root.
+            # Root only: the system changes are all in nmbus.demo.embedded_root.
             embedded_root.hand_over(self._user, self.pgdata, bin_dir.parent)
         self.pgdata.chmod(0o700)
         if (self.pgdata / "PG_VERSION").exists():

@@ -13,9 +13,9 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from nmbus.demo.services import QUEUES, DemoOptions
 from nmbus.errors import NmbusError
 from nmbus.ops.admin import Admin
-from nmbus.tools.demo import QUEUES, DemoOptions
 
 
 class ReportUnavailable(NmbusError):

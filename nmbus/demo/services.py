@@ -17,8 +17,8 @@ to R and is retried with backoff), some cards are declined for good
 
 Everything lives in its own schema (``nmbus_demo``), dropped and created again
 at each run, so the figures are those of the last run. The command line
-(``nmbus demo``) adds the embedded PostgreSQL (:mod:`nmbus.tools.embedded`),
-the live view and the report (:mod:`nmbus.tools.demo_report`).
+(``nmbus demo``) adds the embedded PostgreSQL (:mod:`nmbus.demo.embedded`),
+the live view and the report (:mod:`nmbus.demo.report`).
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ import structlog
 
 from nmbus.bus import Bus
 from nmbus.context import Context
+from nmbus.demo.sql import render
 from nmbus.errors import ConfigurationError, NmbusError, PermanentError, RetryLater
 from nmbus.messages import Message
 from nmbus.names import validate_schema_name
 from nmbus.postgres import sql as core_sql
 from nmbus.retry import RetryPolicy
 from nmbus.settings import Settings
-from nmbus.tools.sql import render
 
-log = structlog.get_logger("nmbus.tools.demo")
+log = structlog.get_logger("nmbus.demo")
 
 DEFAULT_SCHEMA = "nmbus_demo"
 PUBLISHER = "shop"
@@ -262,12 +262,13 @@ async def reset_schema(dsn: str, schema: str) -> None:
     validate_schema_name(schema)
     conn = await asyncpg.connect(dsn, timeout=10)
     try:
-        if not await conn.fetchval(render("demo_is_demo_schema", schema), schema):
-            raise ConfigurationError(
-                f"schema {schema!r} exists and is not a demo schema (it has no demo_payments "
-                "table); pick another one with --schema"
-            )
-        await conn.execute(render("drop_schema", schema))
+        if await conn.fetchval(render("demo_schema_exists", schema), schema):
+            if not await conn.fetchval(render("demo_is_demo_schema", schema), schema):
+                raise ConfigurationError(
+                    f"schema {schema!r} exists and is not a demo schema (it has no "
+                    "demo_payments table); pick another one with --schema"
+                )
+            await conn.execute(render("demo_drop_schema", schema))
         await conn.execute(render("demo_create_tables", schema))
     finally:
         await conn.close()
@@ -282,7 +283,7 @@ async def drop_schema(dsn: str, schema: str) -> bool:
             return False
         if not await conn.fetchval(render("demo_is_demo_schema", schema), schema):
             raise ConfigurationError(f"schema {schema!r} is not a demo schema; left alone")
-        await conn.execute(render("drop_schema", schema))
+        await conn.execute(render("demo_drop_schema", schema))
         return True
     finally:
         await conn.close()

@@ -1,7 +1,7 @@
 """What the embedded PostgreSQL changes on the machine when nmbus runs as root.
 
 PostgreSQL refuses to run as root. So when the effective uid is 0, and only
-then, :meth:`nmbus.tools.embedded.EmbeddedPostgres.start` calls
+then, :meth:`nmbus.demo.embedded.EmbeddedPostgres.start` calls
 :func:`hand_over` before it initialises the data folder, and the server runs
 as the system user ``pgserver`` (pgserver's own package does the same). That
 call, never an import, makes these changes, each logged when it is made:
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import structlog
 
-log = structlog.get_logger("nmbus.tools.embedded")
+log = structlog.get_logger("nmbus.demo.embedded")
 
 SYSTEM_USER = "pgserver"
 

@@ -7,6 +7,7 @@ the modes are described there.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -93,14 +94,18 @@ async def measure_ceiling(
         while rows := await conn.fetch(statements[0], batch):
             done += len(rows)
 
-    async def crash_safe(conn: asyncpg.Connection, _: int) -> None:
+    async def crash_safe(conn: asyncpg.Connection, index: int) -> None:
         nonlocal done
         claim, finish = statements
-        rows = await conn.fetch(claim, batch, client, lease, floor)
+        # Each claim under a token of its own, as a worker's (nmbus/consume/claim.py).
+        tokens = (f"{client}/{index}.{n}" for n in itertools.count(1))
+        token = next(tokens)
+        rows = await conn.fetch(claim, batch, token, lease, floor)
         while rows:
             ids = [r[0] for r in rows]
-            rows = await conn.fetch(finish, ids, client, batch, lease, floor)
-            done += rows[0][13]
+            token, finished = next(tokens), token
+            rows = await conn.fetch(finish, ids, finished, batch, lease, floor, token)
+            done += rows[0]["finished"]
             if rows[0][0] is None:
                 return
 

@@ -1,10 +1,17 @@
-"""``nmbus bench`` runs every mode on small numbers, prints, and leaves no trace."""
+"""``nmbus bench`` and ``python -m bench`` run every mode on small numbers, print, and
+leave no trace.
+
+nmbus bench's modes run through the ``nmbus`` command and nmbus.bench.runner; the
+repository's (peers, fanout, scaling, ...) through ``python -m bench`` and bench.modes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,15 +21,20 @@ import pytest
 import structlog
 from typer.testing import CliRunner
 
+from bench import cli as bench_cli
+from bench import graphile as bench_graphile
+from bench.modes import Options
+from bench.modes import run as run_bench
 from nmbus import Bus
+from nmbus.bench.runner import BenchOptions, run
+from nmbus.bench.saga import measure_contended
+from nmbus.bench.scenarios import _check_single_write, measure_ceiling, percentile
+from nmbus.bench.scratch import QUEUE, Scratch
+from nmbus.bench.sql import render
 from nmbus.cli import app
-from nmbus.tools import bench_graphile
-from nmbus.tools.bench import BenchOptions, run
-from nmbus.tools.bench_saga import measure_contended
-from nmbus.tools.bench_scenarios import _check_single_write, measure_ceiling, percentile
-from nmbus.tools.bench_scratch import QUEUE, Scratch
-from nmbus.tools.sql import render
 from tests.messages import Ping
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SMALL = [
     "--messages",
@@ -37,11 +49,9 @@ SMALL = [
     "0.5",
     "--warmup",
     "0.1",
-    "--fanout-messages",
-    "60",
-    "--publishers",
-    "3",
 ]
+#: The fanout mode's options (python -m bench).
+FANOUT = ["--fanout-messages", "60", "--publishers", "3"]
 
 
 @pytest.fixture(autouse=True)
@@ -73,10 +83,17 @@ def test_percentile_interpolates_between_ranks() -> None:
         percentile([], 50)
 
 
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m bench ARGS``, from the repository's root (bench/ is not installed)."""
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True, text=True
+    )
+
+
 def test_bench_all_prints_a_table_with_every_mode_and_its_settings(dsn: str) -> None:
-    result = CliRunner().invoke(app, ["bench", "all", "--dsn", dsn, *SMALL])
-    assert result.exit_code == 0, result.output
-    out = result.output
+    result = bench("all", "--dsn", dsn, *SMALL, *FANOUT)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
     for mode in ("ceiling", "peers", "drain", "transactional", "latency", "fanout"):
         assert mode in out
     for figure in (
@@ -135,8 +152,8 @@ def test_bench_peer_measures_only_the_peer_asked_for_and_refuses_an_unknown_one(
         raise AssertionError("graphile-worker was not asked for")
 
     monkeypatch.setattr(bench_graphile, "measure_graphile", not_asked)
-    args = ["bench", "peers", "--dsn", dsn, "--json", "--peer", "pgqueuer", *SMALL]
-    result = CliRunner().invoke(app, args)
+    args = ["peers", "--dsn", dsn, "--json", "--peer", "pgqueuer", *SMALL]
+    result = CliRunner().invoke(bench_cli.app, args)
     assert result.exit_code == 0, result.output
     [peers] = json.loads(result.output)
     assert peers["settings"]["graphile_worker"] == "not asked for"
@@ -145,7 +162,7 @@ def test_bench_peer_measures_only_the_peer_asked_for_and_refuses_an_unknown_one(
     assert peers["figures"]["ratio_nmbus_to_best_pgqueuer"] > 0
     assert not any("graphile" in note for note in peers["notes"])  # not "not installed"
 
-    result = CliRunner().invoke(app, ["bench", "peers", "--dsn", dsn, "--peer", "rabbit"])
+    result = CliRunner().invoke(bench_cli.app, ["peers", "--dsn", dsn, "--peer", "rabbit"])
     assert (result.exit_code, result.stdout) == (2, ""), result.output
     (line,) = result.stderr.splitlines()
     assert "unknown peer 'rabbit'; choose from pgqueuer, graphile-worker" in line
@@ -167,8 +184,8 @@ async def test_xrows_compares_an_empty_and_a_loaded_table_and_explains_the_claim
 async def test_delivery_measures_plain_priority_and_sequence_drains_in_one_run(
     dsn: str,
 ) -> None:
-    options = BenchOptions(dsn=dsn, messages=300, batch_size=50, sequences=5, sequence_members=20)
-    [result] = await run(["delivery"], options)
+    options = Options(dsn=dsn, messages=300, batch_size=50, sequences=5, sequence_members=20)
+    [result] = await run_bench(["delivery"], options)
     figures = result.figures
     for name in ("plain", "priority_mix", "sequences"):
         assert figures[f"{name}_messages_per_s"] > 0
@@ -193,8 +210,8 @@ async def test_the_bench_leaves_the_users_queues_alone(dsn: str, db: asyncpg.Con
 async def test_fanout_with_one_publisher_stores_a_copy_per_subscriber(dsn: str) -> None:
     # One publisher once deadlocked: publish held the only pooled connection while
     # ensure_queue waited for another to look at a subscriber queue.
-    options = BenchOptions(dsn=dsn, publishers=1, fanout_messages=20, fanout_batch=7, subscribers=2)
-    [result] = await asyncio.wait_for(run(["fanout"], options), timeout=60)
+    options = Options(dsn=dsn, publishers=1, fanout_messages=20, fanout_batch=7, subscribers=2)
+    [result] = await asyncio.wait_for(run_bench(["fanout"], options), timeout=60)
     published = result.figures["published_per_s"]
     assert result.figures["rows_per_s"] == pytest.approx(2 * published)
     batched = result.figures["batched_published_per_s"]
@@ -260,8 +277,8 @@ async def test_burst_drains_into_a_new_and_a_resting_queue_against_a_settled_one
     dsn: str,
 ) -> None:
     # Each run checks itself: every message of the burst ends in X, once.
-    options = BenchOptions(dsn=dsn, messages=300)
-    [result] = await asyncio.wait_for(run(["burst"], options), timeout=120)
+    options = Options(dsn=dsn, messages=300)
+    [result] = await asyncio.wait_for(run_bench(["burst"], options), timeout=120)
     figures = result.figures
     for kind in ("settled", "new", "at_rest"):
         assert figures[f"{kind}_per_s"] > 0
@@ -279,8 +296,8 @@ async def test_scaling_drains_with_loops_and_processes_against_the_crash_safe_ce
     # The machine's load is reported as read, after the run: a value no real
     # machine shows here tells it apart from a constant or a default.
     monkeypatch.setattr(os, "getloadavg", lambda: (7.25, 0.5, 0.25))
-    options = BenchOptions(dsn=dsn, messages=300, batch_size=20)
-    [result] = await asyncio.wait_for(run(["scaling"], options), timeout=120)
+    options = Options(dsn=dsn, messages=300, batch_size=20)
+    [result] = await asyncio.wait_for(run_bench(["scaling"], options), timeout=120)
     figures = result.figures
     for loops in (1, 2, 4):
         assert figures[f"crash_safe_{loops}_loops_per_s"] > 0
@@ -294,8 +311,8 @@ async def test_scaling_drains_with_loops_and_processes_against_the_crash_safe_ce
 
 
 async def test_peers_runs_pgqueuer_in_the_bench_schema_beside_an_nmbus_drain(dsn: str) -> None:
-    options = BenchOptions(dsn=dsn, messages=300, batch_size=50)
-    [result] = await asyncio.wait_for(run(["peers"], options), timeout=120)
+    options = Options(dsn=dsn, messages=300, batch_size=50)
+    [result] = await asyncio.wait_for(run_bench(["peers"], options), timeout=120)
     figures = result.figures
     best = max(figures["pgqueuer_batch_10_per_s"], figures["pgqueuer_batch_100_per_s"])
     assert figures["ratio_nmbus_to_best_pgqueuer"] == pytest.approx(
@@ -315,8 +332,8 @@ async def test_peers_runs_graphile_worker_at_both_settings_and_leaves_nothing(ds
     why = bench_graphile.missing()
     if why is not None:
         pytest.skip(why)  # CI installs it (.ci/run): there a skip fails the run
-    options = BenchOptions(dsn=dsn, messages=2000, batch_size=50, peers=("graphile-worker",))
-    [result] = await asyncio.wait_for(run(["peers"], options), timeout=300)
+    options = Options(dsn=dsn, messages=2000, batch_size=50, peers=("graphile-worker",))
+    [result] = await asyncio.wait_for(run_bench(["peers"], options), timeout=300)
     figures = result.figures
     assert not any(name.startswith("pgqueuer") for name in figures)  # not asked for
     assert result.settings["pgqueuer"] == "not asked for"
@@ -334,8 +351,8 @@ async def test_peers_says_how_to_install_graphile_worker_and_downloads_nothing(
 ) -> None:
     monkeypatch.setenv("NMBUS_GRAPHILE_MODULES", str(tmp_path))
     assert bench_graphile.missing() is not None
-    options = BenchOptions(dsn=dsn, messages=300, batch_size=50)
-    [result] = await asyncio.wait_for(run(["peers"], options), timeout=120)
+    options = Options(dsn=dsn, messages=300, batch_size=50)
+    [result] = await asyncio.wait_for(run_bench(["peers"], options), timeout=120)
     assert not any(name.startswith("graphile") for name in result.figures)
     (note,) = [n for n in result.notes if "graphile" in n]
     assert "npm install graphile-worker@0.17.3" in note or "node is not installed" in note
@@ -346,13 +363,13 @@ async def test_peers_says_how_to_install_graphile_worker_and_downloads_nothing(
 async def test_reply_times_round_trips_and_reply_lag_of_every_request(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nmbus.tools import bench_reply
+    from bench import reply as bench_reply
 
     monkeypatch.setattr(bench_reply, "REQUESTS_50MS", 10)
     monkeypatch.setattr(bench_reply, "REQUESTS_CONCURRENT", 30)
     monkeypatch.setattr(bench_reply, "LONGEST", 0.2)
-    options = BenchOptions(dsn=dsn)
-    [result] = await asyncio.wait_for(run(["reply"], options), timeout=120)
+    options = Options(dsn=dsn)
+    [result] = await asyncio.wait_for(run_bench(["reply"], options), timeout=120)
     figures = result.figures
     for scenario, count in (("slow_50ms", 10), ("concurrent", 30)):
         assert figures[f"{scenario}_requests"] == count
@@ -366,7 +383,7 @@ async def test_reply_times_round_trips_and_reply_lag_of_every_request(
 
 
 async def test_flow_measures_concurrency_rate_and_the_claim_with_many_groups(dsn: str) -> None:
-    [result] = await asyncio.wait_for(run(["flow"], BenchOptions(dsn=dsn)), timeout=180)
+    [result] = await asyncio.wait_for(run_bench(["flow"], Options(dsn=dsn)), timeout=180)
     figures = result.figures
     assert figures["concurrency_most_running"] == figures["concurrency_limit"] == 5
     assert 0 < figures["concurrency_mean_running"] <= 5

@@ -21,7 +21,7 @@ import asyncpg
 import pytest
 
 from nmbus.cli.demo import SPARK_LOG
-from nmbus.tools import demo
+from nmbus.demo import services as demo
 from tests.procs import JVM_NOISE
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]

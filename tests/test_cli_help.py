@@ -35,7 +35,7 @@ PATHS = [" ".join(path) for path, _ in commands()]
 
 
 def test_the_walk_finds_every_command() -> None:
-    for expected in ("", "status", "failed list", "queues ddl", "bench", "demo", "soak", "report"):
+    for expected in ("", "status", "failed list", "queues ddl", "bench", "demo", "report"):
         assert expected in PATHS
 
 

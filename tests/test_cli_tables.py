@@ -17,6 +17,7 @@ from typing import Any
 import asyncpg
 import pytest
 import structlog
+import typer
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
@@ -196,9 +197,9 @@ def test_cells_are_text_not_markup_and_empty_tables_say_so() -> None:
 # -- the commands ---------------------------------------------------------------------------------
 
 
-async def invoke(width: int, *argv: str) -> Result:
+async def invoke(width: int, *argv: str, command: typer.Typer = app) -> Result:
     env = {"COLUMNS": str(width), "NMBUS_DSN": None}
-    result = await asyncio.to_thread(runner.invoke, app, list(argv), env=env)
+    result = await asyncio.to_thread(runner.invoke, command, list(argv), env=env)
     assert result.exit_code == 0, (argv, result.output, result.exception)
     return result
 
@@ -359,7 +360,7 @@ def demo_summary() -> dict[str, Any]:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_demo_tables(width: int) -> None:
     from nmbus.cli import demo as demo_cli
-    from nmbus.tools.demo import QueueCounts, Snapshot
+    from nmbus.demo.services import QueueCounts, Snapshot
 
     snap = Snapshot(
         orders=3000,
@@ -386,7 +387,7 @@ def test_demo_summary_says_what_became_of_failed_attempts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from nmbus.cli import demo as demo_cli
-    from nmbus.tools.demo import BusResult, QueueCounts, Snapshot
+    from nmbus.demo.services import BusResult, QueueCounts, Snapshot
 
     snap = Snapshot(
         orders=3000,
@@ -424,7 +425,7 @@ def test_report_summary_table(
     right_aligned(lines, "failed", "billing", "100")
 
 
-# -- the tools' tables: figures of a short benchmark and of a short soak -------------------------
+# -- the tools' tables: figures of a short benchmark and of a short soak (bench.soak) --------------
 
 
 async def test_bench_tables_at_80_columns(dsn: str) -> None:
@@ -438,7 +439,9 @@ async def test_bench_tables_at_80_columns(dsn: str) -> None:
 
 @pytest.mark.timeout(120)
 async def test_soak_table_at_80_columns(dsn: str) -> None:
-    argv = ["soak", "--messages", "100", "--workers", "1", "--kill-every", "1", "--dsn", dsn]
-    lines = check_fits((await invoke(80, *argv)).stdout, 80, ["processed", "lost"])
+    from bench.soak.cli import app as soak
+
+    argv = ["--messages", "100", "--workers", "1", "--kill-every", "1", "--dsn", dsn]
+    lines = check_fits((await invoke(80, *argv, command=soak)).stdout, 80, ["processed", "lost"])
     right_aligned(lines, "value", "processed", "100")
     right_aligned(lines, "value", "lost", "0")

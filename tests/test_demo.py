@@ -16,8 +16,9 @@ from typing import Any
 import asyncpg
 import pytest
 
+from nmbus.demo import report as demo_report
+from nmbus.demo import services as demo
 from nmbus.errors import ConfigurationError
-from nmbus.tools import demo, demo_report
 
 ROOT = Path(__file__).resolve().parent.parent
 

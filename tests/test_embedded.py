@@ -16,7 +16,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from nmbus.tools.embedded import EmbeddedPostgres, _bin_dir
+from nmbus.demo.embedded import EmbeddedPostgres, _bin_dir
 from tests.waits import wait_until
 
 pytest.importorskip("pgserver", reason="the embedded extra (pgserver) is not installed")
@@ -152,7 +152,7 @@ def test_missing_pgserver_says_what_to_install(
 ) -> None:
     import importlib.util
 
-    from nmbus.tools.embedded import EmbeddedUnavailable
+    from nmbus.demo.embedded import EmbeddedUnavailable
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

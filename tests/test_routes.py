@@ -644,11 +644,11 @@ def test_the_routes_sample_runs(dsn: str, dsn_b: str) -> None:
 async def test_the_routed_bench_measures_both_ways_and_leaves_nothing_behind(
     dsn: str, db: asyncpg.Connection
 ) -> None:
-    from nmbus.tools.bench import BenchOptions, run
+    from bench.modes import Options, run
 
     databases = "SELECT datname FROM pg_database WHERE datname LIKE 'nmbus_bench_%'"
     before = {r[0] for r in await db.fetch(databases)}
-    options = BenchOptions(dsn=dsn, messages=200, batch_size=50, rate=50.0, seconds=0.5, warmup=0.1)
+    options = Options(dsn=dsn, messages=200, batch_size=50, rate=50.0, seconds=0.5, warmup=0.1)
     [result] = await run(["routed"], options)
     figures = result.figures
     for name in ("local_p50_ms", "routed_p50_ms", "local_p99_ms", "routed_p99_ms"):

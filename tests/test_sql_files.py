@@ -1,8 +1,10 @@
 """The SQL files: each statement written once, short files, no block nobody runs.
 
 The adapter's SQL is in files by purpose (nmbus/postgres/sql/), the tools' in
-nmbus/tools/queries.sql. A part two statements share (the claim of claim and
-finish_claim) is a fragment they name, put in when the files are loaded.
+nmbus/bench/queries.sql and nmbus/demo/queries.sql, and the repository's
+benchmarks' (not shipped) in bench/queries.sql. A part two statements share (the
+claim of claim and finish_claim) is a fragment they name, put in when the files
+are loaded.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from pathlib import Path
 
 import pytest
 
+from bench import sql as repo_bench_sql
+from nmbus.bench import sql as bench_sql
+from nmbus.demo import sql as demo_sql
 from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres.sql import QUERIES, Block, load, read, render, render_segment
-from nmbus.tools import sql as tools_sql
 
-NMBUS = Path(__file__).resolve().parent.parent / "nmbus"
-PACKAGES = ("nmbus.postgres.sql", "nmbus.tools")
+ROOT = Path(__file__).resolve().parent.parent
+NMBUS = ROOT / "nmbus"
+#: The Python that runs the SQL: nmbus's, and the repository's bench/.
+CODE = (NMBUS, ROOT / "bench")
+PACKAGES = ("nmbus.postgres.sql", "nmbus.bench", "nmbus.demo", "bench")
 # A run of this many words found twice is a copy: a CTE, a table, a statement.
 # A shorter clause (a column list, a WHERE of three lines) may repeat.
 COPY_WORDS = 40
@@ -76,11 +83,12 @@ def used_by_blocks(all_blocks: dict[str, Block]) -> set[str]:
 
 
 def names_in_python() -> tuple[set[str], list[re.Pattern[str]]]:
-    """String constants of nmbus's Python code, and the f-strings given to a render() as
-    patterns (render(f"ops_{verb}_failed", ...) runs ops_requeue_failed and ops_purge_failed)."""
+    """String constants of nmbus's (and bench/'s) Python code, and the f-strings given to a
+    render() as patterns (render(f"ops_{verb}_failed", ...) runs ops_requeue_failed and
+    ops_purge_failed)."""
     constants: set[str] = set()
     patterns: list[re.Pattern[str]] = []
-    for path in NMBUS.rglob("*.py"):
+    for path in (path for folder in CODE for path in folder.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 constants.add(node.value)
@@ -103,8 +111,8 @@ def names_in_python() -> tuple[set[str], list[re.Pattern[str]]]:
 
 def test_every_sql_file_is_under_500_lines() -> None:
     long = {
-        str(path.relative_to(NMBUS)): n
-        for path in NMBUS.rglob("*.sql")
+        str(path.relative_to(ROOT)): n
+        for path in (path for folder in CODE for path in folder.rglob("*.sql"))
         if (n := len(path.read_text().splitlines())) >= 500
     }
     assert not long, long
@@ -184,8 +192,9 @@ def test_every_statement_renders_with_every_name_filled() -> None:
         else:
             text = render(name, "s", "q")
         assert not re.search(r"\{:?[a-z_]+[(}]", text), (name, text)
-    for name in tools_sql.QUERIES:
-        tools_sql.render(name, "s", "q")
+    for tool in (bench_sql, demo_sql, repo_bench_sql):
+        for name in tool.QUERIES:
+            tool.render(name, "s", "q")
 
 
 def test_the_three_claims_share_one_claim() -> None:

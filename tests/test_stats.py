@@ -884,7 +884,7 @@ def test_archive_alone_needs_no_database(spark: Any, out_dir: Path) -> None:
     import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
-    from nmbus.tools.archive_seed import write_archive
+    from bench.archive_seed import write_archive
 
     archive = out_dir / "archive"
     files = write_archive(archive, 30_000, ["billing", "mail"], 3)

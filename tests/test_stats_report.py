@@ -280,7 +280,7 @@ def test_report_on_a_database_that_does_not_exist_is_one_line(dsn: str, tmp_path
 
 
 def test_demo_counts_retried_attempts_apart_from_last_ones() -> None:
-    from nmbus.tools.demo import Chaos, DemoOptions
+    from nmbus.demo.services import Chaos, DemoOptions
 
     chaos = Chaos(DemoOptions(flaky_rate=1.0, max_attempts=3))
     assert chaos.flaky("billing", 1, 1) and chaos.flaky("billing", 1, 2)

@@ -95,7 +95,7 @@ def _register() -> None:
     from nmbus.cli import subscriptions as _subscriptions  # noqa: F401
     from nmbus.cli import version as _version  # noqa: F401
     from nmbus.cli import worker as _worker  # noqa: F401
-    # bench, demo and soak are loaded when they run: see NmbusGroup.lazy.
+    # bench and demo are loaded when they run: see NmbusGroup.lazy.
 
 
 _register()

@@ -1,7 +1,8 @@
 """The root command: where every failure becomes one line, and heavy commands load late.
 
-Whatever a command raises ends here, in ``NmbusGroup.main``: the same method
-runs for the ``nmbus`` script and for ``typer.testing.CliRunner``. An operator
+Whatever a command raises ends here, in ``NmbusGroup.main`` (``NmbusCommand.main``
+for a command that is a program of its own): the same method runs for the
+``nmbus`` script and for ``typer.testing.CliRunner``. An operator
 sees ``error: <what is wrong>`` on stderr and a non-zero exit code; with
 ``--debug`` (``-v``) the traceback comes first. Exit codes: 1 the command
 failed or refused, 2 wrong usage (a bad option, argument or NMBUS_* setting).
@@ -12,13 +13,13 @@ from __future__ import annotations
 import importlib
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import typer
 import typer.main
 from pydantic import ValidationError
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from nmbus.cli._common import CommandError, options, print_error
 from nmbus.errors import InvalidQueueName, InvalidSetting, NmbusError
@@ -35,7 +36,6 @@ class NmbusGroup(TyperGroup):
     lazy: ClassVar[dict[str, str]] = {
         "bench": "nmbus.cli.bench",
         "demo": "nmbus.cli.demo",
-        "soak": "nmbus.cli.soak",
     }
 
     # Contexts and commands are click's (vendored by recent typer versions): Any here.
@@ -60,34 +60,71 @@ class NmbusGroup(TyperGroup):
         windows_expand_args: bool = True,
         **extra: Any,
     ) -> Any:
-        if not standalone_mode:  # embedded in another program: it handles errors itself
-            return super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
-        options.reset()  # a fresh start for each invocation (tests invoke many in one process)
-        plain_flags(self)
-        try:
-            result = super().main(
-                args, prog_name, complete_var, False, windows_expand_args, **extra
-            )
-        except typer.Abort:
-            print_error("aborted")
-            sys.exit(1)
-        except Exception as exc:
-            if type(exc).__name__ == "NoArgsIsHelpError":  # `nmbus`, `nmbus queues`: help
-                if exc.format_message():  # type: ignore[attr-defined]  # else rich printed it
-                    exc.show()  # type: ignore[attr-defined]
-                sys.exit(exc.exit_code)  # type: ignore[attr-defined]
-            if _is_usage_error(exc):  # click's UsageError, BadParameter, ...: no traceback
-                ctx = getattr(exc, "ctx", None)
-                hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-                print_error(exc.format_message() + hint)  # type: ignore[attr-defined]
-                sys.exit(exc.exit_code)  # type: ignore[attr-defined]
-            if options.debug:
-                traceback.print_exception(exc)
-            print_error(describe(exc))
-            sys.exit(exc.code if isinstance(exc, CommandError) else _code(exc))
-        # Without standalone mode, typer returns the code of a typer.Exit, or what
-        # the command returned (None).
-        sys.exit(result if isinstance(result, int) else 0)
+        main = super().main
+        return _main(
+            self, main, args, prog_name, complete_var, standalone_mode, windows_expand_args, extra
+        )
+
+
+class NmbusCommand(TyperCommand):
+    """One command run as a program of its own, with ``nmbus``'s one-line errors.
+
+    For the repository's tools (``python -m bench``, ``python -m bench.soak``):
+    ``@app.command(cls=NmbusCommand)`` on the one command of their typer app.
+    """
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        main = super().main
+        return _main(
+            self, main, args, prog_name, complete_var, standalone_mode, windows_expand_args, extra
+        )
+
+
+def _main(
+    command: Any,
+    click_main: Callable[..., Any],
+    args: Sequence[str] | None,
+    prog_name: str | None,
+    complete_var: str | None,
+    standalone_mode: bool,
+    windows_expand_args: bool,
+    extra: dict[str, Any],
+) -> Any:
+    """``command``'s main: click's (``click_main``), every failure turned into one line."""
+    if not standalone_mode:  # embedded in another program: it handles errors itself
+        return click_main(args, prog_name, complete_var, False, windows_expand_args, **extra)
+    options.reset()  # a fresh start for each invocation (tests invoke many in one process)
+    plain_flags(command)
+    try:
+        result = click_main(args, prog_name, complete_var, False, windows_expand_args, **extra)
+    except typer.Abort:
+        print_error("aborted")
+        sys.exit(1)
+    except Exception as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `nmbus`, `nmbus queues`: help
+            if exc.format_message():  # type: ignore[attr-defined]  # else rich printed it
+                exc.show()  # type: ignore[attr-defined]
+            sys.exit(exc.exit_code)  # type: ignore[attr-defined]
+        if _is_usage_error(exc):  # click's UsageError, BadParameter, ...: no traceback
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            print_error(exc.format_message() + hint)  # type: ignore[attr-defined]
+            sys.exit(exc.exit_code)  # type: ignore[attr-defined]
+        if options.debug:
+            traceback.print_exception(exc)
+        print_error(describe(exc))
+        sys.exit(exc.code if isinstance(exc, CommandError) else _code(exc))
+    # Without standalone mode, typer returns the code of a typer.Exit, or what
+    # the command returned (None).
+    sys.exit(result if isinstance(result, int) else 0)
 
 
 def plain_flags(command: Any) -> None:

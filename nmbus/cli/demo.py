@@ -25,11 +25,11 @@ from rich.text import Text
 
 from nmbus.cli._common import fail, server_address
 from nmbus.cli._table import Column, Grid
+from nmbus.demo import report as demo_report
+from nmbus.demo import services as demo_lib
+from nmbus.demo.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
 from nmbus.errors import NmbusError
 from nmbus.logs import scrub
-from nmbus.tools import demo as demo_lib
-from nmbus.tools import demo_report
-from nmbus.tools.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres
 
 command = typer.Typer(add_completion=False)
 

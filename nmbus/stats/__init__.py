@@ -8,6 +8,6 @@ self-contained HTML page). They import only pyspark, the standard library and
 each other, relatively, never the rest of nmbus: ``ship.py`` zips the package
 as ``nmbus_stats`` for ``spark-submit --py-files`` and ``submit.py`` is the file
 spark-submit runs, on a cluster where nmbus is not installed.
-``nmbus.tools.stats_seed`` / ``stats_bench`` fill a database with synthetic
-traffic and time the job against a single SQL query.
+The repository's ``bench/stats_seed.py`` / ``bench/stats.py`` (not shipped) fill a
+database with synthetic traffic and time the job against a single SQL query.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from nmbus.tools.soak import run_soak
+from bench.soak import run_soak
 
 pytestmark = pytest.mark.reliability
 

@@ -26,8 +26,9 @@ happens once, at load: :func:`render` sees finished statements.
 
 Queue tables are the one dynamic part of any statement: :func:`render` fills in
 schema, table and index names, always through :func:`quote_ident`. The tools'
-SQL (:mod:`nmbus.tools.sql`) is another package of named blocks, read by the
-same :func:`load` and filled in by the same :func:`fill`.
+SQL (:mod:`nmbus.bench.sql`, :mod:`nmbus.demo.sql`) is in packages of named
+blocks of their own, read by the same :func:`load` and filled in by the same
+:func:`fill`.
 
 nmbus's own objects of a table (its indexes, primary key and identity
 sequence) are named ``<table>$<role>`` (:func:`own_name`). Queue names cannot

@@ -14,16 +14,13 @@ import math
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nmbus.context import Context
 from nmbus.delivery.flow import FlowLimits, Limits
 from nmbus.errors import MAX_SECONDS, HandlerError
 from nmbus.messages import Message, subtypes, type_name
 from nmbus.retry import RetryPolicy
-
-if TYPE_CHECKING:
-    pass
 
 HandlerFunc = Callable[[Any, Context], Awaitable[None]]
 

@@ -187,3 +187,32 @@ async def test_a_claim_taken_ahead_ends_when_its_loop_loses_the_connection_first
     # rest of it, given back unstarted, spent none.
     states = Counter((r["subqueue"], r["retry_count"]) for r in rows)
     assert states == {("X", 1): 19, ("X", 2): 1}
+
+
+async def test_a_loop_cancelled_by_its_handler_frees_its_claim(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # A handler cancels its own task (the loop's), as a misused library might: the
+    # loop ends, though the worker is not stopping. Its claim is freed at once, the
+    # cancelled message with its attempt counted, its unstarted batch-mates without:
+    # the other loop runs them all within a moment, not a lease (60 s) later, and no
+    # row stays leased, renewed for nobody, for the life of the process.
+    bus = make_bus("billing", concurrency=2, batch_size=5, lease_seconds=60.0, poll_interval=0.2)
+    seen: list[tuple[int, int]] = []
+
+    @bus.handler
+    async def handle(msg: Ping, ctx: Context) -> None:
+        seen.append((msg.n, ctx.retry_count))
+        if msg.n == 0 and ctx.retry_count == 1:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(1)
+
+    await _backlog(make_bus, db, 5)
+    async with bus:
+        await wait_until(lambda: _ready(db), until=lambda n: n == 0, timeout=15)
+        assert not bus.worker.claims and not bus.worker.in_flight
+    rows = await db.fetch("SELECT msg_text, subqueue, retry_count FROM nmbus.billing ORDER BY id")
+    assert [(r["subqueue"], r["retry_count"]) for r in rows] == [("X", 2)] + [("X", 1)] * 4
+    assert sorted(n for n, _ in seen) == [0, 0, 1, 2, 3, 4]

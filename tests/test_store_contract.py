@@ -122,7 +122,7 @@ async def test_renew_and_abandon_leases(store: Store) -> None:
     await store.insert("q", "me", [envelope(1), envelope(2)])
     a, b = await claim(store, client="c1", lease=0.3)
     assert (a.claim, b.claim) == ("c1", "c1")  # a claimed row names its claim
-    assert await store.renew_leases("q", [a.id], ["c1"], 30.0) == {"c1"}
+    assert await store.renew_leases("q", [a.id], ["c1"], 30.0) == {a.id}
     await store.abandon_leases("q", [b.id], "c1")
     (again,) = await claim(store, client="c2")
     assert again.id == b.id and again.retry_count == 2

@@ -98,8 +98,31 @@ class BatchRunner:
         next is claimed with its finish (None: nothing is claimed ahead); ``loop``
         names the loop in the next claim's token. A cancelled batch leaves what its
         claim recorded (started, committed) for the worker's stop to let go of.
+        Messages not started because the claim's lease may have lapsed are given
+        back once the batch is done (if the claim still holds them), never with
+        its outcomes: another claim may hold them, which is no lease lost.
         """
-        return await self._attempt(session, claim, claim.rows, ahead, loop)
+        following = await self._attempt(session, claim, claim.rows, ahead, loop)
+        if claim.skipped:
+            await self._give_back_skipped(claim)
+        return following
+
+    async def _give_back_skipped(self, claim: Claim) -> None:
+        rows = [m for m in claim.skipped if m.id not in claim.started | claim.committed]
+        claim.skipped = []
+        if not rows:
+            return
+        try:
+            given = await self.store.give_back(
+                self.queue, [m.id for m in rows], [m.retry_count for m in rows], claim.token
+            )
+        except StoreError as exc:
+            # Left to their lease, which runs out as a crash's would.
+            log.warning("worker_abandon_failed", queue=self.queue, ids=len(rows), error=str(exc))
+            return
+        # No longer this claim's: the renewer lets go of them.
+        claim.committed.update(m.id for m in rows)
+        self.outcomes["released"] += len(given)
 
     async def _attempt(
         self,
@@ -149,6 +172,14 @@ class BatchRunner:
                 await self._record_failure(session, claim, rest[0], exc)
             return None
 
+    async def _release(self, claim: Claim) -> None:
+        """Free a claim that never began, its attempt not counted; it ends."""
+        try:
+            await self.store.abandon_leases(self.queue, claim.ids, claim.token, refund=True)
+        except StoreError as exc:
+            log.warning("worker_abandon_failed", queue=self.queue, error=str(exc))
+        self.claims.end(claim)
+
     async def _record_failure(
         self, session: WorkerSession, claim: Claim, row: StoredMessage, exc: Exception
     ) -> None:
@@ -167,9 +198,17 @@ class BatchRunner:
             async with session.batch() as tx:
                 if self.dead_letter is not None:
                     await copy_failed(tx, self.queue, self.dead_letter, [row], outcomes)
-                await tx.finish(self.queue, outcomes, claim.token)
+                if not await tx.finish(self.queue, outcomes, claim.token):
+                    if not tx.begun:
+                        log.warning("lease_lost", queue=self.queue, messages=1, batch=1)
+                        return
+                    raise LeaseLost("another claim took the message after its lease lapsed")
         except DatabaseUnavailable:
             raise
+        except LeaseLost as lost:
+            # Rolled back, the failure port's copy with it: the other claim's outcome stands.
+            log.warning("lease_lost", queue=self.queue, messages=1, batch=1, error=str(lost))
+            return
         except Exception as again:
             log.error("outcome_not_recorded", queue=self.queue, message_id=row.id, error=str(again))
             await self.store.abandon_leases(self.queue, [row.id], claim.token)
@@ -308,10 +347,14 @@ class BatchRunner:
                         f"{len(outcomes) - changed} of {len(outcomes)} messages were taken over by "
                         "another worker after their lease expired; rolling back this batch"
                     )
-        except BaseException:
+        except BaseException as exc:
             if ahead is not None:
-                # Rolled back with the finish: the rows it claimed are not leased.
-                self.claims.end(ahead)
+                if isinstance(exc, asyncio.CancelledError):
+                    pass  # its commit's fate unknown: left to the stop, which lets go of it
+                else:
+                    # Rolled back with the finish (then nothing holds its token), or its
+                    # COMMIT's fate unknown: what it may hold goes back, never started.
+                    await asyncio.shield(self._release(ahead))
             raise
         finally:
             if ended is not None and sagas is not None:
@@ -357,10 +400,15 @@ class BatchRunner:
                     error = failed[message.id]
                     self.dispatcher.failures.failed(message, error, policy, outcomes)
                 continue
-            if self._stopping.is_set() or claim.lapsed():
-                # Never started: back to I at once, the attempt not counted (a lease
-                # that may have lapsed: unless another claim has taken it since).
-                outcomes.add(message.id, None, correction=-1)
+            if claim.lapsed() and message.id not in claim.started:
+                # Another claim may be running it already: not started here, and given
+                # back after the batch (process) if this claim still holds it.
+                claim.skipped.append(message)
+                continue
+            if self._stopping.is_set():
+                # Not started now: back to I at once, its attempt not counted unless
+                # it ran under this claim before (a split, or a retried conflict).
+                outcomes.add(message.id, None, correction=0 if message.id in claim.started else -1)
                 continue
             claim.started.add(message.id)
             await self.dispatcher.handle(mode, item, outcomes, done, debug)
@@ -469,8 +517,12 @@ class BatchRunner:
                 async with slots:
                     if committer.done():
                         return  # a part's commit failed: so does the rest of the batch
-                    if self._stopping.is_set() or claim.lapsed():
-                        outcomes.add(message.id, None, correction=-1)
+                    if claim.lapsed() and message.id not in claim.started:
+                        claim.skipped.append(message)  # given back after the batch
+                        return
+                    if self._stopping.is_set():
+                        correction = 0 if message.id in claim.started else -1
+                        outcomes.add(message.id, None, correction=correction)
                         return
                     claim.started.add(message.id)
                     serial = SerialBatch(tx, lock)

@@ -1,7 +1,9 @@
 """One claim: the batch one statement leased, under a token no other claim uses.
 
 Every claim statement leases its rows to a token of its own (``Claims.token``:
-the process's client id, the loop, a number), kept in ``handling_client_id``.
+the process's client id, a random part drawn each time the worker starts (a
+process forked after its Bus was built draws its own), the loop, a number),
+kept in ``handling_client_id``.
 Every later statement on those rows names the token: a finish, a renewal, a
 give-back or a lease-lost decision changes only rows still leased by the claim
 that took them. A row whose lease lapsed and that another claim took since,
@@ -23,6 +25,7 @@ statement that leased it returns and lets it out when the batch has ended.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Iterator
 
@@ -32,7 +35,7 @@ from nmbus.messages import StoredMessage
 class Claim:
     """The rows of one claim, its token, and what became of each so far."""
 
-    __slots__ = ("committed", "lease_until", "rows", "started", "token")
+    __slots__ = ("committed", "lease_until", "rows", "skipped", "started", "token")
 
     def __init__(self, token: str, rows: list[StoredMessage], lease_until: float) -> None:
         self.token = token
@@ -41,6 +44,8 @@ class Claim:
         self.started: set[int] = set()
         #: Ids whose outcome a commit of this claim recorded: never run again.
         self.committed: set[int] = set()
+        #: Rows not started because the lease may have lapsed, to give back.
+        self.skipped: list[StoredMessage] = []
         #: time.monotonic() until which the lease surely holds.
         self.lease_until = lease_until
 
@@ -75,11 +80,17 @@ class Claims:
         self.client_id = client_id
         self.lease = lease
         self._numbers = itertools.count(1)
+        self._prefix = client_id
         self._live: dict[str, Claim] = {}
+        self.begin()
+
+    def begin(self) -> None:
+        """Draw the random part of the tokens anew (the worker starts)."""
+        self._prefix = f"{self.client_id}/{secrets.token_hex(3)}"
 
     def token(self, loop: int | str) -> str:
         """A token for the next claim of ``loop``: no other claim has it."""
-        return f"{self.client_id}/{loop}.{next(self._numbers)}"
+        return f"{self._prefix}/{loop}.{next(self._numbers)}"
 
     def take(self, token: str, rows: list[StoredMessage], since: float) -> Claim | None:
         """The claim ``token`` that leased ``rows`` in a statement sent at ``since``."""
@@ -113,9 +124,11 @@ class Claims:
             tokens.extend([claim.token] * len(open_ids))
         return ids, tokens
 
-    def renewed(self, tokens: set[str], sent_at: float) -> None:
-        """The claims ``tokens`` were renewed by a statement sent at ``sent_at``."""
-        for token in tokens:
-            claim = self._live.get(token)
-            if claim is not None:
+    def renewed(self, ids: set[int], sent_at: float) -> None:
+        """Rows ``ids`` were renewed by a statement sent at ``sent_at``: a claim all of
+        whose open rows were is sure of its lease from then (one skipped, locked by
+        a finish of its own that may yet roll back, leaves its clock as it was)."""
+        for claim in self._live.values():
+            open_ids = claim.open_ids()
+            if open_ids and all(i in ids for i in open_ids):
                 claim.renewed(sent_at, self.lease)

@@ -140,6 +140,7 @@ class Worker:
     def start(self) -> None:
         """Start ``settings.concurrency`` loops, the lease renewer and the wake-up listener."""
         self._gate = process_gate()
+        self.claims.begin()
         self.flow = self.dispatcher.registry.flow_limits(self.settings.handler_concurrency)
         if self.flow is not None and not getattr(self.store, "flow_limits", True):
             raise ConfigurationError(
@@ -204,16 +205,21 @@ class Worker:
         before = Counter(self.outcomes)
         self.flow = self.dispatcher.registry.flow_limits(self.settings.handler_concurrency)
         self._mark_starts()
+        self.claims.begin()
         sizer = BatchSizer(self.settings.batch_size)
-        async with self.store.worker_session(self.flow) as session:
-            ahead: Claim | None = None
-            while True:
-                claim = ahead or await self._claim(session, sizer.limit, "burst")
-                if claim is None:
-                    if await session.release_sequences(self.queue):
-                        continue
-                    break
-                ahead = await self._run_gated(session, claim, sizer, "burst")
+        try:
+            async with self.store.worker_session(self.flow) as session:
+                ahead: Claim | None = None
+                while True:
+                    claim = ahead or await self._claim(session, sizer.limit, "burst")
+                    if claim is None:
+                        if await session.release_sequences(self.queue):
+                            continue
+                        break
+                    ahead = await self._run_gated(session, claim, sizer, "burst")
+        finally:
+            # Cut short (cancelled, or its session failed): nothing stays claimed.
+            await asyncio.shield(self._let_go_of_all())
         if self._marks is not None:
             await self._marks.close()
         done = self.outcomes - before
@@ -248,7 +254,7 @@ class Worker:
             else:
                 self.claims.renewed(renewed, sent)
                 if self.metrics is not None:
-                    self.metrics.leases_renewed(len(ids))
+                    self.metrics.leases_renewed(len(renewed))
 
     async def _watch_held_back(self) -> None:
         """For the metrics: what each limit holds back, every HELD_BACK_INTERVAL s."""
@@ -291,20 +297,26 @@ class Worker:
             await self._marks.close()
         # The claims of cancelled loops (a batch cut short, or claimed ahead and never
         # reached): what started keeps its attempt, the rest goes back without one.
+        await self._let_go_of_all()
+
+    async def _let_go_of_all(self) -> None:
         for claim in self.claims:
-            open_ids = claim.open_ids()
-            started = [i for i in open_ids if i in claim.started]
-            unstarted = [i for i in open_ids if i not in claim.started]
-            for ids, refund in ((started, False), (unstarted, True)):
-                if not ids:
-                    continue
-                try:
-                    await self.store.abandon_leases(self.queue, ids, claim.token, refund=refund)
-                except StoreError as exc:
-                    log.warning(
-                        "worker_abandon_failed", queue=self.queue, ids=len(ids), error=str(exc)
-                    )
-            self.claims.end(claim)
+            await self._let_go(claim)
+
+    async def _let_go(self, claim: Claim) -> None:
+        """Free what ``claim`` still holds at once: what started keeps its attempt
+        (a cancelled handler), the rest goes back without one; the claim ends."""
+        open_ids = claim.open_ids()
+        started = [i for i in open_ids if i in claim.started]
+        unstarted = [i for i in open_ids if i not in claim.started]
+        for ids, refund in ((started, False), (unstarted, True)):
+            if not ids:
+                continue
+            try:
+                await self.store.abandon_leases(self.queue, ids, claim.token, refund=refund)
+            except StoreError as exc:
+                log.warning("worker_abandon_failed", queue=self.queue, ids=len(ids), error=str(exc))
+        self.claims.end(claim)
 
     # -- the loop -----------------------------------------------------------------
 
@@ -377,8 +389,8 @@ class Worker:
                     if len(claim.rows) >= sizer.limit:
                         self._wakeups.one()  # a full claim: more may be waiting
                     # Without the turn under contention, its finish claims nothing ahead.
-                    claims = sizer if turn or not self._contended() else None
-                    ahead = await self._run_gated(session, claim, claims, loop)
+                    sizes = sizer if turn or not self._contended() else None
+                    ahead = await self._run_gated(session, claim, sizes, loop)
                     continue
                 if turn:
                     self._turn.give()
@@ -398,9 +410,12 @@ class Worker:
                     await self._wakeups.wait(wait)
                 if limited and self.metrics is not None:
                     self.metrics.flow_waited(time.monotonic() - began)
-        except Exception:
-            if ahead is not None:  # claimed by the last finish, never begun: given back
-                await self._give_back(ahead)
+        except BaseException as exc:
+            # Claimed by the last finish, never begun: given back, unless the worker's
+            # stop cancelled the loop (it lets go of every claim left).
+            stopped = isinstance(exc, asyncio.CancelledError) and self._stopping.is_set()
+            if ahead is not None and not stopped:
+                await asyncio.shield(self._give_back(ahead))
             raise
         finally:
             if turn:
@@ -422,8 +437,7 @@ class Worker:
                 await self.store.give_back(self.queue, ids, attempts, claim.token)
         except StoreError as exc:
             log.warning("worker_abandon_failed", queue=self.queue, ids=len(fresh), error=str(exc))
-        finally:
-            self.claims.end(claim)
+        self.claims.end(claim)
 
     def _contended(self) -> bool:
         """Whether other processes' batches hold what this endpoint's batches need."""
@@ -442,11 +456,7 @@ class Worker:
         gate = self._gate or process_gate()
         try:
             if any(m.recovered for m in claim.rows):
-                try:
-                    suspect = await isolate(session, self.queue, claim.rows, claim.token)
-                except Exception:
-                    await self._give_back(claim)
-                    raise
+                suspect = await isolate(session, self.queue, claim.rows, claim.token)
                 if per_message_logs():
                     log.warning(
                         "message_isolated",
@@ -465,12 +475,16 @@ class Worker:
                 finally:
                     gate.leave()
         except asyncio.CancelledError:
+            # The worker's stop lets go of every claim left; cancelled otherwise (a
+            # handler that cancelled its own task), the loop ends: let go of it now.
+            if not self._stopping.is_set():
+                await asyncio.shield(self._let_go(claim))
             raise
         except BaseException:
             # Its session failed (a batch that failed otherwise has recorded every
             # outcome): what never started goes back at once, on the leases' own
             # connection; what started is left to run out, as a crash leaves it.
-            await self._give_back(claim)
+            await asyncio.shield(self._give_back(claim))
             raise
         self.claims.end(claim)
         return ahead

@@ -464,12 +464,12 @@ class MemoryStore:
 
     async def renew_leases(
         self, queue: str, ids: Sequence[int], claims: Sequence[str], lease: float
-    ) -> set[str]:
+    ) -> set[int]:
         table, renewed = self._require(queue), set()
         for i, claim in zip(ids, claims, strict=True):
             if i in table and table[i].handling_client_id == claim:
                 table[i] = replace(table[i], lease_expires=_now() + timedelta(seconds=lease))
-                renewed.add(claim)
+                renewed.add(i)
         return renewed
 
     async def abandon_leases(

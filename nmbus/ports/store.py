@@ -406,9 +406,9 @@ class Store(Protocol):
 
     async def renew_leases(
         self, queue: str, ids: Sequence[int], claims: Sequence[str], lease: float
-    ) -> set[str]:
+    ) -> set[int]:
         """Extend the lease of each row ``ids[i]`` still leased by ``claims[i]`` to
-        ``lease`` seconds from now; returns the claims renewed."""
+        ``lease`` seconds from now; returns the ids renewed."""
         ...
 
     async def abandon_leases(

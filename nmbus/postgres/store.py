@@ -396,13 +396,13 @@ class PostgresStore:
 
     async def renew_leases(
         self, queue: str, ids: Sequence[int], claims: Sequence[str], lease: float
-    ) -> set[str]:
+    ) -> set[int]:
         sql = render("renew_leases", self.schema, queue)
         args = (list(ids), list(claims), lease)
         rows = await self._on_lease_conn(
             f"renew leases in {queue}", max(1.0, lease / 3), sql, *args
         )
-        return {row[0] for row in rows}
+        return {int(row[0]) for row in rows}
 
     async def give_back(
         self, queue: str, ids: Sequence[int], attempts: Sequence[int], claim: str

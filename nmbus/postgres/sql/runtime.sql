@@ -142,8 +142,8 @@ ready AS (
 -- claim_lease --
 -- Fragment of every claim: lease the rows of `ready` to claim {:client} for
 -- {:lease} seconds and count the attempt (see claim); returns what the worker
--- reads of a claimed row. The last column is the expired flag, which
--- claim_after_finish names (AS expired). The rows are named as an array of ids,
+-- reads of a claimed row. Its last columns are the expired flag and the claim,
+-- which claim_after_finish names (AS expired, AS claim). The rows are named as an array of ids,
 -- never joined to `ready`: the planner's estimate of `ready` comes from the
 -- statistics of a queue that was empty, or nearly all in X, when last analyzed,
 -- and a join planned for two rows ran once per row of a batch of 500 (a probe
@@ -318,7 +318,7 @@ AND id <> ALL($1::bigint[])
 -- claim $2[i] (a row another claim took since is left alone). Rows locked right
 -- now are skipped, never waited for: they are being finished (or isolated) by
 -- this very process, whose statements lock them in another order, so waiting
--- could deadlock with it and fail its batch. Returns the claims renewed.
+-- could deadlock with it and fail its batch. Returns the ids renewed.
 WITH leased AS (
     SELECT q.id FROM {queue} AS q
     JOIN unnest($1::bigint[], $2::text[]) AS v(id, claim)
@@ -329,9 +329,9 @@ WITH leased AS (
     UPDATE {queue} AS q SET lease_expires = clock_timestamp() + make_interval(secs => $3)
     FROM leased
     WHERE q.id = leased.id AND q.id >= {lowest_id}
-    RETURNING q.handling_client_id AS claim
+    RETURNING q.id
 )
-SELECT DISTINCT claim FROM renewed;
+SELECT id FROM renewed;
 
 -- abandon_leases --
 -- Let rows $1 leased by claim $2 be claimed again at once. $3: how much to take

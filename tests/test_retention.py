@@ -104,7 +104,7 @@ async def test_one_run_per_queue(dsn: str, db: asyncpg.Connection) -> None:
     await populate(db)
     other = await asyncpg.connect(dsn)
     try:
-        key = "nmbus.ports.retention.nmbus.billing"
+        key = "nmbus.retention.nmbus.billing"
         assert await other.fetchval(render("retention_lock", "nmbus"), key)
         result = await clean_queue(db, "nmbus", "billing", RetentionPolicy(max_age=timedelta(0)))
         assert result.skipped and result.total == 0

@@ -249,8 +249,10 @@ class BatchRunner:
                 unguarded = False
                 if replay.error is not None:
                     failed[replay.row.id] = replay.error
-                # Only the part not committed yet was rolled back.
+                # Only the part not committed yet was rolled back; run again, it starts
+                # afresh (nothing of it was visible: a stop gives its attempts back).
                 received = [r for r in received if r.row.id not in claim.committed]
+                claim.started.difference_update(r.row.id for r in received)
             except StoreError as exc:
                 # A deadlock or serialization failure outside the handlers: the batch
                 # was rolled back; run it again under the same claim (no attempt spent).
@@ -258,8 +260,9 @@ class BatchRunner:
                     raise
                 conflicts += 1
                 await asyncio.sleep(random.uniform(0.01, 0.05) * conflicts)
-                # Only the part not committed yet was rolled back.
+                # Only the part not committed yet was rolled back, and runs again afresh.
                 received = [r for r in received if r.row.id not in claim.committed]
+                claim.started.difference_update(r.row.id for r in received)
 
     def replayable(self, received: list[Received]) -> bool:
         registry = self.dispatcher.registry
@@ -407,7 +410,7 @@ class BatchRunner:
                 continue
             if self._stopping.is_set():
                 # Not started now: back to I at once, its attempt not counted unless
-                # it ran under this claim before (a split, or a retried conflict).
+                # it ran under this claim before (in a batch that failed and was split).
                 outcomes.add(message.id, None, correction=0 if message.id in claim.started else -1)
                 continue
             claim.started.add(message.id)

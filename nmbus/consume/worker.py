@@ -449,9 +449,9 @@ class Worker:
     ) -> Claim | None:
         """Handle ``claim`` beside the process's other batches, or alone after a crash.
 
-        The claim ends here, however its batch ends, but for a cancelled loop's:
-        the worker's stop lets go of what it holds. Its lease is renewed while it
-        lives, waiting at the gate included.
+        The claim ends here, however its batch ends, but for a loop the worker's
+        stop cancelled: the stop lets go of what it holds. Its lease is renewed
+        while it lives, waiting at the gate included.
         """
         gate = self._gate or process_gate()
         try:

@@ -7,6 +7,7 @@ I (ready), R (scheduled), X (processed) and F (failed).
 from nmbus.bus import Bus
 from nmbus.context import Context, Effects
 from nmbus.delivery.periodic import Tick
+from nmbus.envelopes import PublishOptions, SendOptions
 from nmbus.errors import (
     AttemptFailed,
     AttemptsExhausted,
@@ -79,6 +80,7 @@ __all__ = [
     "NoHandler",
     "OutcomeNotRecorded",
     "PermanentError",
+    "PublishOptions",
     "QueueNotFound",
     "RetentionError",
     "RetryLater",
@@ -86,6 +88,7 @@ __all__ = [
     "Saga",
     "SagaNotFound",
     "SchemaVersionError",
+    "SendOptions",
     "Settings",
     "StoreError",
     "Tick",

@@ -10,9 +10,9 @@ savepoint. The Context knows nothing of the Bus: envelopes come from the same
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from nmbus.delivery.flow import GROUP_HEADER
 from nmbus.envelopes import (
@@ -23,17 +23,16 @@ from nmbus.envelopes import (
     SAGA_HEADER,
     SAGA_INSTANCE_HEADER,
     SAGA_KEY_HEADER,
-    Delivery,
     EnvelopeBuilder,
-    deliver_time,
-    delivery,
+    Outgoing,
+    PublishOptions,
+    SendOptions,
+    outgoing,
     travelling,
     type_name,
-    user_headers,
 )
 from nmbus.errors import ConfigurationError
 from nmbus.messages import Envelope, Message
-from nmbus.names import validate_queue_name
 from nmbus.telemetry.tracer import NULL_TRACER, Tracer
 
 if TYPE_CHECKING:
@@ -153,16 +152,13 @@ class SagaControl:
         completed (even if started again with the same key) it goes to X
         without running, with a note in its ``error_info``. Returns its unique id.
         """
-        return await self._ctx._send(
-            message,
-            self._ctx.queue,
-            {
-                SAGA_HEADER: self.name,
-                SAGA_KEY_HEADER: self.key,
-                SAGA_INSTANCE_HEADER: self.instance,
-            },
-            delay=seconds,
-        )
+        marks = {
+            SAGA_HEADER: self.name,
+            SAGA_KEY_HEADER: self.key,
+            SAGA_INSTANCE_HEADER: self.instance,
+        }
+        options = outgoing({"delay": seconds}).marked(marks)
+        return await self._ctx._send(message, self._ctx.queue, options)
 
     def complete(self) -> None:
         """End the saga: its row is deleted when the handler's transaction commits."""
@@ -302,137 +298,52 @@ class Context:
             return self._travel
         return {**self._travel, **headers}
 
-    def _outgoing(
-        self, headers: Mapping[str, str] | None, reply_to: str | None
-    ) -> Mapping[str, str] | None:
-        outgoing = self.outgoing_headers(headers)
-        if reply_to is not None:
-            outgoing = {**(outgoing or {}), REPLY_TO_HEADER: validate_queue_name(reply_to)}
-        return outgoing
+    def _own(self, options: Outgoing) -> Outgoing:
+        """What this handler sends carries its travelling headers and its correlation id."""
+        headers = self.outgoing_headers(options.headers)
+        correlation = options.correlation_id or self.correlation_id or self.unique_id
+        if headers is options.headers and correlation == options.correlation_id:
+            return options
+        return replace(options, headers=headers, correlation_id=correlation)
 
-    async def send(
-        self,
-        message: Message,
-        to: str,
-        *,
-        deliver_at: datetime | None = None,
-        delay: float | None = None,
-        headers: Mapping[str, str] | None = None,
-        unique_id: str | None = None,
-        correlation_id: str | None = None,
-        reply_to: str | None = None,
-        priority: int = 0,
-        sequence: str | None = None,
-        ttl: float | None = None,
-        expires_at: datetime | None = None,
-    ) -> str:
+    async def send(self, message: Message, to: str, **options: Unpack[SendOptions]) -> str:
         """Send ``message`` to queue ``to`` when this handler's transaction commits.
 
         It carries this message's correlation id and travelling headers unless
-        ``correlation_id`` / ``headers`` say otherwise; ``reply_to`` names the
-        endpoint its receiver's ``ctx.reply`` answers to. ``priority``,
-        ``sequence``, ``ttl`` and ``expires_at`` as in ``Bus.send``, which
-        also says what is refused.
+        ``correlation_id`` / ``headers`` say otherwise. The options are
+        ``Bus.send``'s (``reply_to``, ``priority``, ``sequence``, ``ttl``,
+        ``expires_at``, ``group``...), which also says what is refused.
         """
-        return await self._send(
-            message,
-            to,
-            user_headers(headers),
-            deliver_at=deliver_at,
-            delay=delay,
-            unique_id=unique_id,
-            correlation_id=correlation_id,
-            reply_to=reply_to,
-            priority=priority,
-            sequence=sequence,
-            ttl=ttl,
-            expires_at=expires_at,
-        )
+        return await self._send(message, to, outgoing(options))
 
-    async def _send(
-        self,
-        message: Message,
-        to: str,
-        headers: Mapping[str, str] | None,
-        *,
-        deliver_at: datetime | None = None,
-        delay: float | None = None,
-        unique_id: str | None = None,
-        correlation_id: str | None = None,
-        reply_to: str | None = None,
-        priority: int = 0,
-        sequence: str | None = None,
-        ttl: float | None = None,
-        expires_at: datetime | None = None,
-    ) -> str:
-        """``send`` with nmbus's own headers allowed (a reply's, a saga timeout's)."""
-        controls = delivery(priority, sequence, ttl, expires_at)
-        correlation = correlation_id or self.correlation_id or self.unique_id
+    async def _send(self, message: Message, to: str, options: Outgoing) -> str:
+        """``send`` with its options checked (a reply and a saga timeout add nmbus's headers)."""
         # Recorded now, stored when the batch commits. The current span (this
         # handler's) wins over the traceparent the handled message carried in.
         with self._tracer.producing("send", to) as producer:
-            envelope = self._builder.for_send(
-                message,
-                to,
-                correlation,
-                self._outgoing(producer.headers(headers), reply_to),
-                unique_id,
-                deliver_at,
-                delay,
-                controls,
-            )
+            traced = options.with_headers(producer.headers(options.headers))
+            envelope = self._builder.for_send(message, to, self._own(traced))
             producer.sent(envelope)
         self.effects.sends.append((to, envelope))
         return envelope.unique_id
 
-    async def publish(
-        self,
-        message: Message,
-        *,
-        headers: Mapping[str, str] | None = None,
-        unique_id: str | None = None,
-        deliver_at: datetime | None = None,
-        delay: float | None = None,
-        correlation_id: str | None = None,
-        priority: int = 0,
-        sequence: str | None = None,
-        ttl: float | None = None,
-        expires_at: datetime | None = None,
-    ) -> str:
+    async def publish(self, message: Message, **options: Unpack[PublishOptions]) -> str:
         """Publish ``message`` to every subscriber, in this handler's transaction.
 
         The copies are stored when the handler succeeds, with the batch's
         commit (one server call for everything the batch published), and carry
         this message's correlation id and travelling headers (unless
-        ``correlation_id`` / ``headers`` say otherwise). Returns the publish
-        id: each copy's unique_id is ``<publish id>/<subscriber>``.
+        ``correlation_id`` / ``headers`` say otherwise). The options are
+        ``Bus.publish``'s. Returns the publish id: each copy's unique_id is
+        ``<publish id>/<subscriber>``.
         """
-        headers = user_headers(headers)
-        args = (
-            correlation_id or self.correlation_id or self.unique_id,
-            unique_id,
-            deliver_time(deliver_at, delay),
-            delivery(priority, sequence, ttl, expires_at),
-        )
+        checked = outgoing(options, "publish")
         with self._tracer.producing("publish", type_name(message)) as producer:
-            envelope = self._publish(message, producer.headers(headers), *args)
+            traced = checked.with_headers(producer.headers(checked.headers))
+            envelope, _ = self._builder.for_publish(message, self._own(traced))
             producer.sent(envelope)
         self.effects.publishes.append(envelope)
         return envelope.unique_id
-
-    def _publish(
-        self,
-        message: Message,
-        headers: Mapping[str, str] | None,
-        correlation_id: str,
-        unique_id: str | None,
-        deliver_at: datetime | None,
-        controls: Delivery,
-    ) -> Envelope:
-        envelope, _ = self._builder.for_publish(
-            message, correlation_id, self.outgoing_headers(headers), unique_id, deliver_at, controls
-        )
-        return envelope
 
     async def reply(self, message: Message, *, headers: Mapping[str, str] | None = None) -> str:
         """Answer the message being handled, when this handler's transaction commits.
@@ -442,7 +353,6 @@ class Context:
         that sent it; it carries the same correlation id, which is how a
         waiting ``bus.request`` recognises its answer.
         """
-        headers = user_headers(headers)
         request = self.headers
         to = request.get(REPLY_TO_HEADER) or self.from_endpoint
         marks = {IN_REPLY_TO_HEADER: self.unique_id}
@@ -450,4 +360,4 @@ class Context:
             value = request.get(name)
             if isinstance(value, str):
                 marks[name] = value
-        return await self._send(message, to, {**(headers or {}), **marks})
+        return await self._send(message, to, outgoing({"headers": headers}).marked(marks))

@@ -14,9 +14,11 @@ import json
 import math
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from typing import Any, TypedDict
 
+from nmbus.delivery.flow import GROUP_HEADER, check_group
 from nmbus.errors import MAX_SECONDS, InvalidMessage, MessageTooLarge
 from nmbus.messages import Envelope, Message, encode, lookup_type, type_chain
 from nmbus.names import MAX_SEQUENCE_KEY as MAX_SEQUENCE_KEY
@@ -286,6 +288,96 @@ def delivery(
     return Delivery(priority, sequence, expires_at)
 
 
+class PublishOptions(TypedDict, total=False):
+    """The options of a publish, by ``Bus.publish`` or a handler's ``ctx.publish``.
+
+    Declared here once: both take them as keyword arguments and check them with
+    :func:`outgoing`. What each means and what is refused: ``Bus.send``'s
+    docstring and docs/delivery.md.
+    """
+
+    headers: Mapping[str, str] | None
+    unique_id: str | None
+    correlation_id: str | None
+    deliver_at: datetime | None
+    delay: float | None
+    priority: int
+    sequence: str | None
+    ttl: float | None
+    expires_at: datetime | None
+
+
+class SendOptions(PublishOptions, total=False):
+    """The options of a send (``Bus.send``, ``ctx.send``): a publish's, and two more.
+
+    ``reply_to`` names the endpoint the receiver's ``ctx.reply`` answers to;
+    ``group`` is the key the receiver's ``group_concurrency`` counts per.
+    """
+
+    reply_to: str | None
+    group: str | None
+
+
+SEND_OPTIONS = frozenset(SendOptions.__annotations__)
+PUBLISH_OPTIONS = frozenset(PublishOptions.__annotations__)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """Checked options of one send or publish: what the envelope builder takes."""
+
+    headers: Mapping[str, str] | None = None
+    unique_id: str | None = None
+    correlation_id: str | None = None
+    deliver_at: datetime | None = None
+    controls: Delivery = PLAIN
+
+    def with_headers(self, headers: Mapping[str, str] | None) -> Outgoing:
+        return self if headers is self.headers else replace(self, headers=headers)
+
+    def marked(self, marks: Mapping[str, str]) -> Outgoing:
+        """These options with nmbus's own headers added (a request's, a reply's, a saga's)."""
+        return replace(self, headers={**(self.headers or {}), **marks})
+
+
+NO_OPTIONS = Outgoing()
+
+
+def outgoing(options: Mapping[str, Any], call: str = "send") -> Outgoing:
+    """Check a send's or a publish's options (``call`` names which), before anything is written.
+
+    An option that ``call`` does not take is a TypeError, as for any function;
+    the rest are refused with InvalidMessage as ``Bus.send`` says.
+    """
+    if not options:
+        return NO_OPTIONS
+    allowed = SEND_OPTIONS if call == "send" else PUBLISH_OPTIONS
+    unknown = options.keys() - allowed
+    if unknown:
+        raise TypeError(f"{call}() got an unexpected keyword argument {min(unknown)!r}")
+    headers = user_headers(options.get("headers"))
+    reply_to, group = options.get("reply_to"), options.get("group")
+    if reply_to is not None or group is not None:
+        marks = {}
+        if reply_to is not None:
+            marks[REPLY_TO_HEADER] = validate_queue_name(reply_to)
+        if group is not None:
+            marks[GROUP_HEADER] = check_group(group)
+        headers = {**(headers or {}), **marks}
+    return Outgoing(
+        headers,
+        options.get("unique_id"),
+        options.get("correlation_id"),
+        deliver_time(options.get("deliver_at"), options.get("delay")),
+        delivery(
+            options.get("priority", 0),
+            options.get("sequence"),
+            options.get("ttl"),
+            options.get("expires_at"),
+        ),
+    )
+
+
 class EnvelopeBuilder:
     """Builds checked envelopes for one endpoint's sends and publishes."""
 
@@ -294,53 +386,27 @@ class EnvelopeBuilder:
     def __init__(self, max_message_bytes: int) -> None:
         self.max_message_bytes = max_message_bytes
 
-    def for_send(
-        self,
-        message: Message,
-        to: str,
-        correlation_id: str | None,
-        headers: Mapping[str, str] | None,
-        unique_id: str | None,
-        deliver_at: datetime | None,
-        delay: float | None,
-        controls: Delivery = PLAIN,
-    ) -> Envelope:
+    def for_send(self, message: Message, to: str, options: Outgoing) -> Envelope:
         """The envelope of a message sent to queue ``to`` (by the bus or a handler)."""
         validate_queue_name(to)
-        return self.build(
-            message, correlation_id, headers, unique_id, deliver_time(deliver_at, delay), controls
-        )
+        return self.build(message, options)
 
-    def for_publish(
-        self,
-        message: Message,
-        correlation_id: str | None,
-        headers: Mapping[str, str] | None,
-        unique_id: str | None,
-        deliver_at: datetime | None,
-        controls: Delivery = PLAIN,
-    ) -> tuple[Envelope, str]:
+    def for_publish(self, message: Message, options: Outgoing) -> tuple[Envelope, str]:
         """The envelope of a published message and its type chain (comma-separated)."""
         if not isinstance(message, Message):
             raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
         chain = chain_header(type(message))
         if chain is not None:
-            headers = {**(headers or {}), TYPE_CHAIN_HEADER: chain}
-        envelope = self.build(message, correlation_id, headers, unique_id, deliver_at, controls)
+            options = options.marked({TYPE_CHAIN_HEADER: chain})
+        envelope = self.build(message, options)
         return envelope, chain or envelope.label
 
-    def build(
-        self,
-        message: Message,
-        correlation_id: str | None,
-        headers: Mapping[str, str] | None,
-        unique_id: str | None,
-        deliver_at: datetime | None = None,
-        controls: Delivery = PLAIN,
-    ) -> Envelope:
+    def build(self, message: Message, options: Outgoing) -> Envelope:
         if not isinstance(message, Message):
             raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
         text = encode(message)
+        headers, unique_id = options.headers, options.unique_id
+        correlation_id, controls = options.correlation_id, options.controls
         header_text = None
         if headers:
             if not isinstance(headers, Mapping):
@@ -380,7 +446,7 @@ class EnvelopeBuilder:
             msg_headers=header_text,
             unique_id=uid,
             correlation_id=correlation_id or uid,
-            deliver_at=deliver_at,
+            deliver_at=options.deliver_at,
             priority=controls.priority,
             sequence=controls.sequence,
             expires_at=controls.expires_at,

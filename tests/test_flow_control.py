@@ -314,6 +314,33 @@ async def test_ctx_group_is_the_group_sent(dsn: str) -> None:
     assert sorted(seen, key=str) == [None, "tenant-42"]
 
 
+async def test_a_handler_sends_with_a_group_as_the_bus_does(dsn: str) -> None:
+    """ctx.send takes the options Bus.send takes (one SendOptions): group included."""
+    seen: list[tuple[int, str | None]] = []
+    refused: list[str] = []
+    bus = Bus("billing", dsn=dsn, poll_interval=0.1)
+
+    @bus.handler
+    async def forward(msg: Ping, ctx: Context) -> None:
+        try:
+            await ctx.send(Pong(n=msg.n), to="billing", grup="typo")  # type: ignore[call-arg]
+        except TypeError as e:
+            refused.append(str(e))
+        await ctx.send(Pong(n=msg.n), to="billing", group=f"tenant-{msg.n}")
+
+    @bus.handler
+    async def handle(msg: Pong, ctx: Context) -> None:
+        seen.append((msg.n, ctx.group))
+
+    async with bus:
+        with pytest.raises(TypeError, match="grup"):
+            await bus.send(Ping(n=0), to="billing", grup="typo")  # type: ignore[call-arg]
+        await bus.send(Ping(n=1), to="billing")
+        await wait_until(lambda: len(seen) == 1, timeout=10)
+    assert seen == [(1, "tenant-1")]
+    assert refused == ["send() got an unexpected keyword argument 'grup'"]
+
+
 async def test_limits_declared_differently_by_two_processes_are_said_once(dsn: str) -> None:
     def endpoint(concurrency: int) -> Bus:
         bus = Bus("billing", dsn=dsn, poll_interval=0.1)

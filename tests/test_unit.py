@@ -11,6 +11,7 @@ import pytest
 
 import nmbus
 from nmbus import Bus, Context, Message, PermanentError, RetryPolicy
+from nmbus.envelopes import NO_OPTIONS
 from nmbus.errors import ConfigurationError, HandlerError, InvalidQueueName, MessageTooLarge
 from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.postgres import PostgresStore
@@ -246,9 +247,7 @@ async def test_a_worker_is_built_alone_and_a_burst_drains_and_counts() -> None:
     store = MemoryStore()
     await store.ensure_queue("billing")
     builder = EnvelopeBuilder(max_message_bytes=1024)
-    await store.insert(
-        "billing", "test", [builder.build(Ping(n=n), None, None, None) for n in range(7)]
-    )
+    await store.insert("billing", "test", [builder.build(Ping(n=n), NO_OPTIONS) for n in range(7)])
     registry = Registry()
     seen: list[int] = []
 

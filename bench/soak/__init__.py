@@ -40,6 +40,7 @@ from bench.soak.report import SoakReport, verify
 from bench.soak.worker import ENTRY, QUEUE, SoakWork
 from bench.sql import render
 from nmbus.bus import Bus
+from nmbus.envelopes import NO_OPTIONS
 from nmbus.settings import Settings
 
 
@@ -179,7 +180,7 @@ async def _send_all(sender: Bus, messages: int, poison: int) -> tuple[set[str], 
     for start in range(0, messages, chunk):
         envelopes = []
         for n in range(start, min(messages, start + chunk)):
-            envelope = sender.envelopes.build(SoakWork(n=n, poison=n in pills), None, None, None)
+            envelope = sender.envelopes.build(SoakWork(n=n, poison=n in pills), NO_OPTIONS)
             envelopes.append(envelope)
             if n in pills:
                 poisoned.add(envelope.unique_id)

@@ -16,21 +16,22 @@ import math
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import structlog
 
 from nmbus.delivery.cancellation import Cancel
-from nmbus.delivery.flow import GROUP_HEADER, check_group
 from nmbus.delivery.replies import Replies
 from nmbus.envelopes import (
     REPLY_BY_HEADER,
     REPLY_TO_HEADER,
     REQUESTER_HEADER,
     EnvelopeBuilder,
+    Outgoing,
+    PublishOptions,
+    SendOptions,
     check_connection,
-    deliver_time,
-    delivery,
+    outgoing,
     type_name,
     user_headers,
 )
@@ -62,22 +63,7 @@ class Sending:
     _stopped: asyncio.Event
 
     async def send(
-        self,
-        message: Message,
-        to: str,
-        *,
-        deliver_at: datetime | None = None,
-        delay: float | None = None,
-        headers: Mapping[str, str] | None = None,
-        unique_id: str | None = None,
-        correlation_id: str | None = None,
-        connection: Any = None,
-        reply_to: str | None = None,
-        priority: int = 0,
-        sequence: str | None = None,
-        ttl: float | None = None,
-        expires_at: datetime | None = None,
-        group: str | None = None,
+        self, message: Message, to: str, *, connection: Any = None, **options: Unpack[SendOptions]
     ) -> str:
         """Store ``message`` in queue ``to``; durable when this returns.
 
@@ -106,59 +92,16 @@ class Sending:
         connection; MessageTooLarge when body and headers together exceed
         ``max_message_bytes``.
         """
-        headers = user_headers(headers)
-        if group is not None:
-            headers = {**(headers or {}), GROUP_HEADER: check_group(group)}
-        return await self._send(
-            message,
-            to,
-            deliver_at=deliver_at,
-            delay=delay,
-            headers=headers,
-            unique_id=unique_id,
-            correlation_id=correlation_id,
-            connection=connection,
-            reply_to=reply_to,
-            priority=priority,
-            sequence=sequence,
-            ttl=ttl,
-            expires_at=expires_at,
-        )
+        return await self._send(message, to, outgoing(options), connection)
 
     async def _send(
-        self,
-        message: Message,
-        to: str,
-        *,
-        deliver_at: datetime | None = None,
-        delay: float | None = None,
-        headers: Mapping[str, str] | None = None,
-        unique_id: str | None = None,
-        correlation_id: str | None = None,
-        connection: Any = None,
-        reply_to: str | None = None,
-        priority: int = 0,
-        sequence: str | None = None,
-        ttl: float | None = None,
-        expires_at: datetime | None = None,
+        self, message: Message, to: str, options: Outgoing, connection: Any = None
     ) -> str:
-        """``send`` with nmbus's own headers allowed (``request`` sets them)."""
+        """``send`` with its options checked (``request`` adds nmbus's own headers)."""
         check_connection(connection)
-        if reply_to is not None:
-            validate_queue_name(reply_to)
-            headers = {**(headers or {}), REPLY_TO_HEADER: reply_to}
-        controls = delivery(priority, sequence, ttl, expires_at)
         with tracer_of(self.tracing).producing("send", to) as producer:
-            envelope = self.envelopes.for_send(
-                message,
-                to,
-                correlation_id,
-                producer.headers(headers),
-                unique_id,
-                deliver_at,
-                delay,
-                controls,
-            )
+            traced = options.with_headers(producer.headers(options.headers))
+            envelope = self.envelopes.for_send(message, to, traced)
             producer.sent(envelope)
             await self.store.insert(to, self.endpoint, [envelope], connection)
         return envelope.unique_id
@@ -201,9 +144,8 @@ class Sending:
         }
         future = self.replies.expect(correlation_id)
         try:
-            await self._send(
-                message, to, headers={**(headers or {}), **marks}, correlation_id=correlation_id
-            )
+            options = outgoing({"headers": headers, "correlation_id": correlation_id})
+            await self._send(message, to, options.marked(marks))
             try:
                 async with asyncio.timeout(timeout):
                     return await future
@@ -216,19 +158,7 @@ class Sending:
             self.replies.forget(correlation_id)
 
     async def publish(
-        self,
-        message: Message,
-        *,
-        headers: Mapping[str, str] | None = None,
-        correlation_id: str | None = None,
-        unique_id: str | None = None,
-        deliver_at: datetime | None = None,
-        delay: float | None = None,
-        connection: Any = None,
-        priority: int = 0,
-        sequence: str | None = None,
-        ttl: float | None = None,
-        expires_at: datetime | None = None,
+        self, message: Message, *, connection: Any = None, **options: Unpack[PublishOptions]
     ) -> list[str]:
         """Store a copy of ``message`` in the queue of every live subscriber, all or none.
 
@@ -242,14 +172,11 @@ class Sending:
         subscriber's queue. Returns the subscriber endpoints. Refused as ``send``
         refuses (headers, ids, connection, size).
         """
-        headers = user_headers(headers)
+        checked = outgoing(options, "publish")
         check_connection(connection)
-        when = deliver_time(deliver_at, delay)
-        controls = delivery(priority, sequence, ttl, expires_at)
-        build = self.envelopes.for_publish
         with tracer_of(self.tracing).producing("publish", type_name(message)) as producer:
-            traced = producer.headers(headers)
-            envelope, chain = build(message, correlation_id, traced, unique_id, when, controls)
+            traced = checked.with_headers(producer.headers(checked.headers))
+            envelope, chain = self.envelopes.for_publish(message, traced)
             producer.sent(envelope)
             copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
         self._log_published(1, copies)
@@ -289,7 +216,8 @@ class Sending:
         connection: Any,
     ) -> dict[str, int]:
         build = self.envelopes.for_publish
-        pairs = [build(m, correlation_id, headers, None, None) for m in messages]
+        options = Outgoing(headers, correlation_id=correlation_id)
+        pairs = [build(m, options) for m in messages]
         envelopes = [envelope for envelope, _ in pairs]
         return await self.store.publish(
             self.endpoint, envelopes, [chain for _, chain in pairs], connection

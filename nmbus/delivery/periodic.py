@@ -37,7 +37,7 @@ import structlog
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 from nmbus.context import Context
-from nmbus.envelopes import EnvelopeBuilder
+from nmbus.envelopes import EnvelopeBuilder, Outgoing
 from nmbus.errors import MAX_SECONDS, ConfigurationError, HandlerError
 from nmbus.logs import log_failure
 from nmbus.messages import Envelope, Message
@@ -155,9 +155,8 @@ def _check_cron(cron: object) -> None:
 
 
 def tick_envelope(builder: EnvelopeBuilder, schedule: Schedule, due: datetime) -> Envelope:
-    return builder.build(
-        Tick(name=schedule.name, scheduled_at=due), None, None, schedule.unique_id(due)
-    )
+    tick = Tick(name=schedule.name, scheduled_at=due)
+    return builder.build(tick, Outgoing(unique_id=schedule.unique_id(due)))
 
 
 def utcnow() -> datetime:

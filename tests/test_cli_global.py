@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +79,23 @@ def test_nothing_in_nmbus_imports_the_repository_s_bench() -> None:
         if re.search(r"^\s*(from|import) bench\b", path.read_text(), re.MULTILINE)
     }
     assert importers == set()
+
+
+def test_the_wheel_ships_nmbus_with_no_script_file_and_no_repository_tools(
+    tmp_path: Path,
+) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("nmbus-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "nmbus/dashboard/templates/base.html" in names
+    assert "nmbus/postgres/sql/schema.sql" in names
+    assert [n for n in names if n.endswith(".js")] == []
+    assert [n for n in names if n.split("/")[0] in ("bench", "tests", "samples")] == []
 
 
 def test_a_worker_process_knows_no_demo_message_types() -> None:

@@ -8,9 +8,10 @@ Origin header, when sent, naming this very host), and the form carries the
 token. A change acts only on what its confirmation page counted: the form
 carries, per queue, the highest id and the time of that count. Every page
 answers with a Content-Security-Policy that allows only the dashboard's own
-script and style, so text from the database (queue names, labels, bodies,
-errors) is escaped by the templates and could not run anyway; texts longer
-than a page should carry are cut, with a link to the whole text as plain text.
+script (inline, allowed by its hash: :mod:`nmbus.dashboard.script`) and
+style, so text from the database (queue names, labels, bodies, errors) is
+escaped by the templates and could not run anyway; texts longer than a page
+should carry are cut, with a link to the whole text as plain text.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from nmbus.dashboard import charts, display, forms, guard
 from nmbus.dashboard.guard import DashboardOptions
 from nmbus.dashboard.hosts import is_loopback
 from nmbus.dashboard.metrics import exposition
+from nmbus.dashboard.script import REFRESH_SCRIPT
 from nmbus.errors import (
     InvalidQueueName,
     NmbusError,
@@ -75,6 +77,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
     templates = Jinja2Templates(directory=str(_HERE.joinpath("templates")))
     templates.env.globals.update(
         read_only=options.read_only,
+        refresh_script=REFRESH_SCRIPT,
         refresh_ms=int(options.refresh_seconds * 1000),
         database=options.database,
         schema=admin.schema,

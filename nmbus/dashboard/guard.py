@@ -15,6 +15,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nmbus.dashboard.hosts import host_name
+from nmbus.dashboard.script import REFRESH_SCRIPT_SOURCE
 from nmbus.errors import (
     ConfigurationError,
     DatabaseUnavailable,
@@ -70,7 +71,8 @@ class HostGuard:
 
 def security_headers(response: Response) -> Response:
     response.headers["Content-Security-Policy"] = (
-        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        f"default-src 'none'; script-src {REFRESH_SCRIPT_SOURCE}; style-src 'self'; "
+        "img-src 'self'; "
         "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     )
     response.headers["X-Content-Type-Options"] = "nosniff"

@@ -46,18 +46,19 @@ class Wakeups:
         """A loop is about to claim: a hint kept until now is served by that claim."""
         self._kept = False
 
-    async def wait(self, timeout: float) -> None:
-        """Sleep until a hint or ``timeout`` seconds, whichever comes first."""
+    async def wait(self, timeout: float) -> bool:
+        """Sleep until a hint or ``timeout`` seconds, whichever comes first: whether a hint."""
         if self._kept:
             self._kept = False
-            return
+            return True
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._idle.append(waiter)
         try:
             async with asyncio.timeout(timeout):
                 await waiter
+            return True
         except TimeoutError:
-            pass
+            return False
         finally:
             # Woken, timed out (the timeout cancelled it) or cancelled: gone from the idle.
             waiter.cancel()

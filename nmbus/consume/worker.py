@@ -96,6 +96,7 @@ class Worker:
         self._stopping = asyncio.Event()
         # The loops' turn to claim and run a batch under contention.
         self._turn = Turn(self._contended)
+        self._releases = SequenceReleases(settings.poll_interval)
         self._tasks: list[asyncio.Task[None]] = []
         self._side = Services(log, settings.reconnect_max_delay, f"nmbus-{queue}", queue=queue)
         # The claims of this worker's loops that have not ended yet.
@@ -363,15 +364,17 @@ class Worker:
         settings = self.settings
         # The next batch, claimed by the statement that finished the previous one.
         ahead: Claim | None = None
-        released = time.monotonic()
+        releases = self._releases
+        # Whether this loop was woken by a hint (a NOTIFY), not by its poll timeout,
+        # or has just been busy.
+        hinted = True
         sizer = BatchSizer(settings.batch_size)
         # Whether this loop holds the turn (nmbus/consume/turns.py).
         turn = False
         try:
             while ahead or not self._stopping.is_set():
-                if time.monotonic() - released >= settings.poll_interval:
+                if releases.periodic():
                     # A sequence head a race left parked is released within a poll interval.
-                    released = time.monotonic()
                     await session.release_sequences(self.queue)
                 self._wakeups.claiming()
                 if turn:
@@ -384,8 +387,10 @@ class Worker:
                     claim: Claim | None = ahead
                     ahead = None
                 else:
+                    claiming = time.monotonic()
                     claim = await self._claim(session, sizer.limit, loop)
                 if claim is not None:
+                    hinted = True  # busy until now: as if woken, when it next finds nothing
                     if len(claim.rows) >= sizer.limit:
                         self._wakeups.one()  # a full claim: more may be waiting
                     # Without the turn under contention, its finish claims nothing ahead.
@@ -395,8 +400,10 @@ class Worker:
                 if turn:
                     self._turn.give()
                     turn = False
-                if await session.release_sequences(self.queue):
-                    released = time.monotonic()
+                # Woken by a send that found its sequence's head just finished (a race
+                # that parks the new member), a loop claims nothing: release at once.
+                idle = hinted and releases.idle(claiming)
+                if idle and await session.release_sequences(self.queue):
                     continue
                 wait = settings.poll_interval
                 due = await session.next_due(self.queue)
@@ -406,8 +413,7 @@ class Worker:
                 if limited:
                     wait = min(wait, session.recheck or 0.0)
                 began = time.monotonic()
-                if wait > 0:
-                    await self._wakeups.wait(wait)
+                hinted = await self._wakeups.wait(wait) if wait > 0 else True
                 if limited and self.metrics is not None:
                     self.metrics.flow_waited(time.monotonic() - began)
         except BaseException as exc:
@@ -488,3 +494,38 @@ class Worker:
             raise
         self.claims.end(claim)
         return ahead
+
+
+class SequenceReleases:
+    """When the loops release parked sequence heads: once for the process, not per loop.
+
+    The statement walks every sequence key that has a member outside X (a loose
+    index scan: about 1 ms at 100 such keys, 10 ms at 1,000, 125 ms at 10,000),
+    so each of a process's loops running it on its own multiplied that by the
+    loops. Now it runs at most once per poll interval for the whole process (on
+    the first loop to reach the top of its loop after that), and on an idle
+    loop only if no loop began one since this loop began the claim that found
+    nothing. It stays on the loops' own connections (docs/design.md says why).
+    """
+
+    __slots__ = ("interval", "last")
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        # When the last release began (monotonic).
+        self.last = -float("inf")
+
+    def periodic(self) -> bool:
+        """Whether this loop releases now, a poll interval after the last release began."""
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            return False
+        self.last = now
+        return True
+
+    def idle(self, claiming: float) -> bool:
+        """Whether a loop whose claim (begun at ``claiming``) found nothing releases now."""
+        if self.last >= claiming:
+            return False  # begun since: it covers what that claim could not take
+        self.last = time.monotonic()
+        return True

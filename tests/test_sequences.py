@@ -367,3 +367,34 @@ async def test_a_head_left_parked_by_a_race_is_released(dsn: str, db: asyncpg.Co
         assert nxt.msg_text == '{"seq":"s","n":1}'
     finally:
         await store.close()
+
+
+async def test_the_loops_of_a_worker_release_parked_heads_once_for_the_process(
+    make_bus: Callable[..., Bus], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The statement walks every sequence key outside X: four loops must not run it
+    # four times as often as one. Idle, it runs once a poll interval for the process
+    # (each loop on its own ran it at its every wake-up and every poll interval).
+    from nmbus.postgres.session import PostgresSession
+
+    calls = 0
+    real = PostgresSession.release_sequences
+
+    async def counted(self: PostgresSession, queue: str) -> int:
+        nonlocal calls
+        calls += 1
+        return await real(self, queue)
+
+    monkeypatch.setattr(PostgresSession, "release_sequences", counted)
+    bus = make_bus("ledger", concurrency=4, poll_interval=0.2)
+
+    @bus.handler
+    async def handle(msg: Posted, ctx: Context) -> None: ...
+
+    async with bus:
+        await asyncio.sleep(0.5)
+        calls, began = 0, asyncio.get_running_loop().time()
+        await asyncio.sleep(3.0)
+        elapsed = asyncio.get_running_loop().time() - began
+    intervals = elapsed / 0.2
+    assert 0 < calls <= intervals + 2, (calls, intervals)

@@ -133,6 +133,22 @@ async def test_renew_and_abandon_leases(store: Store) -> None:
     assert await claim(store, client="c3") == []  # a's lease was renewed, b is c2's
 
 
+async def test_a_crash_s_suspect_let_go_unstarted_is_still_tried_alone(store: Store) -> None:
+    # A claim that let go of a row a crash left (a worker stopped before running
+    # it) gives its own attempt back, and the row comes back a suspect still: the
+    # next claim sees it recovered, so it is tried alone, not in a batch again.
+    await store.insert("q", "me", [envelope(1), envelope(2)])
+    first, second = await claim(store, client="dead", lease=0.05)
+    await asyncio.sleep(0.1)  # the holder died: its lease ran out
+    rows = await claim(store, client="c1")
+    assert [m.recovered for m in rows] == [2, 2]
+    await store.abandon_leases("q", [m.id for m in rows], "c1", refund=True, suspects=[first.id])
+    again = {m.id: m for m in await claim(store, client="c2")}
+    assert again[first.id].recovered == 1  # still to be tried alone
+    assert again[second.id].recovered == 0  # let go as fresh
+    assert again[first.id].retry_count == again[second.id].retry_count == 2
+
+
 async def test_a_batch_given_back_frees_only_the_claims_still_as_they_were(
     store: Store,
 ) -> None:

@@ -150,8 +150,9 @@ class BatchRunner:
             ):
                 if group:
                     try:
+                        suspects = claim.suspects() if refund else ()
                         await self.store.abandon_leases(
-                            self.queue, group, claim.token, refund=refund
+                            self.queue, group, claim.token, refund=refund, suspects=suspects
                         )
                     except StoreError as again:
                         log.warning("worker_abandon_failed", queue=self.queue, error=str(again))
@@ -175,7 +176,9 @@ class BatchRunner:
     async def _release(self, claim: Claim) -> None:
         """Free a claim that never began, its attempt not counted; it ends."""
         try:
-            await self.store.abandon_leases(self.queue, claim.ids, claim.token, refund=True)
+            await self.store.abandon_leases(
+                self.queue, claim.ids, claim.token, refund=True, suspects=claim.suspects()
+            )
         except StoreError as exc:
             log.warning("worker_abandon_failed", queue=self.queue, error=str(exc))
         self.claims.end(claim)

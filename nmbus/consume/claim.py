@@ -60,6 +60,10 @@ class Claim:
         """The rows whose outcome is not committed yet (their leases still matter)."""
         return [m.id for m in self.rows if m.id not in self.committed]
 
+    def suspects(self) -> set[int]:
+        """The rows a crash left (recovered): let go unstarted, they stay suspects."""
+        return {m.id for m in self.rows if m.recovered}
+
     def lapsed(self) -> bool:
         """Whether the lease may have run out: another claim may hold the rows now."""
         return time.monotonic() >= self.lease_until

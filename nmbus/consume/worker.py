@@ -314,7 +314,10 @@ class Worker:
             if not ids:
                 continue
             try:
-                await self.store.abandon_leases(self.queue, ids, claim.token, refund=refund)
+                suspects = claim.suspects() if refund else ()
+                await self.store.abandon_leases(
+                    self.queue, ids, claim.token, refund=refund, suspects=suspects
+                )
             except StoreError as exc:
                 log.warning("worker_abandon_failed", queue=self.queue, ids=len(ids), error=str(exc))
         self.claims.end(claim)

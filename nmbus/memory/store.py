@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -473,9 +473,14 @@ class MemoryStore:
         return renewed
 
     async def abandon_leases(
-        self, queue: str, ids: Sequence[int], claim: str, refund: bool = False
+        self,
+        queue: str,
+        ids: Sequence[int],
+        claim: str,
+        refund: bool = False,
+        suspects: Collection[int] = (),
     ) -> None:
-        self._free(queue, ids, [None] * len(ids), claim, int(refund))
+        self._free(queue, ids, [None] * len(ids), claim, int(refund), suspects)
 
     async def give_back(
         self, queue: str, ids: Sequence[int], attempts: Sequence[int], claim: str
@@ -483,7 +488,13 @@ class MemoryStore:
         return self._free(queue, ids, attempts, claim, 1)
 
     def _free(
-        self, queue: str, ids: Sequence[int], at: Sequence[int | None], claim: str, refund: int
+        self,
+        queue: str,
+        ids: Sequence[int],
+        at: Sequence[int | None],
+        claim: str,
+        refund: int,
+        suspects: Collection[int] = (),
     ) -> list[int]:
         """Free rows ``ids`` leased by ``claim`` (at attempts ``at``, where given)."""
         table, freed = self._require(queue), []
@@ -491,7 +502,9 @@ class MemoryStore:
             row = table.get(i)
             if row and row.handling_client_id == claim and attempt in (None, row.retry_count):
                 n = max(0, row.retry_count - refund)
-                table[i] = replace(row, handling_client_id=None, lease_expires=None, retry_count=n)
+                # A suspect's mark is a lease that ran out long ago (as isolate leaves it).
+                lease = _LONG_AGO if i in suspects else None
+                table[i] = replace(row, handling_client_id=None, lease_expires=lease, retry_count=n)
                 freed.append(i)
         return freed
 

@@ -12,7 +12,7 @@ it, nmbus/consume/claim.py) and ``lease_expires`` set.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -412,10 +412,16 @@ class Store(Protocol):
         ...
 
     async def abandon_leases(
-        self, queue: str, ids: Sequence[int], claim: str, refund: bool = False
+        self,
+        queue: str,
+        ids: Sequence[int],
+        claim: str,
+        refund: bool = False,
+        suspects: Collection[int] = (),
     ) -> None:
         """Free rows ``ids`` still leased by ``claim`` at once; ``refund`` when their
-        attempt never started."""
+        attempt never started. Those of ``suspects`` (a crash's, not started here)
+        come back still to be tried alone, as ``isolate`` lets its batch-mates go."""
         ...
 
     async def give_back(

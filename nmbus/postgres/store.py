@@ -434,10 +434,15 @@ class PostgresStore:
                     raise
 
     async def abandon_leases(
-        self, queue: str, ids: Sequence[int], claim: str, refund: bool = False
+        self,
+        queue: str,
+        ids: Sequence[int],
+        claim: str,
+        refund: bool = False,
+        suspects: Collection[int] = (),
     ) -> None:
         sql = render("abandon_leases", self.schema, queue)
-        args = (list(ids), claim, int(refund))
+        args = (list(ids), claim, int(refund), [i for i in ids if i in suspects])
         await self._on_lease_conn(f"abandon leases in {queue}", 5.0, sql, *args)
 
     @asynccontextmanager

@@ -335,9 +335,12 @@ SELECT id FROM renewed;
 
 -- abandon_leases --
 -- Let rows $1 leased by claim $2 be claimed again at once. $3: how much to take
--- off retry_count (0: the attempt stays counted; 1: it never started).
+-- off retry_count (0: the attempt stays counted; 1: it never started). Rows $4
+-- (a crash's suspects, not started) keep their mark, a lease that ran out long
+-- ago, so the next claim still tries them alone (as isolate lets rows go).
 UPDATE {queue}
-SET lease_expires = NULL, handling_client_id = NULL, retry_count = greatest(0, retry_count - $3)
+SET lease_expires = CASE WHEN id = ANY($4::bigint[]) THEN 'epoch'::timestamptz END,
+    handling_client_id = NULL, retry_count = greatest(0, retry_count - $3)
 WHERE id = ANY($1::bigint[]) AND handling_client_id = $2 AND id >= {lowest_id};
 
 -- give_back --

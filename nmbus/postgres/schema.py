@@ -119,8 +119,8 @@ async def readiness_on(conn: Any, schema: str, queue: str) -> Readiness:
     if not await conn.fetchval(render("schema_exists", schema), schema):
         return Readiness(None, False)
     row = await conn.fetchrow(render("readiness", schema), schema, queue)
-    version = row["version"]
-    return Readiness(None if version is None else int(version), bool(row["queue_exists"]))
+    # A schema whose version table is empty has no version yet: 0, older than any.
+    return Readiness(int(row["version"] or 0), bool(row["queue_exists"]))
 
 
 async def database_identity(conn: Any) -> tuple[Any, ...]:

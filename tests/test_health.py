@@ -413,19 +413,22 @@ async def test_ready_backlog_counts_what_more_workers_could_start(
     await rows(db, "pay.Charge", 4)
     chain = """'{"nmbus-type-chain": "pay.ChargeV2,pay.Charge"}'"""
     await rows(db, "pay.ChargeV2", 1, msg_headers=chain)
-    # group_concurrency=1: group a has one running (0 more), b 1 of 2, no group 2 of 2.
+    # group_concurrency=1: group a has one running (0 more), b 1 of 2, no group 2 of 2,
+    # and c 1 (a subclass's message, by its type chain).
     await flight(db, "exp.Export:export", group="a")
     await rows(db, "exp.Export", 3, msg_headers=group("a"))
     await rows(db, "exp.Export", 2, msg_headers=group("b"))
     await rows(db, "exp.Export", 2)
+    subclass = """'{"nmbus-group": "c", "nmbus-type-chain": "exp.ExportV2,exp.Export"}'"""
+    await rows(db, "exp.ExportV2", 1, msg_headers=subclass)
     # rate=3 a second with one start in the window: 2 of its 10.
     await flight(db, "mail.Send:send", started=True)
     await rows(db, "mail.Send", 10)
-    assert await backlog(dsn) == unlimited + 1 + 3 + 2
+    assert await backlog(dsn) == unlimited + 1 + 4 + 2
 
     # Limits lifted: every ready message counts again (the rows in flight do not).
     await db.execute("""DELETE FROM nmbus."flow$limits" WHERE queue = 'work'""")
-    assert await backlog(dsn) == unlimited + 5 + 7 + 10
+    assert await backlog(dsn) == unlimited + 5 + 8 + 10
 
 
 async def backlog(dsn: str) -> int:

@@ -141,10 +141,12 @@ class Health:
         stopped = [f"{name} ({_ending(task)})" for name, task in named if _stopped(task)]
         if stopped:
             return False, f"stopped: {', '.join(stopped)}"
+        if not named:
+            return True, "ok: no task to watch (a bus without workers)"
         running = [name for name, task in named if not task.done()]
         finished = [name for name, task in named if task.done()]
         done = f"; finished: {', '.join(finished)}" if finished else ""
-        return True, f"ok: running {', '.join(running) or 'no task'}{done}"
+        return True, f"ok: running {', '.join(running) or 'nothing'}{done}"
 
     def ready(self) -> Verdict:
         """``/readyz``: whether the process reaches its database, as it expects it."""
@@ -154,7 +156,10 @@ class Health:
         if not self._checking.acquire(timeout=READY_TIMEOUT):
             return False, f"not ready: the check under way has no answer after {READY_TIMEOUT:g} s"
         try:
-            future = asyncio.run_coroutine_threadsafe(self._ask(), loop)
+            try:
+                future = asyncio.run_coroutine_threadsafe(self._ask(), loop)
+            except RuntimeError:  # the loop closed since: the bus has stopped
+                return False, "not ready: stopped"
             try:
                 return future.result(timeout=READY_TIMEOUT)
             except concurrent.futures.TimeoutError:

@@ -103,7 +103,10 @@ class PortServer:
         if environ.get("REQUEST_METHOD") != "GET":
             start_response("405 Method Not Allowed", [("Allow", "GET")])
             return [b""]
-        holds, line = probe()
+        try:
+            holds, line = probe()
+        except Exception as exc:  # never a traceback on the worker's stderr
+            holds, line = False, f"the probe failed: {type(exc).__name__}"
         body = f"{line}\n".encode()
         start_response(
             "200 OK" if holds else "503 Service Unavailable",

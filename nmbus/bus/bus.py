@@ -275,6 +275,8 @@ class Bus(Registration, Sending):
         elif self.routes:
             # A send-only process: what it routes waits in the outbox for a forwarder.
             log.info("outbox_needs_a_forwarder", queue=self.endpoint, routes=sorted(self.routes))
+        if self.health is not None:
+            self.health.running()  # before it says so: a probe that follows sees it running
         log.info(
             "bus_started",
             queue=self.endpoint,
@@ -283,8 +285,6 @@ class Bus(Registration, Sending):
             subscriptions=len(self.subscriptions),
             **({} if self._port is None else {"metrics_port": self._port.port}),
         )
-        if self.health is not None:
-            self.health.running()
 
     async def stop(self) -> None:
         """Graceful shutdown: finish in-flight handlers, return unstarted messages to I."""

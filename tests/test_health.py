@@ -16,6 +16,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import asyncpg
 
-from nmbus import Bus
+from nmbus import Bus, Context
 from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres.segments import roll_now
 from tests.cookbook_run import COOKBOOK, psql
@@ -477,3 +479,38 @@ async def test_the_keda_query_is_the_cookbook_statement(dsn: str, db: asyncpg.Co
     assert await db.fetchval(rendered("billing")) == int(
         (await psql(dsn, "ready_backlog.sql", queue="billing"))[0]["ready_backlog"]
     )
+
+
+async def test_a_handler_run_beside_others_is_named_after_its_loop(
+    make_bus: Callable[..., Bus],
+) -> None:
+    """With handler_concurrency > 1 a handler runs in a task of its own, named after its loop."""
+    async with make_bus("sender", concurrency=0) as sender:
+        for _ in range(2):
+            await sender.send(Hold(seconds=6.0), to="probed")
+    bus = make_bus("probed", metrics_port=0, handler_concurrency=2)
+    holding = threading.Event()
+
+    @bus.handler
+    async def hold(msg: Hold, ctx: Context) -> None:
+        holding.set()
+        time.sleep(msg.seconds)  # blocks this test's own event loop: probed from a thread
+
+    seen: list[str] = []
+
+    def watch(port: int) -> None:
+        assert holding.wait(60)
+        for _ in range(300):
+            body = get(port, "/healthz")[1]
+            if body.startswith("blocked:"):
+                seen.append(body)
+                return
+            time.sleep(0.1)
+
+    async with bus:
+        port = bus.metrics_port
+        assert port is not None
+        watcher = threading.Thread(target=watch, args=(port,))
+        watcher.start()
+        await asyncio.to_thread(watcher.join)
+    assert seen and seen[0].startswith("blocked: loop-0 (handler) has held the event loop"), seen

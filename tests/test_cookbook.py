@@ -34,6 +34,7 @@ TESTED = {
     "blocked_sequences.sql",
     "segments.sql",  # on a partitioned queue table: tests/test_segments.py
     "held_back.sql",  # with limits declared: tests/test_flow_control.py
+    "ready_backlog.sql",  # over segments, with limits: tests/test_health.py
 }
 
 

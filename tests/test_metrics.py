@@ -371,7 +371,7 @@ def test_durations_and_batch_sizes_land_in_the_right_buckets() -> None:
     from nmbus.ports.store import Outcomes
     from nmbus.telemetry.metrics import WorkerMetrics
 
-    metrics = WorkerMetrics("unit", "127.0.0.1", 0)
+    metrics = WorkerMetrics("unit")
     for seconds in (0.0001, 0.00011, 0.5, 100.0):
         metrics.handler_ran("obs.Good", seconds)
     for size in (1, 3, 100, 101):

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from nmbus.messages import Envelope
-from nmbus.ports.store import Outcomes, Store
+from nmbus.ports.store import SCHEMA_VERSION, Outcomes, Readiness, Store
 from nmbus.postgres import PostgresStore
 from nmbus.testing import MemoryStore
 
@@ -202,6 +202,17 @@ async def test_queues_are_listed_and_dropped(store: Store) -> None:
     assert {"alpha", "beta"} <= set(await store.list_queues())
     await store.drop_queue("alpha")
     assert "alpha" not in await store.list_queues()
+
+
+async def test_readiness_sees_the_schema_version_and_the_queue(store: Store) -> None:
+    await store.ensure_queue("alpha")
+    assert await store.readiness("alpha") == Readiness(SCHEMA_VERSION, True)
+    assert (await store.readiness("alpha")).problem(store.schema, "alpha") is None
+    await store.drop_queue("alpha")
+    assert await store.readiness("alpha") == Readiness(SCHEMA_VERSION, False)
+    assert (await store.readiness("alpha")).problem(store.schema, "alpha") == (
+        f"no queue 'alpha' in schema {store.schema!r}"
+    )
 
 
 # -- delivery controls (docs/delivery.md) ---------------------------------------------

@@ -44,7 +44,9 @@ from nmbus.settings import Settings, build_settings
 from nmbus.telemetry.tracer import load as load_tracing
 
 if TYPE_CHECKING:
+    from nmbus.telemetry.health import Health
     from nmbus.telemetry.metrics import WorkerMetrics
+    from nmbus.telemetry.server import PortServer
 
 log = structlog.get_logger("nmbus.bus")
 
@@ -178,6 +180,11 @@ class Bus(Registration, Sending):
         self._background = Services(
             log, settings.reconnect_max_delay, f"nmbus-{self.endpoint}", queue=self.endpoint
         )
+        # The metrics port: /metrics, and the probes /healthz and /readyz (docs/operations.md).
+        self.health: Health | None = None
+        self._port: PortServer | None = None
+        if self.metrics is not None:
+            self.health, self._port = self._port_server(self.metrics)
         self._remote_stores: list[Store] = []
         self.forwarder: Any = None  # nmbus.postgres.forwarder.Forwarder, when routes are set
         self._started = False
@@ -188,8 +195,23 @@ class Bus(Registration, Sending):
 
     @property
     def metrics_port(self) -> int | None:
-        """The port this bus serves ``/metrics`` on while it runs (the one picked for 0)."""
-        return self.metrics.port if self.metrics is not None else None
+        """The port this bus serves ``/metrics``, ``/healthz`` and ``/readyz`` on while it
+        runs (the one picked for 0)."""
+        return self._port.port if self._port is not None else None
+
+    def _port_server(self, metrics: WorkerMetrics) -> tuple[Health, PortServer]:
+        from nmbus.telemetry.health import Health
+        from nmbus.telemetry.server import PortServer
+
+        health = Health(
+            self.endpoint,
+            self.settings.schema_name,
+            tasks=lambda: [*self.worker.tasks(), *self._background.named()],
+            check=lambda: self.store.readiness(self.endpoint),
+        )
+        probes = {"/healthz": health.live, "/readyz": health.ready}
+        port = self.settings.metrics_port or 0
+        return health, PortServer(self.settings.metrics_host, port, metrics.app, probes)
 
     # -- life cycle ----------------------------------------------------------------
 
@@ -197,8 +219,13 @@ class Bus(Registration, Sending):
         if self._started:
             raise RuntimeError(f"bus {self.endpoint!r} is already started")
         self._started = True
-        if self.metrics is not None:
-            self.metrics.start()
+        if self._port is not None and self.health is not None:
+            self.health.start()
+            try:
+                self._port.start()
+            except BaseException:
+                self.health.stop()
+                raise
         try:
             await self.store.open()
         except BaseException:
@@ -248,19 +275,23 @@ class Bus(Registration, Sending):
         elif self.routes:
             # A send-only process: what it routes waits in the outbox for a forwarder.
             log.info("outbox_needs_a_forwarder", queue=self.endpoint, routes=sorted(self.routes))
+        if self.health is not None:
+            self.health.running()  # before it says so: a probe that follows sees it running
         log.info(
             "bus_started",
             queue=self.endpoint,
             concurrency=self.settings.concurrency,
             handlers=len(self.registry),
             subscriptions=len(self.subscriptions),
-            **({} if self.metrics is None else {"metrics_port": self.metrics.port}),
+            **({} if self._port is None else {"metrics_port": self._port.port}),
         )
 
     async def stop(self) -> None:
         """Graceful shutdown: finish in-flight handlers, return unstarted messages to I."""
         if not self._started or self._stopped.is_set():
             return
+        if self.health is not None:
+            self.health.stopping()
         try:
             await self.worker.stop()
         finally:
@@ -272,9 +303,11 @@ class Bus(Registration, Sending):
             log.info("bus_stopped", queue=self.endpoint, handled=self.worker.handled)
 
     async def _stop_metrics(self) -> None:
-        if self.metrics is not None:
+        if self.health is not None:
+            self.health.stop()
+        if self._port is not None:
             # Its server's shutdown waits for the serving thread's next poll.
-            await asyncio.to_thread(self.metrics.stop)
+            await asyncio.to_thread(self._port.stop)
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -366,4 +399,4 @@ def _metrics(endpoint: str, settings: Settings) -> WorkerMetrics | None:
         return None
     from nmbus.telemetry.metrics import WorkerMetrics
 
-    return WorkerMetrics(endpoint, settings.metrics_host, settings.metrics_port)
+    return WorkerMetrics(endpoint)

@@ -88,6 +88,7 @@ def _register() -> None:
     from nmbus.cli import dashboard as _dashboard  # noqa: F401
     from nmbus.cli import failed as _failed  # noqa: F401
     from nmbus.cli import forward as _forward  # noqa: F401
+    from nmbus.cli import health as _health  # noqa: F401
     from nmbus.cli import queues as _queues  # noqa: F401
     from nmbus.cli import report as _report  # noqa: F401
     from nmbus.cli import segments as _segments  # noqa: F401

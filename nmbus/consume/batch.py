@@ -553,13 +553,17 @@ class BatchRunner:
                 async with lock:
                     await self._commit_part(tx, received, outcomes, done, claim)
 
-        committer = asyncio.create_task(commit_now_and_then())
+        # Named after the loop's task, so a probe that finds the event loop blocked
+        # names the loop whose handler holds it (nmbus/telemetry/health.py).
+        owner = asyncio.current_task()
+        prefix = owner.get_name() if owner is not None else "batch"
+        committer = asyncio.create_task(commit_now_and_then(), name=f"{prefix}/commit")
         try:
             # A TaskGroup: if one fails outside its handler (a database error while
             # rolling back), the others are cancelled and the batch fails as a whole.
             async with asyncio.TaskGroup() as group:
                 for item in received:
-                    group.create_task(one(item))
+                    group.create_task(one(item), name=f"{prefix}/handler")
         except BaseException:
             # A commit under way is let finish, so what it committed is known.
             finished.set()

@@ -136,6 +136,12 @@ class Worker:
         """Committed outcomes by subqueue (X, R, F; "released" when given back)."""
         return self.batches.outcomes
 
+    def tasks(self) -> list[tuple[str, asyncio.Task[None]]]:
+        """Its loops (``loop-0`` ...) and side tasks by name, while it runs (what
+        ``/healthz`` watches: nmbus/telemetry/health.py)."""
+        loops = [(f"loop-{index}", task) for index, task in enumerate(list(self._tasks))]
+        return [*loops, *self._side.named()]
+
     # -- life cycle -------------------------------------------------------------
 
     def start(self) -> None:

@@ -163,6 +163,11 @@ class Services:
         side = supervise(run, name, self.logger, self.max_pause, **self.fields)
         self.tasks.append(asyncio.create_task(side, name=f"{self.task_prefix}-{name}"))
 
+    def named(self) -> list[tuple[str, asyncio.Task[None]]]:
+        """Each side task with the name it was started under, while they run."""
+        prefix = f"{self.task_prefix}-"
+        return [(task.get_name().removeprefix(prefix), task) for task in list(self.tasks)]
+
     async def stop(self) -> None:
         """Cancel every side task and wait until each has ended."""
         tasks, self.tasks = self.tasks, []

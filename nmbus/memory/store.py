@@ -25,7 +25,7 @@ from nmbus.memory.claims import cancel_rows, claimed_message, recovery, sequence
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.names import validate_queue_name
 from nmbus.ports.operations import RetentionPolicy
-from nmbus.ports.store import Outcomes, SagaTable
+from nmbus.ports.store import SCHEMA_VERSION, Outcomes, Readiness, SagaTable
 from nmbus.rows import QueueRow
 from nmbus.settings import Settings
 
@@ -252,6 +252,9 @@ class MemoryStore:
 
     async def list_queues(self) -> list[str]:
         return sorted(self.tables)
+
+    async def readiness(self, queue: str) -> Readiness:
+        return Readiness(SCHEMA_VERSION, queue in self.tables)
 
     async def insert(
         self,

@@ -44,6 +44,7 @@ from nmbus.ports.operations import (
     ProgressCallback,
     QueueDepth,
     QueueStatus,
+    Readiness,
     ReadLimits,
     RetentionDue,
     RetentionPolicy,
@@ -74,6 +75,7 @@ __all__ = [
     "OutboxBacklog",
     "QueueDepth",
     "QueueStatus",
+    "Readiness",
     "RetentionDue",
     "RetentionPolicy",
     "RetentionResult",
@@ -166,6 +168,11 @@ class Admin:
     async def list_queues(self) -> list[str]:
         """Names of every queue that has a table, sorted."""
         return await self._ops.list_queues()
+
+    async def readiness(self, queue: str) -> Readiness:
+        """What ``nmbus health`` checks: the schema's version and whether ``queue`` has its
+        table (:meth:`Readiness.problem` says what is wrong, if anything)."""
+        return await self._ops.readiness(validate_queue_name(queue))
 
     async def rows_estimate(self, queues: Sequence[str] | None = None) -> int:
         """Rows in every queue's table (or those of ``queues``), estimated without a scan."""

@@ -25,6 +25,7 @@ from nmbus.delivery.flow import LimitStatus as LimitStatus
 from nmbus.ports.retention import ProgressCallback as ProgressCallback
 from nmbus.ports.retention import RetentionPolicy as RetentionPolicy
 from nmbus.ports.retention import RetentionResult as RetentionResult
+from nmbus.ports.store import Readiness as Readiness
 from nmbus.rows import QueueRow
 
 if TYPE_CHECKING:
@@ -324,6 +325,10 @@ class Operations(Protocol):
 
     async def list_queues(self) -> list[str]:
         """Names of every queue that has a table, sorted."""
+        ...
+
+    async def readiness(self, queue: str) -> Readiness:
+        """The schema's version (None: no schema) and whether ``queue`` has its table."""
         ...
 
     async def rows_estimate(self, queues: Sequence[str] | None) -> int:

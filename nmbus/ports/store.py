@@ -34,6 +34,37 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 13
 
 
+@dataclass(frozen=True)
+class Readiness:
+    """What a readiness check finds in the database (``/readyz``, ``nmbus health``).
+
+    ``schema_version``: the nmbus schema's version, None when the database has
+    no such schema; ``queue_exists``: whether the queue asked about has its table.
+    """
+
+    schema_version: int | None
+    queue_exists: bool
+
+    def problem(self, schema: str, queue: str) -> str | None:
+        """Why a process of ``queue`` cannot work on this database, on one line; None: it can."""
+        version = self.schema_version
+        if version is None:
+            return f"no nmbus schema {schema!r} in this database"
+        if version > SCHEMA_VERSION:
+            return (
+                f"schema {schema!r} is at version {version}, newer than this nmbus "
+                f"understands ({SCHEMA_VERSION}): upgrade nmbus"
+            )
+        if version < SCHEMA_VERSION:
+            return (
+                f"schema {schema!r} is at version {version}, older than this nmbus "
+                f"expects ({SCHEMA_VERSION}): a starting Bus migrates it"
+            )
+        if not self.queue_exists:
+            return f"no queue {queue!r} in schema {schema!r}"
+        return None
+
+
 class Outcomes:
     """What became of each message of a claimed batch, as parallel lists.
 
@@ -322,6 +353,10 @@ class Store(Protocol):
     async def drop_queue(self, queue: str) -> None: ...
 
     async def list_queues(self) -> list[str]: ...
+
+    async def readiness(self, queue: str) -> Readiness:
+        """The schema's version and whether ``queue`` has its table (one read, nothing made)."""
+        ...
 
     async def insert(
         self,

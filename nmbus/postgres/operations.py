@@ -40,14 +40,14 @@ from nmbus.ports.operations import (
     SegmentInfo,
     Subscription,
 )
-from nmbus.ports.store import SCHEMA_VERSION
+from nmbus.ports.store import SCHEMA_VERSION, Readiness
 from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.flow import flow_status_on
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.reclaim import due
 from nmbus.postgres.retention import clean_queue
-from nmbus.postgres.schema import CREATED_BY_SEND
+from nmbus.postgres.schema import CREATED_BY_SEND, readiness_on
 from nmbus.postgres.segments import segments
 from nmbus.postgres.sql import render
 from nmbus.postgres.status import created_by_send, each_queue, segments_of, status_of
@@ -88,6 +88,10 @@ class PostgresOperations:
     async def list_queues(self) -> list[str]:
         async with self._session("list queues", read_only=True) as conn:
             return await self._queues(conn)
+
+    async def readiness(self, queue: str) -> Readiness:
+        async with self._session("check readiness", read_only=True, schema=False) as conn:
+            return await readiness_on(conn, self.schema, queue)
 
     async def rows_estimate(self, queues: Sequence[str] | None) -> int:
         async with self._session("estimate rows", read_only=True) as conn:

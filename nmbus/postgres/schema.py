@@ -14,7 +14,7 @@ import structlog
 
 from nmbus.errors import QueueNotFound, SchemaVersionError
 from nmbus.names import validate_queue_name, validate_schema_name
-from nmbus.ports.store import SCHEMA_VERSION
+from nmbus.ports.store import SCHEMA_VERSION, Readiness
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.pubsub import create_queue_on
 from nmbus.postgres.sql import QUERIES, names_a_queue, render
@@ -112,6 +112,15 @@ def no_such_queue(queue: str) -> str:
         f"Start its endpoint first, create it with 'nmbus queues create {queue}', or let "
         "sends create queues (create_queues=True, NMBUS_CREATE_QUEUES=true)"
     )
+
+
+async def readiness_on(conn: Any, schema: str, queue: str) -> Readiness:
+    """What ``/readyz`` and ``nmbus health`` check: the schema's version, the queue's table."""
+    if not await conn.fetchval(render("schema_exists", schema), schema):
+        return Readiness(None, False)
+    row = await conn.fetchrow(render("readiness", schema), schema, queue)
+    # A schema whose version table is empty has no version yet: 0, older than any.
+    return Readiness(int(row["version"] or 0), bool(row["queue_exists"]))
 
 
 async def database_identity(conn: Any) -> tuple[Any, ...]:

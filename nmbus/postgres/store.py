@@ -25,6 +25,7 @@ from nmbus.logs import scrub
 from nmbus.messages import Envelope
 from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.ports.operations import RetentionPolicy
+from nmbus.ports.store import Readiness
 from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.floor import ReadyFloors
@@ -46,6 +47,7 @@ from nmbus.postgres.schema import (
     ensure_queue_on,
     install_schema,
     no_such_queue,
+    readiness_on,
 )
 from nmbus.postgres.session import PostgresSession, insert_outbox
 from nmbus.postgres.sql import render
@@ -222,6 +224,11 @@ class PostgresStore:
         with wrap_errors("list queues"):
             rows = await self.pool.fetch(render("list_queues", self.schema), self.schema)
         return [r[0] for r in rows]
+
+    async def readiness(self, queue: str) -> Readiness:
+        with wrap_errors("check readiness"):
+            async with self.pool.acquire() as conn:
+                return await readiness_on(conn, self.schema, queue)
 
     async def insert(
         self,

@@ -1,6 +1,7 @@
 """Worker metrics in the Prometheus format, served on ``/metrics`` (extra ``nmbus[metrics]``).
 
-Built by the Bus only when ``metrics_port`` is set; otherwise the worker holds
+Built by the Bus only when ``metrics_port`` is set (and served by
+:mod:`nmbus.telemetry.server`, beside the health probes); otherwise the worker holds
 None and pays one ``is None`` check per batch and per message. Each Bus has a
 registry of its own, so two buses in one process never share or clash over a
 series; each serves it on its own port. The series (docs/metrics.md):
@@ -92,7 +93,7 @@ class _Series:
 
 
 class WorkerMetrics:
-    """The metrics of one endpoint's worker, in a registry of its own, and their HTTP server.
+    """The metrics of one endpoint's worker, in a registry of its own.
 
     The worker adds to plain numbers (an attribute increment, a bisect for a
     duration): no lock and no prometheus_client call per message. The numbers
@@ -100,11 +101,9 @@ class WorkerMetrics:
     (queue, type) series is added under a lock that the scrape also takes.
     """
 
-    def __init__(self, queue: str, host: str, port: int) -> None:
+    def __init__(self, queue: str) -> None:
         self._client = _client()
         self.queue = queue
-        self.host = host
-        self.requested_port = port
         self._lock = threading.Lock()
         self._by_label: dict[str | None, _Series] = {}
         self._by_type: dict[str, _Series] = {}
@@ -117,44 +116,14 @@ class WorkerMetrics:
         self._held_back: dict[str, int] = {}
         self.registry = self._client.CollectorRegistry()
         self.registry.register(self)
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
 
     def __repr__(self) -> str:
-        return f"<WorkerMetrics {self.queue!r} on {self.host}:{self.port}>"
-
-    # -- the HTTP server -----------------------------------------------------------------
-
-    def start(self) -> None:
-        """Serve ``/metrics`` from a daemon thread (prometheus_client's own server)."""
-        if self._server is not None:
-            return
-        try:
-            server, thread = self._client.start_http_server(
-                self.requested_port, addr=self.host, registry=self.registry
-            )
-        except OSError as exc:
-            raise ConfigurationError(
-                f"cannot serve metrics on {self.host}:{self.requested_port}: {exc.strerror or exc}"
-                " (NMBUS_METRICS_HOST / NMBUS_METRICS_PORT)"
-            ) from exc
-        self._server, self._thread = server, thread
+        return f"<WorkerMetrics {self.queue!r}>"
 
     @property
-    def port(self) -> int | None:
-        """The port ``/metrics`` is served on (the one picked when 0 was asked), None if stopped."""
-        return int(self._server.server_port) if self._server is not None else None
-
-    def stop(self) -> None:
-        """Stop serving (blocks until the server's thread has ended, up to half a second)."""
-        server, self._server = self._server, None
-        if server is None:
-            return
-        server.shutdown()
-        server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+    def app(self) -> Any:
+        """The exposition of this registry as a WSGI application (served on ``/metrics``)."""
+        return self._client.make_wsgi_app(self.registry)
 
     # -- recording (the worker's thread) -------------------------------------------------
 

@@ -259,6 +259,13 @@ INSERT INTO {schema}.queues (name) VALUES ($1) ON CONFLICT DO NOTHING;
 -- Whether the queue table exists. $1: schema name, $2: queue name (both unquoted).
 SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL;
 
+-- readiness --
+-- What a readiness check asks of a schema known to exist (nmbus/postgres/schema.py,
+-- readiness_on): its version, and whether the table of queue $2 exists in it.
+-- $1: schema name, $2: queue name (both unquoted).
+SELECT (SELECT max(version) FROM {schema}.schema_version) AS version,
+       to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL AS queue_exists;
+
 -- queue_comment --
 -- Whether the queue table exists, and its comment (the mark of a table a send created).
 -- $1: schema name, $2: queue name (both unquoted). No row: no such table.

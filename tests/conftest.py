@@ -41,7 +41,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     problem = missing_server()
     if problem is not None:
-        pytest.exit(f"{problem}; {needing} of the tests collected need one", returncode=pytest.ExitCode.USAGE_ERROR)
+        pytest.exit(
+            f"{problem}; {needing} of the tests collected need one",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 @pytest.fixture(autouse=True)

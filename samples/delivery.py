@@ -69,11 +69,13 @@ async def any_failure(msg: Message, ctx: Context) -> None:  # every type: a base
 async def main() -> None:
     # The application, not the library, decides what gets logged.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    # The ledger's queue exists before its workers first run, as a deployment
-    # makes it (`nmbus queues create ledger`): a send to a queue no endpoint has
-    # created would create it too, but logged as queue_created_by_send (a typo?).
+    # Both queues exist before any worker runs, as a deployment makes them
+    # (`nmbus queues create ledger errors`). A send to a queue no endpoint has
+    # created yet creates it too, but warns (queue_created_by_send: a typo in
+    # `to=`?): the teller sends to the ledger before the ledger starts, and the
+    # ledger's failure port sends to errors before the errors endpoint starts.
     async with Admin.from_settings(Settings()) as admin:
-        await admin.create_queues(["ledger"])
+        await admin.create_queues(["ledger", "errors"])
     sender = Bus("teller", concurrency=0)
     async with sender:
         # Sent while no ledger worker runs: the quote expires before one starts.

@@ -13,6 +13,9 @@ header travels with the request onto the reply.
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import structlog
 
 from nmbus import Bus, Context, Message
 
@@ -31,6 +34,8 @@ PRICES = {"apple": 0.5, "pear": 0.75, "fig": 1.2, "kiwi": 0.3, "plum": 0.4}
 
 
 async def main() -> None:
+    # The application, not the library, decides what gets logged: warnings and up.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     pricing = Bus("pricing")
 
     @pricing.handler

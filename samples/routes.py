@@ -15,7 +15,10 @@ once. Billing answers each charge with a ``Charged`` message routed back.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+
+import structlog
 
 from nmbus import Bus, Context, Message
 
@@ -38,6 +41,8 @@ ORDERS = 3
 
 
 async def main() -> None:
+    # The application, not the library, decides what gets logged: warnings and up.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     orders_dsn = os.environ["NMBUS_DSN"]
     billing_dsn = os.environ["NMBUS_DB_B"]
     done = asyncio.Event()

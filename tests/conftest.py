@@ -10,7 +10,7 @@ import structlog
 
 from nmbus import Bus
 from tests.ops_data import Facts, populate
-from tests.pg import Databases, server_dsn
+from tests.pg import Databases, missing_server, server_dsn
 
 # Reports in tests start Spark without the driver's class archive, so no test
 # leaves a builder running behind it; tests/test_stats_classcache.py turns it on.
@@ -27,6 +27,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.reliability)
         if "browser" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.browser)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """No PostgreSQL to be had, and a collected test needs one: stop now, on one line.
+
+    Tests that need no database (``--collect-only`` too) run without one.
+    """
+    if session.config.option.collectonly:
+        return
+    needing = sum("databases" in getattr(item, "fixturenames", ()) for item in session.items)
+    if not needing:
+        return
+    problem = missing_server()
+    if problem is not None:
+        pytest.exit(
+            f"{problem}; {needing} of the tests collected need one",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 @pytest.fixture(autouse=True)

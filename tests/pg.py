@@ -1,7 +1,9 @@
 """Where the tests get a real PostgreSQL, and a fresh database for each test.
 
 ``NMBUS_TEST_DSN`` when set; otherwise a testcontainers PostgreSQL when Docker
-is reachable; otherwise a clear error that says how to provide one.
+is reachable; otherwise the run stops before its first test with one line that
+says how to provide one (``missing_server``, called by tests/conftest.py once the
+tests are collected).
 """
 
 from __future__ import annotations
@@ -21,10 +23,36 @@ import asyncpg
 from nmbus.postgres import install_schema
 
 HOW_TO = (
-    "nmbus's tests need a real PostgreSQL. Set NMBUS_TEST_DSN, for example\n"
-    "  export NMBUS_TEST_DSN=postgresql://postgres@127.0.0.1:5432/test\n"
-    "or make a Docker engine reachable so testcontainers can start one."
+    "nmbus's tests need a real PostgreSQL: export "
+    "NMBUS_TEST_DSN=postgresql://postgres@127.0.0.1:5432/test (a server where the tests "
+    "may create databases), or make a Docker engine reachable for testcontainers"
 )
+
+
+def missing_server() -> str | None:
+    """Why no server can be had (one line, saying how to provide one), or None.
+
+    Asked before the first test runs, so that a machine without any gets this one
+    line instead of a Docker traceback for every test that needs a database.
+    """
+    if os.environ.get("NMBUS_TEST_DSN"):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import docker
+            import testcontainers.postgres  # noqa: F401
+    except ImportError:
+        return f"{HOW_TO} (testcontainers is not installed)"
+    try:
+        client = docker.from_env(timeout=5)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except Exception:
+        return f"{HOW_TO} (no Docker engine answers here)"
+    return None
 
 
 def with_database(dsn: str, database: str) -> str:

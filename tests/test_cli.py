@@ -160,7 +160,9 @@ async def test_failed_requeue(cli: Cli, facts: Facts, db: asyncpg.Connection, ds
     assert tuple(row)[:4] == ("I", 0, None, None) and row[4] < timedelta(minutes=1)
     # An id that is not failed any more: reported, exit 1.
     again = await cli("failed", "requeue", "billing", "--id", str(first), code=1)
-    assert "not failed messages" in again.stderr
+    assert again.stderr.strip() == "error: 1 of the given ids is not a failed message of billing"
+    two = await cli("failed", "requeue", "billing", "--id", str(first), "--id", "999999", code=1)
+    assert "error: 2 of the given ids are not failed messages of billing" in two.stderr
     # Bulk requeue asks first; without a terminal and without --yes it refuses.
     refused = await cli("failed", "requeue", "billing", "--all", code=1)
     assert "--yes" in refused.stderr
@@ -175,6 +177,12 @@ async def test_failed_requeue(cli: Cli, facts: Facts, db: asyncpg.Connection, ds
 async def test_failed_purge(cli: Cli, facts: Facts, db: asyncpg.Connection) -> None:
     refused = await cli("failed", "purge", "billing", "--type", "billing.Refund", code=1)
     assert "Refusing without --yes" in refused.stderr
+    # The question names what it deletes, in words that agree with how many.
+    one = await cli("failed", "purge", "billing", "--id", str(facts.failed_ids[0]), code=1)
+    assert f"the failed message with id {facts.failed_ids[0]} in 'billing'" in one.stderr
+    ids = [str(i) for i in facts.failed_ids[:2]]
+    two = await cli("failed", "purge", "billing", "--id", ids[0], "--id", ids[1], code=1)
+    assert f"failed messages with ids {ids[0]}, {ids[1]} in 'billing'" in two.stderr
     assert await count(db, "subqueue = 'F'") == 3
     got = await cli.json("failed", "purge", "billing", "--type", "billing.Refund", "--yes")
     assert got == {"queue": "billing", "purged": 1}

@@ -65,6 +65,18 @@ def test_help_reads_well_at_80_columns(path: str) -> None:
             assert "<" not in line.split("--", 1)[1].split("  ")[0], line
 
 
+GROUPS = [" ".join(path) for path, command in commands() if hasattr(command, "list_commands")]
+
+
+@pytest.mark.parametrize("path", GROUPS)
+def test_each_command_is_summed_up_on_one_line(path: str) -> None:
+    # Wide enough for any summary: a second line is a break in mid-sentence.
+    text = invoke(*path.split(), "--help", width=250).stdout
+    box = text.split("─ Commands ─", 1)[1].split("╰", 1)[0].splitlines()[1:]
+    rows = [line.strip("│ ") for line in box]
+    assert rows and all(re.match(r"[a-z-]+ {2,}\S", row) for row in rows), "\n".join(box)
+
+
 def test_version_flag_and_command_agree() -> None:
     flag, command = invoke("--version"), invoke("version")
     assert flag.exit_code == command.exit_code == 0, (flag.output, command.output)

@@ -181,6 +181,31 @@ async def test_queues_page_shows_every_queue_and_its_counts(
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
 
+WRAPPED_HEADINGS = """
+return Array.from(document.querySelectorAll('#queues-table th'), th => {
+  const range = document.createRange();
+  range.selectNodeContents(th);
+  const lines = new Set(Array.from(range.getClientRects(), r => Math.round(r.top)));
+  return [th.innerText.trim(), lines.size];
+}).filter(heading => heading[1] > 1).map(heading => heading[0]);
+"""
+
+
+async def test_the_queues_table_headings_keep_to_one_line_at_1400_px(
+    serve: Callable[..., Server], browser: Any, facts: Facts
+) -> None:
+    server = await serve()
+    browser.set_window_size(1400, 900)
+    browser.get(server.url + "/")
+    assert queue_names(browser) == ["billing", "shipping"]
+    assert browser.execute_script(WRAPPED_HEADINGS) == []  # "fail rate" wrapped here
+    right, width = browser.execute_script(
+        "return [document.getElementById('queues-table').getBoundingClientRect().right,"
+        " document.documentElement.clientWidth];"
+    )
+    assert right <= width, f"the table is {right - width:.0f} px wider than a 1400 px window"
+
+
 async def test_the_queues_page_refreshes_itself_without_a_reload(
     serve: Callable[..., Server], browser: Any, facts: Facts, db: asyncpg.Connection
 ) -> None:
@@ -220,6 +245,15 @@ async def test_open_a_failed_message_and_requeue_it_with_the_token(
     assert "card declined" in browser.find_element(By.ID, "error").text
     assert '"order_id": 1' in browser.find_element(By.ID, "body").text
     assert '"trace": "t-1"' in browser.find_element(By.ID, "headers").text
+    # A message sent without headers says so, instead of an empty box.
+    for stored in ("NULL", "'{}'"):
+        await db.execute(
+            f"UPDATE nmbus.billing SET msg_headers = {stored} WHERE id = $1", facts.failed_ids[1]
+        )
+        browser.get(f"{server.url}/failed/billing/{facts.failed_ids[1]}")
+        none = browser.find_element(By.ID, "headers")
+        assert (none.tag_name, none.text) == ("p", "no headers"), stored
+    browser.get(f"{server.url}/failed/billing/{first}")
     browser.find_element(By.ID, "requeue-one").click()
     assert "1 failed message" in browser.find_element(By.ID, "summary").text
     browser.save_screenshot(str(tmp_path / "confirm.png"))

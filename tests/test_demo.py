@@ -16,6 +16,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from nmbus.cli.demo import bus_summary
 from nmbus.demo import report as demo_report
 from nmbus.demo import services as demo
 from nmbus.errors import ConfigurationError
@@ -84,6 +85,17 @@ async def test_every_order_settles_and_failures_are_retried(
         "SELECT count(*) FROM nmbus_demo.billing WHERE subqueue = 'X' AND retry_count > 1"
     )
     assert retried > 0 and result.retried["billing"] >= retried
+    # The summary under the table says what the table shows: F is declines and last attempts.
+    said = bus_summary(result)
+    in_f = billing["F"] + warehouse["F"] + notifications["F"]
+    parts = re.search(
+        r"F holds (\d+) messages?: (\d+) declined cards? \(.*?\) and (\d+) messages? whose "
+        r"last attempt failed\.",
+        said,
+    )
+    assert parts is not None, said
+    assert int(parts[1]) == in_f == int(parts[2]) + int(parts[3]), said
+    assert int(parts[2]) == declined
     # What the live view was given, it was given in order, ending with the outcome.
     assert seen and seen[-1].done and seen[-1].settled == 150
     assert [s.published for s in seen] == sorted(s.published for s in seen)
@@ -216,6 +228,46 @@ def test_demo_without_pyspark_runs_the_bus_and_says_what_the_report_needs(
     assert outcome["report"] == {"skipped": demo_report.SPARK_HINT}
 
 
+def test_a_database_that_is_not_there_is_one_line_before_any_progress(
+    dsn: str, tmp_path: Path
+) -> None:
+    missing = dsn.rsplit("/", 1)[0] + "/nmbus_no_such_database"
+    run = subprocess.run(
+        [sys.executable, "-m", "nmbus", "demo", "--orders", "5", "--data-dir", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "NMBUS_DSN": missing, "COLUMNS": "80"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # as a terminal shows them: one stream
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stdout
+    errors = [line for line in run.stdout.splitlines() if "error:" in line]
+    assert errors == ['error: the database said: database "nmbus_no_such_database" does not exist']
+    assert "orders published" not in run.stdout  # no progress drawn for a run that cannot start
+
+
+def test_without_the_embedded_extra_and_a_dsn_the_demo_says_so_first(tmp_path: Path) -> None:
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    for name in ("pgserver", "pyspark"):
+        (hidden / f"{name}.py").write_text(f'raise ImportError("{name} is hidden by this test")\n')
+    env = {k: v for k, v in os.environ.items() if k != "NMBUS_DSN"}
+    run = subprocess.run(
+        [sys.executable, "-m", "nmbus", "demo", "--orders", "5", "--data-dir", str(tmp_path)],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": os.pathsep.join([str(hidden), str(ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stdout == "", run.stdout  # nothing about a report of a run that cannot start
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no NMBUS_DSN is set"), run.stderr
+    assert "pip install 'nmbus[embedded]'" in lines[0]
+
+
 @pytest.mark.timeout(240)
 def test_demo_names_the_server_of_its_dsn_and_clean_leaves_no_folder(
     dsn: str, tmp_path: Path
@@ -291,7 +343,20 @@ def test_demo_without_a_dsn_uses_the_embedded_server(tmp_path: Path) -> None:
         pytest.fail("the embedded extra (pgserver) is not installed: pip install -e '.[embedded]'")
     data_dir = tmp_path / ".nmbus"
     env = {k: v for k, v in os.environ.items() if k != "NMBUS_DSN"}
-    outcome = _nmbus("--orders", "60", "--no-report", "--data-dir", str(data_dir), env=env)
+    argv = ["demo", "--orders", "60", "--no-report", "--data-dir", str(data_dir), "--json"]
+    first = subprocess.run(
+        [sys.executable, "-m", "nmbus", *argv],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    outcome = json.loads(first.stdout)
+    said = " ".join(first.stderr.split())
+    if os.geteuid() == 0:
+        # Root changes the machine: the terminal says so, not only the log file.
+        assert "as root: the embedded PostgreSQL runs as the system user pgserver" in said
+        assert f"gave {data_dir.resolve() / 'pgdata'} to pgserver" in said, said
+    else:
+        assert "as root" not in said and "pgserver" not in said, said
     assert outcome["dsn"].startswith("postgresql://postgres@127.0.0.1:")
     assert outcome["bus"]["queues"]["billing"]["processed"] > 0
     assert outcome["embedded"] == "stopped"

@@ -162,3 +162,28 @@ def test_missing_pgserver_says_what_to_install(
     )
     with pytest.raises(EmbeddedUnavailable, match=r"pip install 'nmbus\[embedded\]'"):
         EmbeddedPostgres(tmp_path).start()
+
+
+def test_as_root_the_hand_over_says_what_it_changed(tmp_path: Path) -> None:
+    import pwd
+
+    from nmbus.demo import embedded_root
+
+    if os.geteuid() != 0:
+        pytest.skip("only root hands the data folder over to a system user")
+    user = f"nmbus-t{os.getpid()}"
+    pgdata, install = tmp_path / "pgdata", tmp_path / "pginstall"
+    pgdata.mkdir()
+    (install / "bin").mkdir(parents=True)
+    (install / "bin" / "postgres").write_text("#!/bin/sh\n")
+    (install / "bin" / "postgres").chmod(0o700)
+    try:
+        said = embedded_root.hand_over(user, pgdata, install)
+        assert said[0] == f"created the system user {user} (useradd --system)"
+        assert f"made pgserver's binaries in {install} readable by every user" in said
+        assert said[-1] == f"gave {pgdata} to {user}"
+        assert pgdata.stat().st_uid == pwd.getpwnam(user).pw_uid
+        # Done once: a second hand-over changes nothing and says nothing.
+        assert embedded_root.hand_over(user, pgdata, install) == []
+    finally:
+        subprocess.run(["userdel", user], check=False, capture_output=True)

@@ -1,9 +1,10 @@
-"""The shop sample runs as its README says: three services, messages flow, retries happen."""
+"""The shop sample runs as its README says: four services, messages flow, retries happen."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,14 @@ async def test_the_shop_sample_ships_every_order(dsn: str, db: asyncpg.Connectio
     for order_id in range(1, 7):
         assert f"[fulfilment] order {order_id} fulfilled" in result.stdout
     assert await db.fetchval('SELECT count(*) FROM nmbus."fulfilment$saga"') == 0
+    # The README's transcript is what a run prints: each of its lines (numbers aside)
+    # is a line of this run, and every service that speaks here speaks there.
+    transcript = _readme_transcript()
+    printed = result.stdout.splitlines()
+    unseen = [line for line in transcript if not any(_shape(line).fullmatch(p) for p in printed)]
+    assert not unseen, "samples/README.md shows lines no run prints:\n" + "\n".join(unseen)
+    speakers = {line.split("]", 1)[0] for line in printed if line.startswith("[")}
+    assert speakers == {line.split("]", 1)[0] for line in transcript}, speakers
     handled = await db.fetch(
         "SELECT label, count(*) FROM nmbus.fulfilment WHERE subqueue = 'X' GROUP BY 1"
     )
@@ -89,3 +98,29 @@ async def test_a_payment_overdue_timeout_reminds_the_customer(
     finally:
         proc.terminate()
         await proc.wait()
+
+
+README = ROOT / "samples" / "README.md"
+
+
+def _readme_transcript() -> list[str]:
+    """The lines of the shop's transcript in samples/README.md, without its "..." gaps."""
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"```text\n(\[billing\] ready\n.*?)```", text, re.DOTALL)
+    assert block is not None, "samples/README.md has no transcript of the shop"
+    return [line for line in block[1].splitlines() if line != "..."]
+
+
+def _shape(line: str) -> re.Pattern[str]:
+    """A line of the transcript with its numbers free (order ids, counts, delays)."""
+    return re.compile(
+        r"\d+(?:\.\d+)?".join(re.escape(part) for part in re.split(r"\d+(?:\.\d+)?", line))
+    )
+
+
+def test_every_service_of_the_shop_can_be_started_as_the_readme_says() -> None:
+    text = README.read_text(encoding="utf-8")
+    services = {p.stem for p in (ROOT / "samples" / "shop").glob("*.py")} - {"__init__", "all"}
+    services = {name for name in services if not name.startswith("_")}
+    started = set(re.findall(r"^python -m samples\.shop\.(\w+)", text, re.MULTILINE))
+    assert services <= started, f"samples/README.md does not start {services - started}"

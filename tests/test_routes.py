@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -636,6 +637,8 @@ def test_the_routes_sample_runs(dsn: str, dsn_b: str) -> None:
         assert f"[billing] saw order {n} (published in the other database)" in result.stdout
         assert f"[orders] order {n} charged (from billing)" in result.stdout
     assert "[orders] all 3 orders charged across two databases" in result.stdout
+    # The sample's own lines only: no debug or info line of the library's.
+    assert not re.search(r"\[(debug|info) *\]", result.stdout + result.stderr), result.stdout
 
 
 # -- bench ------------------------------------------------------------------------------

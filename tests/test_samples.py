@@ -45,8 +45,11 @@ def test_request_reply_sample_runs(dsn: str) -> None:
         assert f"[storefront] {line}" in result.stdout
     assert "[pricing] quoting 1 x apple for acme" in result.stdout
     assert "[storefront] no reply from 'pricing' to pricing.GetQuote within 1s" in result.stdout
-    # The storefront has no handlers, only replies to receive: nothing to warn about.
+    # The storefront has no handlers, only replies to receive: nothing to warn about,
+    # and the sample's output is its own lines, no log line of the library's.
     assert "warning" not in (result.stdout + result.stderr).lower(), result.stdout
+    assert all(line.startswith("[") for line in result.stdout.splitlines()), result.stdout
+    assert not re.search(r"\[(debug|info) *\]", result.stdout + result.stderr), result.stdout
 
 
 def test_delivery_sample_runs(dsn: str) -> None:
@@ -61,6 +64,8 @@ def test_delivery_sample_runs(dsn: str) -> None:
     assert any("PermanentError: entry 2 of acct-1" in line for line in lines)
     assert any(line.startswith("tick heartbeat due at") for line in lines)
     assert lines[-1].startswith("ledger: {'I': 1, 'R': 0, 'X': ")
+    # Every queue is created before it is sent to: no warning that a send created one.
+    assert "queue_created_by_send" not in result.stdout + result.stderr
 
 
 def test_flow_control_sample_runs(dsn: str) -> None:

@@ -5,6 +5,7 @@ and the demo's count of retried attempts."""
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 import subprocess
@@ -168,6 +169,33 @@ def test_header_times_are_utc_to_the_second_and_thresholds_are_stated() -> None:
     s["since"], s["until"] = "2024-03-01T00:00:00Z", "2024-03-02T00:00:00.5Z"
     page = report_html.render(s)
     assert "2024-03-01 00:00:00 → 2024-03-02 00:00:00 UTC" in page
+
+
+def bar_widths(page: str) -> dict[str, float]:
+    """Each queue's failure-rate bar width, in percent, as the page draws it."""
+    rows = re.findall(
+        r'<tr><td><span class="dot [a-z]+" title="[a-z]+"></span>([^<]+)</td>.*?'
+        r'<span class="bar"><i class="[a-z]+" style="width:([\d.]+)%"></i></span>',
+        page,
+    )
+    return {queue: float(width) for queue, width in rows}
+
+
+def test_failure_bars_tell_queues_apart_from_a_hundredth_of_a_percent_to_all() -> None:
+    # 0.03 %, 2.27 % and 100 %: a bar full at 0.1 % drew the last two the same.
+    s = summary(
+        {"quiet": (10_000, 0), "rare": (99_970, 30), "often": (9_773, 227), "all": (0, 50)}, []
+    )
+    widths = bar_widths(report_html.render(s))
+    assert set(widths) == {"quiet", "rare", "often", "all"}, widths
+    assert widths["quiet"] == 0.0 and widths["all"] == 100.0
+    assert 0 < widths["rare"] < widths["often"] < widths["all"]
+    # A tenfold is a quarter of the bar, whatever the rate: comparable across reports.
+    assert widths["often"] - widths["rare"] == pytest.approx(25 * math.log10(2.27 / 0.03), abs=0.2)
+    assert report_html.failure_bar(0.001) == pytest.approx(25.0)
+    assert report_html.failure_bar(0.1) == pytest.approx(75.0)
+    assert report_html.failure_bar(1e-7) == report_html.BAR_SLIVER  # seen, never nothing
+    assert "log scale" in report_html.render(s)
 
 
 def test_window_reads_as_a_sentence() -> None:

@@ -9,9 +9,11 @@ command runs (see NmbusGroup.lazy).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, TextIO
 
@@ -146,6 +148,31 @@ def report_table(summary: dict[str, Any]) -> Grid:
     )
 
 
+@contextlib.contextmanager
+def _live(view: LiveView, say: Console) -> Iterator[None]:
+    """The live view; when the run fails, its last line is ended so the error starts a line."""
+    try:
+        with Live(view, console=say, refresh_per_second=4, transient=False):
+            yield
+    except BaseException:
+        if not say.is_terminal:  # on a terminal, Live ends its line itself
+            say.line()
+        raise
+
+
+def _say_machine_changes(say: Console, server: EmbeddedPostgres) -> None:
+    """As root, say on the terminal (not only in the log) what the server's start changed."""
+    if server.system_user is None:
+        return
+    say.print(
+        f"[yellow]as root:[/yellow] the embedded PostgreSQL runs as the system user "
+        f"{server.system_user} (PostgreSQL refuses to run as root)",
+        highlight=False,
+    )
+    for change in server.machine_changes:
+        say.print(f"  {escape(change)}", highlight=False)
+
+
 # What the demo writes into --data-dir besides an embedded server.
 DEMO_LOG = "demo.log"
 SPARK_LOG = "spark.log"
@@ -268,6 +295,12 @@ def demo(
         fail(str(exc), code=2)  # a bad option
     quiet = as_json
     say = errors if quiet else console
+    if not dsn:
+        # No server at all is the first thing to say: nothing else can run.
+        try:
+            EmbeddedPostgres.check_installed()
+        except NmbusError as exc:
+            fail(str(exc))
 
     # Say at once what the report will need, but run the bus part in any case.
     report_problem: str | None = None
@@ -290,9 +323,11 @@ def demo(
             with say.status(f"starting the embedded PostgreSQL in {server.pgdata} ..."):
                 dsn = server.start()
         except NmbusError as exc:
+            _say_machine_changes(say, server)
             structlog.reset_defaults()
             log_file.close()
             fail(str(exc))
+        _say_machine_changes(say, server)
         say.print(f"embedded PostgreSQL: [bold]{escape(dsn)}[/bold]", highlight=False)
     else:
         say.print(
@@ -307,8 +342,10 @@ def demo(
         "log": str(log_path),
     }
     try:
+        # A server or database that is not there is said before any progress is drawn.
+        asyncio.run(demo_lib.reach(dsn))
         view = LiveView(orders)
-        with Live(view, console=say, refresh_per_second=4, transient=False):
+        with _live(view, say):
             result = asyncio.run(demo_lib.run_bus(dsn, options, on_progress=view.update))
         outcome["bus"] = _bus_outcome(result)
         if not quiet:
@@ -405,20 +442,33 @@ def _bus_outcome(result: demo_lib.BusResult) -> dict[str, Any]:
     }
 
 
-def _print_bus(result: demo_lib.BusResult) -> None:
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
+def bus_summary(result: demo_lib.BusResult) -> str:
+    """What the bus part did, in sentences that add up to the table above them (F included)."""
     snap = result.snapshot
     handled = sum(q.processed + q.failed for q in snap.queues)
-    console.print()
-    console.print(
-        f"[bold]{snap.orders:,} orders[/bold] went through shop → billing → warehouse → "
-        f"notifications in {result.seconds:.1f}s: {handled:,} messages handled "
-        f"({handled / result.seconds:,.0f}/s). {snap.attempts_failed:,} handler attempts "
-        f"failed: {snap.attempts_retried:,} were retried, and "
-        f"{snap.attempts_failed - snap.attempts_retried:,} were a message's last attempt, so "
-        f"that message went to F. {result.payments:,} payments were recorded in the same "
-        "transactions.",
-        highlight=False,
+    in_f = sum(q.failed for q in snap.queues)
+    last = snap.attempts_failed - snap.attempts_retried
+    rate = handled / result.seconds if result.seconds > 0 else 0.0
+    attempts = _count(snap.attempts_failed, "handler attempt", "handler attempts")
+    return (
+        f"{_count(snap.orders, 'order', 'orders')} went through shop → billing → warehouse → "
+        f"notifications in {result.seconds:.1f}s: {_count(handled, 'message', 'messages')} "
+        f"handled ({rate:,.0f}/s). {attempts} failed and {snap.attempts_retried:,} of them "
+        f"were retried. F holds {_count(in_f, 'message', 'messages')}: "
+        f"{_count(snap.declined, 'declined card', 'declined cards')} (a PermanentError is "
+        f"never retried) and {_count(last, 'message', 'messages')} whose last attempt failed. "
+        f"{_count(result.payments, 'payment was', 'payments were')} recorded in the same "
+        "transactions."
     )
+
+
+def _print_bus(result: demo_lib.BusResult) -> None:
+    console.print()
+    console.print(bus_summary(result), highlight=False)
     if result.top_errors:
         console.print()
         console.print(

@@ -109,11 +109,21 @@ def _selection(ids: list[int] | None, message_type: str | None, every: bool) -> 
     if every:
         return "every failed message"
     parts = []
+    one = bool(ids) and len(set(ids or ())) == 1
     if ids:
-        parts.append("ids " + ", ".join(map(str, ids)))
+        parts.append(("id " if one else "ids ") + ", ".join(map(str, dict.fromkeys(ids))))
     if message_type:
         parts.append(f"type {message_type!r}")
-    return "failed messages with " + " and ".join(parts)
+    noun = "the failed message" if one and not message_type else "failed messages"
+    return f"{noun} with " + " and ".join(parts)
+
+
+def _not_failed(ids: list[int], changed: int, queue: str) -> str:
+    """``2 of the given ids are not failed messages of billing`` (1: ``... is not a ...``)."""
+    n = len(set(ids)) - changed
+    if n == 1:
+        return f"1 of the given ids is not a failed message of {queue}"
+    return f"{n} of the given ids are not failed messages of {queue}"
 
 
 def _count(
@@ -204,7 +214,7 @@ def requeue(
     else:
         typer.echo(f"requeued {moved} message(s) in {name}")
     if ids and moved < len(set(ids)):
-        fail(f"{len(set(ids)) - moved} of the given ids are not failed messages of {name}")
+        fail(_not_failed(ids, moved, name))
 
 
 @failed.command("purge")
@@ -230,4 +240,4 @@ def purge(
     else:
         typer.echo(f"purged {gone} message(s) from {name}")
     if ids and gone < len(set(ids)):
-        fail(f"{len(set(ids)) - gone} of the given ids are not failed messages of {name}")
+        fail(_not_failed(ids, gone, name))

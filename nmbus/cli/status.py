@@ -60,9 +60,9 @@ def status(
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Every queue: rows per subqueue, oldest ready age, recent latency and failures,
-    and its segments (how many, the oldest row's insert time, size on disk).
+    """Every queue: rows per subqueue, oldest ready age, recent latency, failures, segments.
 
+    Its segments: how many, the oldest row's insert time, size on disk.
     I, R and F are exact; X ("~" before it) is estimated on tables over 16 MiB
     from PostgreSQL's live-row count, so this stays fast with millions of
     processed rows (--exact counts them). `nmbus segments` lists each segment.

@@ -211,6 +211,8 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
             if row.msg_headers_chars > TEXT_SHOWN
             else display.pretty(row.msg_headers)
         )
+        if headers in ("{}", "null"):  # a message sent without headers: nothing to show
+            headers = ""
         return await page(
             request,
             "message.html",

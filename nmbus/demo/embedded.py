@@ -150,8 +150,20 @@ class EmbeddedPostgres:
         self._lock_file = self.data_dir / "lock"
         # The system user the server runs as: only when nmbus runs as root.
         self._user = embedded_root.system_user()
+        # What the last start() changed on the machine (as root only), in words.
+        self.machine_changes: list[str] = []
 
     # -- public ------------------------------------------------------------------
+
+    @property
+    def system_user(self) -> str | None:
+        """The user the server runs as when nmbus runs as root (``pgserver``), else None."""
+        return self._user
+
+    @staticmethod
+    def check_installed() -> None:
+        """Raise EmbeddedUnavailable, saying what to install, when pgserver is missing."""
+        _bin_dir()
 
     def dsn(self, port: int, database: str = "postgres") -> str:
         return f"postgresql://postgres@{HOST}:{port}/{database}"
@@ -249,7 +261,7 @@ class EmbeddedPostgres:
         self.pgdata.mkdir(parents=True, exist_ok=True)
         if self._user is not None:
             # Root only: the system changes are all in nmbus.demo.embedded_root.
-            embedded_root.hand_over(self._user, self.pgdata, bin_dir.parent)
+            self.machine_changes = embedded_root.hand_over(self._user, self.pgdata, bin_dir.parent)
         self.pgdata.chmod(0o700)
         if (self.pgdata / "PG_VERSION").exists():
             return

@@ -41,32 +41,46 @@ def system_user() -> str | None:
     return SYSTEM_USER if os.geteuid() == 0 else None
 
 
-def hand_over(user: str, pgdata: Path, install: Path) -> None:
-    """Let ``user`` run the binaries under ``install`` on ``pgdata``; see the module docstring."""
-    uid, gid = _ensure_system_user(user)
+def hand_over(user: str, pgdata: Path, install: Path) -> list[str]:
+    """Let ``user`` run the binaries under ``install`` on ``pgdata``; see the module docstring.
+
+    Returns what it changed on the machine, one sentence each (none when all was
+    done before), for the command line to say on the terminal as well as in the log.
+    """
+    said = []
+    uid, gid, created = _ensure_system_user(user)
+    if created:
+        said.append(f"created the system user {user} (useradd --system)")
     opened = [*_open_up(pgdata), *_open_up(install)]
     if opened:
         log.warning(
             "embedded_postgres_folders_opened", user=user, folders=opened, added="g+rx,o+rx"
         )
+        said.append(f"opened to every user (g+rx,o+rx): {', '.join(opened)}")
     changed = _open_tree(install)
     if changed:
         log.info("embedded_postgres_binaries_opened", user=user, tree=str(install), files=changed)
+        said.append(f"made pgserver's binaries in {install} readable by every user")
     if pgdata.stat().st_uid != uid:
         os.chown(pgdata, uid, gid)
         log.info("embedded_postgres_data_handed_over", user=user, pgdata=str(pgdata))
+        said.append(f"gave {pgdata} to {user}")
+    return said
 
 
-def _ensure_system_user(name: str) -> tuple[int, int]:
+def _ensure_system_user(name: str) -> tuple[int, int, bool]:
+    """The user's uid and gid, and whether it was created now."""
     try:
         entry = pwd.getpwnam(name)
+        created = False
     except KeyError:
         subprocess.run(
             ["useradd", "--system", "-s", "/bin/sh", name], check=True, capture_output=True
         )
         log.warning("embedded_postgres_user_created", user=name)
         entry = pwd.getpwnam(name)
-    return entry.pw_uid, entry.pw_gid
+        created = True
+    return entry.pw_uid, entry.pw_gid, created
 
 
 def _open_up(path: Path) -> list[str]:

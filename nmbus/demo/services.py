@@ -254,6 +254,12 @@ def build_services(dsn: str, options: DemoOptions, chaos: Chaos) -> dict[str, Bu
 # -- the schema -----------------------------------------------------------------------
 
 
+async def reach(dsn: str) -> None:
+    """Connect once: a server or database that is not there fails before any progress."""
+    conn = await asyncpg.connect(dsn, timeout=10)
+    await conn.close()
+
+
 async def reset_schema(dsn: str, schema: str) -> None:
     """Drop the previous demo's schema and create the payments table.
 

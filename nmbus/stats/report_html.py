@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 from datetime import UTC, datetime
 from typing import Any
@@ -21,6 +22,21 @@ from . import report_page
 # A queue is "failing" at or above FAIL_RED, "degraded" at or above FAIL_AMBER.
 FAIL_RED = 0.05
 FAIL_AMBER = 0.01
+
+
+# The failure-rate bar is on a log scale: empty at 0, a sliver below BAR_FLOOR, then
+# a quarter of the bar for each tenfold up to full at 100 %. A linear bar is either
+# full for every queue worth a look (0.1 % already) or invisible for most.
+BAR_FLOOR = 0.0001
+BAR_SLIVER = 2.0
+
+
+def failure_bar(rate: float | None) -> float:
+    """The width, in percent of the bar, that draws failure rate ``rate`` (0 to 1)."""
+    if not rate or rate <= 0:
+        return 0.0
+    share = math.log10(min(rate, 1.0) / BAR_FLOOR) / -math.log10(BAR_FLOOR)
+    return max(BAR_SLIVER, min(100.0, 100.0 * share))
 
 
 def status(metrics: dict[str, Any]) -> str:
@@ -123,14 +139,13 @@ def _queue_rows(summary: dict[str, Any]) -> str:
     for q in summary["queues"]:
         st = status(q)
         ql, el = q["queue_latency_ms"], q["e2e_latency_ms"]
-        rate = q.get("failure_rate") or 0.0
         rows.append(
             "<tr>"
             f'<td><span class="dot {st}" title="{st}"></span>{_e(q["queue"])}</td>'
             f'<td class="num">{_n(q["processed"])}</td>'
             f'<td class="num">{_n(q["failed"])}</td>'
             f'<td class="num"><span class="bar"><i class="{st}" '
-            f'style="width:{min(100.0, rate * 100 / FAIL_RED * 50):.1f}%"></i></span>'
+            f'style="width:{failure_bar(q.get("failure_rate")):.1f}%"></i></span>'
             f"{_pct(q.get('failure_rate'))}</td>"
             f'<td class="num">{_rate(q.get("throughput_per_s"))}</td>'
             f'<td class="num">{_ms(ql["p50"])}</td><td class="num">{_ms(ql["p95"])}</td>'

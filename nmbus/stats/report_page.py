@@ -82,6 +82,8 @@ table.inner { border:0; border-radius:0; margin-top:8px; }
 <main>
 <div class="cards">%CARDS%</div>
 <section><h2>Queues</h2>
+<p class="hint" id="bar-scale">The failure-rate bar is on a log scale: a quarter of it
+for each tenfold, from 0.01 % (a sliver) to 100 % (full).</p>
 <table><thead><tr><th>queue</th><th class="num">processed</th><th class="num">failed</th>
 <th class="num">failure rate</th><th class="num">throughput</th><th class="num">queue p50</th>
 <th class="num">p95</th><th class="num">p99</th><th class="num">max</th>

@@ -26,8 +26,8 @@ def memory_bus(endpoint: str = "billing", **settings: object) -> Bus:
 PUBLIC_API = {
     # The contract of DESIGN.md section 3, and the context's typed effects.
     "Bus", "Context", "Effects", "Message", "RetryPolicy", "Settings",
-    # Delivery controls (DESIGN.md section 8).
-    "Tick",
+    # Delivery controls (DESIGN.md section 8), and a send's options, declared once.
+    "Tick", "SendOptions", "PublishOptions",
     # Every exception nmbus raises or records, as drawn in nmbus/errors.py.
     "NmbusError", "ConfigurationError", "InvalidQueueName", "InvalidSetting", "HandlerError",
     "MessageError", "MessageTooLarge", "InvalidMessage", "UnknownMessageType", "NoHandler",

@@ -62,8 +62,7 @@ NMBUS_HEADERS: dict[str, str] = {
     envelopes.SAGA_HEADER: "On a saga's timeout: the name of the saga that set it.",
     envelopes.SAGA_KEY_HEADER: "On a saga's timeout: the key of the saga that set it.",
     envelopes.SAGA_INSTANCE_HEADER: (
-        "On a saga's timeout: the saga instance that set it (a timeout acts on that "
-        "instance only)."
+        "On a saga's timeout: the saga instance that set it (a timeout acts on that instance only)."
     ),
     envelopes.REPLY_TO_HEADER: "On a request: the endpoint its reply goes to.",
     envelopes.IN_REPLY_TO_HEADER: "On a reply: the unique id of the message it answers.",

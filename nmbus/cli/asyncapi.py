@@ -44,9 +44,7 @@ def placeholder_dsn() -> Iterator[None]:
 
 @app.command()
 def asyncapi(
-    target: Annotated[
-        str, typer.Argument(metavar="MODULE:BUS", help="import path of a Bus")
-    ],
+    target: Annotated[str, typer.Argument(metavar="MODULE:BUS", help="import path of a Bus")],
     api_version: Annotated[
         str, typer.Option("--api-version", help="the application's version (info.version)")
     ] = "1.0.0",

@@ -28,6 +28,10 @@ from nmbus.errors import ConfigurationError, InvalidQueueName
 from nmbus.testing import MemoryStore
 from tests import asyncapi_parser
 
+# One `nmbus asyncapi` process per sample endpoint (15 or so), then node: seconds on an
+# idle machine, more on a loaded one.
+pytestmark = pytest.mark.timeout(300)
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"
 # Sample modules that are no endpoint: packages, the shop's helpers and launcher,

@@ -465,3 +465,41 @@ def test_the_cli_page_example_runs() -> None:
         [sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_names_with_dots_never_overwrite_each_other(tmp_path: Path) -> None:
+    # Publisher "a.b" of type "c" and publisher "a" of type "b.c" make the same key.
+    class C(Message, type_name="c"):
+        n: int
+
+    class BC(Message, type_name="b.c"):
+        n: int
+
+    bus = _bus("dots")
+    bus.subscribe(C, publisher="a.b")
+    bus.subscribe(BC, publisher="a")
+    bus.sends(C, to="q.b")
+    bus.sends(BC, to="q")
+    doc = document(bus)
+    ops = doc["operations"]
+    assert len(ops) == 4
+    assert {op["channel"]["$ref"] for op in ops.values()} == {
+        "#/channels/published.a.b",
+        "#/channels/published.a",
+        "#/channels/queue.q.b",
+        "#/channels/queue.q",
+    }
+    path = tmp_path / "dots.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    parse_strictly([path])
+
+
+def test_an_endpoint_that_declares_nothing_has_its_queue_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    doc = document(_bus("silent"))
+    assert list(doc["channels"]) == ["queue.silent"] and doc["operations"] == {}
+    assert doc["components"]["messages"] == {}
+    path = tmp_path / "silent.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    parse_strictly([path])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from pydantic.json_schema import models_json_schema
@@ -222,6 +222,9 @@ class _Contract:
     ) -> None:
         message = self.key(cls)
         self.channels[channel]["messages"][message] = {"$ref": f"#/components/messages/{message}"}
+        # Dots join names that may hold dots: publisher "a.b" of type "c" and publisher
+        # "a" of type "b.c" make the same key; the second gets a number.
+        key = _unused(key, self.operations)
         self.operations[key] = {
             "action": action,
             "channel": {"$ref": f"#/channels/{channel}"},
@@ -235,12 +238,7 @@ class _Contract:
         name = type_name(cls)
         found = self.keys.get(name)
         if found is None:
-            found = base = _KEY.sub("_", name)
-            taken = set(self.keys.values())
-            n = 2
-            while found in taken:
-                found, n = f"{base}_{n}", n + 1
-            self.keys[name] = found
+            found = self.keys[name] = _unused(_KEY.sub("_", name), set(self.keys.values()))
             self.types[name] = cls
         return found
 
@@ -283,6 +281,14 @@ class _Contract:
             "additionalProperties": {"type": "string"},
         }
         return schemas
+
+
+def _unused(key: str, taken: Collection[str]) -> str:
+    """``key``, or ``key_2``, ``key_3`` ... : the first that is not taken."""
+    found, n = key, 2
+    while found in taken:
+        found, n = f"{key}_{n}", n + 1
+    return found
 
 
 def _json_schemas(

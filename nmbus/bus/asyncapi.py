@@ -80,6 +80,13 @@ NMBUS_HEADERS: dict[str, str] = {
     envelopes.FAILED_ERROR_HEADER: (
         "On a failure port's copy: the first line of the error it failed with."
     ),
+    # nmbus.telemetry.tracing's TRACEPARENT and TRACESTATE (a module that needs the otel
+    # extra to be imported; tests/test_asyncapi.py compares the names).
+    "traceparent": (
+        "With tracing on (nmbus[otel]): the W3C trace context of the span that sent it; "
+        "handling it is a span of that trace. It travels onto what a handler sends."
+    ),
+    "tracestate": "With tracing on: the W3C trace state that goes with traceparent.",
 }
 
 

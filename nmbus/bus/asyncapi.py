@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic.json_schema import models_json_schema
 
 from nmbus import envelopes
+from nmbus.delivery.flow import GROUP_HEADER
 from nmbus.errors import ConfigurationError
 from nmbus.messages import Message, type_name
 
@@ -63,6 +64,10 @@ NMBUS_HEADERS: dict[str, str] = {
     envelopes.SAGA_KEY_HEADER: "On a saga's timeout: the key of the saga that set it.",
     envelopes.SAGA_INSTANCE_HEADER: (
         "On a saga's timeout: the saga instance that set it (a timeout acts on that instance only)."
+    ),
+    GROUP_HEADER: (
+        "On a message sent with group=: its group, within which its handler's "
+        "group_concurrency holds (docs/flow-control.md)."
     ),
     envelopes.REPLY_TO_HEADER: "On a request: the endpoint its reply goes to.",
     envelopes.IN_REPLY_TO_HEADER: "On a reply: the unique id of the message it answers.",

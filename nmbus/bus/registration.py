@@ -53,7 +53,8 @@ def _declared_types(what: str, message_types: tuple[type[Message], ...]) -> None
 
 
 class Registration:
-    """The declaring side of a Bus: handlers, sagas, periodic handlers, subscriptions."""
+    """The declaring side of a Bus: handlers, sagas, periodic handlers, subscriptions,
+    outgoing types."""
 
     endpoint: str
     store: Store

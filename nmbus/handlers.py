@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,3 +173,8 @@ class Registry:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_type.values())
+
+    def __iter__(self) -> Iterator[Handler]:
+        """Every registered handler, in registration order within each message type."""
+        for handlers in self._by_type.values():
+            yield from handlers

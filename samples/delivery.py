@@ -34,6 +34,8 @@ class Quote(Message, type_name="ledger.Quote"):
 
 ledger = Bus("ledger", dead_letter="errors", batch_size=10)
 errors = Bus("errors")
+teller = Bus("teller", concurrency=0)  # sends only
+teller.sends(Quote, Posted, Audit, to="ledger")  # for its contract document (nmbus asyncapi)
 balances: dict[str, float] = {}
 
 
@@ -76,23 +78,22 @@ async def main() -> None:
     # ledger's failure port sends to errors before the errors endpoint starts.
     async with Admin.from_settings(Settings()) as admin:
         await admin.create_queues(["ledger", "errors"])
-    sender = Bus("teller", concurrency=0)
-    async with sender:
+    async with teller:
         # Sent while no ledger worker runs: the quote expires before one starts.
-        await sender.send(Quote(price=3.0), to="ledger", ttl=0.2)
+        await teller.send(Quote(price=3.0), to="ledger", ttl=0.2)
         for entry, amount in enumerate([100.0, -30.0, 2_000_000.0, 5.0]):
-            await sender.send(
+            await teller.send(
                 Posted(account="acct-1", entry=entry, amount=amount),
                 to="ledger",
                 sequence="acct-1",  # entry 3 waits for entry 2, which fails for good
             )
         for entry, amount in enumerate([10.0, 20.0]):
-            await sender.send(
+            await teller.send(
                 Posted(account="acct-2", entry=entry, amount=amount),
                 to="ledger",
                 sequence="acct-2",
             )
-        await sender.send(Audit(account="acct-2"), to="ledger", priority=9)
+        await teller.send(Audit(account="acct-2"), to="ledger", priority=9)
     await asyncio.sleep(0.3)
     async with ledger, errors:
         await drain(ledger)

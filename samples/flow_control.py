@@ -32,6 +32,8 @@ class Export(Message, type_name="payments.Export"):
 
 # Two loops, each running up to 4 handlers of a batch at once: room for the 4 calls.
 payments = Bus("payments", concurrency=2, handler_concurrency=4, batch_size=10)
+shop = Bus("shop", concurrency=0)  # sends only
+shop.sends(Charge, Export, to="payments")  # for its contract document (nmbus asyncapi)
 charged: list[float] = []
 exporting: dict[str, int] = {}
 most_at_once: dict[str, int] = {}
@@ -58,7 +60,7 @@ async def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     async with Admin.from_settings(Settings()) as admin:
         await admin.create_queues(["payments"])
-    async with Bus("shop", concurrency=0) as shop:
+    async with shop:
         for n in range(60):
             await shop.send(
                 Charge(order=f"order-{n}", amount=10.0), to="payments", unique_id=f"order-{n}"

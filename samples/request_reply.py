@@ -33,22 +33,24 @@ class Quote(Message, type_name="pricing.Quote"):
 PRICES = {"apple": 0.5, "pear": 0.75, "fig": 1.2, "kiwi": 0.3, "plum": 0.4}
 
 
+pricing = Bus("pricing")
+storefront = Bus("storefront")  # must run workers: they receive the replies
+storefront.sends(GetQuote, to="pricing")  # for its contract document (nmbus asyncapi)
+
+
+@pricing.handler
+async def quote(msg: GetQuote, ctx: Context) -> None:
+    price = PRICES.get(msg.item)
+    if price is None:
+        print(f"[pricing] no price for {msg.item}: no reply")
+        return
+    print(f"[pricing] quoting {msg.quantity} x {msg.item} for {ctx.headers.get('tenant')}")
+    await ctx.reply(Quote(item=msg.item, total=round(price * msg.quantity, 2)))
+
+
 async def main() -> None:
     # The application, not the library, decides what gets logged: warnings and up.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    pricing = Bus("pricing")
-
-    @pricing.handler
-    async def quote(msg: GetQuote, ctx: Context) -> None:
-        price = PRICES.get(msg.item)
-        if price is None:
-            print(f"[pricing] no price for {msg.item}: no reply")
-            return
-        print(f"[pricing] quoting {msg.quantity} x {msg.item} for {ctx.headers.get('tenant')}")
-        await ctx.reply(Quote(item=msg.item, total=round(price * msg.quantity, 2)))
-
-    storefront = Bus("storefront")  # must run workers: they receive the replies
-
     async with pricing, storefront:
         quotes = await asyncio.gather(
             *(

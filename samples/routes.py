@@ -40,35 +40,41 @@ class Charged(Message, type_name="shop.Charged"):
 ORDERS = 3
 
 
+# NMBUS_ROUTES="billing=b" with NMBUS_DB_B says the same from the environment.
+ORDERS_DSN, BILLING_DSN = os.environ["NMBUS_DSN"], os.environ["NMBUS_DB_B"]
+orders = Bus("orders", dsn=ORDERS_DSN, routes={"billing": BILLING_DSN})
+billing = Bus("billing", dsn=BILLING_DSN, routes={"orders": ORDERS_DSN})
+billing.subscribe(OrderPlaced, publisher="orders")
+# For their contract documents (nmbus asyncapi samples.routes:orders, ...:billing).
+orders.publishes(OrderPlaced)
+orders.sends(Charge, to="billing")
+billing.sends(Charged, to="orders")
+charged: list[int] = []
+done = asyncio.Event()
+
+
+@billing.handler
+async def on_placed(msg: OrderPlaced, ctx: Context) -> None:
+    print(f"[billing] saw order {msg.order_id} (published in the other database)")
+
+
+@billing.handler
+async def charge(msg: Charge, ctx: Context) -> None:
+    print(f"[billing] charging {msg.amount:.2f} for order {msg.order_id}")
+    await ctx.send(Charged(order_id=msg.order_id), to="orders")  # routed back
+
+
+@orders.handler
+async def on_charged(msg: Charged, ctx: Context) -> None:
+    print(f"[orders] order {msg.order_id} charged (from {ctx.from_endpoint})")
+    charged.append(msg.order_id)
+    if len(charged) == ORDERS:
+        done.set()
+
+
 async def main() -> None:
     # The application, not the library, decides what gets logged: warnings and up.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    orders_dsn = os.environ["NMBUS_DSN"]
-    billing_dsn = os.environ["NMBUS_DB_B"]
-    done = asyncio.Event()
-    charged: list[int] = []
-
-    # NMBUS_ROUTES="billing=b" with NMBUS_DB_B says the same from the environment.
-    orders = Bus("orders", dsn=orders_dsn, routes={"billing": billing_dsn})
-    billing = Bus("billing", dsn=billing_dsn, routes={"orders": orders_dsn})
-    billing.subscribe(OrderPlaced, publisher="orders")
-
-    @billing.handler
-    async def on_placed(msg: OrderPlaced, ctx: Context) -> None:
-        print(f"[billing] saw order {msg.order_id} (published in the other database)")
-
-    @billing.handler
-    async def charge(msg: Charge, ctx: Context) -> None:
-        print(f"[billing] charging {msg.amount:.2f} for order {msg.order_id}")
-        await ctx.send(Charged(order_id=msg.order_id), to="orders")  # routed back
-
-    @orders.handler
-    async def on_charged(msg: Charged, ctx: Context) -> None:
-        print(f"[orders] order {msg.order_id} charged (from {ctx.from_endpoint})")
-        charged.append(msg.order_id)
-        if len(charged) == ORDERS:
-            done.set()
-
     async with billing, orders:
         for n in range(1, ORDERS + 1):
             await orders.publish(OrderPlaced(order_id=n, amount=10.0 * n))

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import asyncpg
+import pytest
 
 from nmbus import Bus
-from samples.shop.fulfilment import OrderPlaced
 from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,8 +71,12 @@ async def test_the_shop_sample_ships_every_order(dsn: str, db: asyncpg.Connectio
 
 
 async def test_a_payment_overdue_timeout_reminds_the_customer(
-    dsn: str, db: asyncpg.Connection
+    dsn: str, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The sample builds its Bus when imported, from NMBUS_DSN, as a service does.
+    monkeypatch.setenv("NMBUS_DSN", dsn)
+    from samples.shop.fulfilment import OrderPlaced
+
     # Fulfilment alone: an order is placed, its payment never comes.
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-u", "-m", "samples.shop.fulfilment", "--payment-due", "0.5",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from nmbus.bus.registration import Registration
+from nmbus.bus.registration import OutgoingTypes, Registration
 from nmbus.bus.sending import Sending
 from nmbus.consume.dispatch import Dispatcher
 from nmbus.consume.worker import Worker
@@ -176,6 +176,7 @@ class Bus(Registration, Sending):
             metrics=self.metrics,
         )
         self.sagas: dict[str, Saga[Any]] = {}
+        self.outgoing_types = OutgoingTypes()
         self._schedules: dict[str, Schedule] = {}
         self._background = Services(
             log, settings.reconnect_max_delay, f"nmbus-{self.endpoint}", queue=self.endpoint

@@ -1,9 +1,10 @@
 """Registration: what an endpoint declares before it runs.
 
 Handlers (``@bus.handler``), sagas (``bus.saga``), periodic handlers
-(``@bus.periodic``) and subscriptions (``bus.subscribe``). Each is checked
-when it is declared: misuse fails at registration, loudly, not at the first
-message.
+(``@bus.periodic``), subscriptions (``bus.subscribe``), and the types it
+publishes and sends (``bus.publishes``, ``bus.sends``: for its contract
+document, ``nmbus asyncapi``). Each is checked when it is declared: misuse
+fails at registration, loudly, not at the first message.
 
 These are methods of :class:`~nmbus.Bus` (this class is its base), kept in
 their own module; the Bus sets the attributes named here.
@@ -12,6 +13,7 @@ their own module; the Bus sets the attributes named here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, overload
 
 from nmbus.delivery.flow import Limits
@@ -19,7 +21,8 @@ from nmbus.delivery.periodic import Schedule, Tick, TickHandler, router
 from nmbus.delivery.subscriptions import Subscriptions
 from nmbus.errors import ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
-from nmbus.messages import Message
+from nmbus.messages import Message, type_name
+from nmbus.names import validate_queue_name
 from nmbus.ports.store import Store
 from nmbus.retry import RetryPolicy
 from nmbus.sagas.saga import S, Saga
@@ -27,14 +30,38 @@ from nmbus.sagas.saga import S, Saga
 F = TypeVar("F", bound=HandlerFunc)
 
 
+@dataclass(slots=True)
+class OutgoingTypes:
+    """The message types an endpoint declares it publishes and sends, by type name.
+
+    What its contract document (``nmbus asyncapi``) lists as its send
+    operations. Nothing else reads them: a publish or a send of a type left
+    out is not refused, it is only missing from the document.
+    """
+
+    published: dict[str, type[Message]] = field(default_factory=dict)
+    #: By (queue, type name).
+    sent: dict[tuple[str, str], type[Message]] = field(default_factory=dict)
+
+
+def _declared_types(what: str, message_types: tuple[type[Message], ...]) -> None:
+    if not message_types:
+        raise ConfigurationError(f"{what}() needs at least one Message subclass")
+    for cls in message_types:
+        if not (isinstance(cls, type) and issubclass(cls, Message)) or cls is Message:
+            raise ConfigurationError(f"{what}() takes Message subclasses, got {cls!r}")
+
+
 class Registration:
-    """The declaring side of a Bus: handlers, sagas, periodic handlers, subscriptions."""
+    """The declaring side of a Bus: handlers, sagas, periodic handlers, subscriptions,
+    outgoing types."""
 
     endpoint: str
     store: Store
     registry: Registry
     subscriptions: Subscriptions
     sagas: dict[str, Saga[Any]]
+    outgoing_types: OutgoingTypes
     _schedules: dict[str, Schedule]
     # Periodic handlers are registered before the bus starts.
     _started: bool
@@ -178,6 +205,28 @@ class Registration:
         only :meth:`unsubscribe` removes it.
         """
         self.subscriptions.add(message_type, publisher, permanent)
+
+    def publishes(self, *message_types: type[Message]) -> None:
+        """Declare that this endpoint publishes ``message_types``, for its contract document.
+
+        ``nmbus asyncapi`` lists each as a send operation on the channel of
+        this endpoint's publications. Only the document reads it: ``publish``
+        needs no declaration and checks none.
+        """
+        _declared_types("publishes", message_types)
+        for cls in message_types:
+            self.outgoing_types.published[type_name(cls)] = cls
+
+    def sends(self, *message_types: type[Message], to: str) -> None:
+        """Declare that this endpoint sends ``message_types`` to queue ``to``, for its
+        contract document (``nmbus asyncapi``: a send operation on that queue's channel).
+
+        As with :meth:`publishes`, ``send`` needs no declaration and checks none.
+        """
+        _declared_types("sends", message_types)
+        queue = validate_queue_name(to)
+        for cls in message_types:
+            self.outgoing_types.sent[(queue, type_name(cls))] = cls
 
     async def unsubscribe(self, message_type: type[Message], publisher: str) -> None:
         """Stop receiving ``message_type`` from ``publisher``: delete the subscription rows.

@@ -83,6 +83,7 @@ def _root(
 
 def _register() -> None:
     # Command modules, one group each. Imported here so `nmbus --help` lists them.
+    from nmbus.cli import asyncapi as _asyncapi  # noqa: F401
     from nmbus.cli import cancel as _cancel  # noqa: F401
     from nmbus.cli import cleanup as _cleanup  # noqa: F401
     from nmbus.cli import dashboard as _dashboard  # noqa: F401

@@ -115,6 +115,11 @@ class Subscriptions:
     def __len__(self) -> int:
         return len(self._declared)
 
+    @property
+    def declared(self) -> list[Subscription]:
+        """The subscriptions this endpoint holds (declared and not unsubscribed)."""
+        return list(self._declared.values())
+
     def add(self, message_type: type[Message], publisher: str, permanent: bool) -> None:
         if not (isinstance(message_type, type) and issubclass(message_type, Message)):
             raise ConfigurationError(f"subscribe() needs a Message subclass, got {message_type!r}")

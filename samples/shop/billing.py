@@ -31,22 +31,25 @@ class GatewayTimeout(Exception):
     pass
 
 
+bus = Bus("billing")
+bus.subscribe(OrderPlaced, publisher="orders")
+bus.publishes(PaymentTaken)  # for its contract document: nmbus asyncapi samples.shop.billing:bus
+
+
+@bus.handler(retry=RetryPolicy(max_attempts=8, initial_delay=0.2, max_delay=2.0))
+async def charge(msg: OrderPlaced, ctx: Context) -> None:
+    # Every third order's first attempt fails, and any attempt may (one in five).
+    if (ctx.retry_count == 1 and msg.order_id % 3 == 0) or random.random() < 0.2:
+        print(f"[billing] order {msg.order_id}: gateway timeout (attempt {ctx.retry_count})")
+        raise GatewayTimeout(f"payment gateway timed out for order {msg.order_id}")
+    await ctx.publish(PaymentTaken(order_id=msg.order_id, amount_cents=msg.amount_cents))
+    print(
+        f"[billing] order {msg.order_id}: charged {msg.amount_cents / 100:.2f} "
+        f"(attempt {ctx.retry_count}, correlation {ctx.correlation_id})"
+    )
+
+
 async def main() -> None:
-    bus = Bus("billing")
-
-    @bus.handler(retry=RetryPolicy(max_attempts=8, initial_delay=0.2, max_delay=2.0))
-    async def charge(msg: OrderPlaced, ctx: Context) -> None:
-        # Every third order's first attempt fails, and any attempt may (one in five).
-        if (ctx.retry_count == 1 and msg.order_id % 3 == 0) or random.random() < 0.2:
-            print(f"[billing] order {msg.order_id}: gateway timeout (attempt {ctx.retry_count})")
-            raise GatewayTimeout(f"payment gateway timed out for order {msg.order_id}")
-        await ctx.publish(PaymentTaken(order_id=msg.order_id, amount_cents=msg.amount_cents))
-        print(
-            f"[billing] order {msg.order_id}: charged {msg.amount_cents / 100:.2f} "
-            f"(attempt {ctx.retry_count}, correlation {ctx.correlation_id})"
-        )
-
-    bus.subscribe(OrderPlaced, publisher="orders")
     await run_until_signal(bus)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
@@ -51,50 +52,70 @@ class Fulfilment(BaseModel):
     reminded: bool = False
 
 
+bus = Bus("fulfilment")
+saga = bus.saga(Fulfilment, key="order_id")
+bus.subscribe(OrderPlaced, publisher="orders")
+bus.subscribe(PaymentTaken, publisher="billing")
+bus.subscribe(OrderShipped, publisher="shipping")
+bus.sends(PaymentOverdue, to="fulfilment")  # the saga's timeout (for nmbus asyncapi)
+
+
+@dataclass
+class Plan:
+    """What ``main`` was asked for: how long a payment may take, how many orders to see."""
+
+    payment_due: float = 5.0
+    count: int = 0
+    fulfilled: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+plan = Plan()
+
+
+def finish_if_done(state: Fulfilment, ctx: Context) -> None:
+    if state.placed and state.paid and state.shipped:
+        ctx.saga.complete()
+        plan.fulfilled += 1
+        print(
+            f"[fulfilment] order {state.order_id} fulfilled ({plan.fulfilled}/{plan.count or '∞'})"
+        )
+        if plan.count and plan.fulfilled >= plan.count:
+            plan.done.set()
+
+
+@saga.handler(start=True)
+async def placed(msg: OrderPlaced, state: Fulfilment, ctx: Context) -> None:
+    state.order_id, state.customer, state.placed = msg.order_id, msg.customer, True
+    await ctx.saga.timeout(plan.payment_due, PaymentOverdue(order_id=msg.order_id))
+    print(f"[fulfilment] order {msg.order_id} placed, payment due in {plan.payment_due:g}s")
+    finish_if_done(state, ctx)
+
+
+@saga.handler(start=True)
+async def paid(msg: PaymentTaken, state: Fulfilment, ctx: Context) -> None:
+    state.order_id, state.paid = msg.order_id, True
+    print(f"[fulfilment] order {msg.order_id} paid" + (" (late)" if state.reminded else ""))
+    finish_if_done(state, ctx)
+
+
+@saga.handler(start=True)
+async def shipped(msg: OrderShipped, state: Fulfilment, ctx: Context) -> None:
+    state.order_id, state.shipped = msg.order_id, True
+    finish_if_done(state, ctx)
+
+
+@saga.handler
+async def overdue(msg: PaymentOverdue, state: Fulfilment, ctx: Context) -> None:
+    # Only a saga still running gets here: a completed one ignores its timeouts.
+    if not state.paid:
+        state.reminded = True
+        print(f"[fulfilment] order {msg.order_id}: payment overdue, reminding {state.customer}")
+
+
 async def main(count: int, payment_due: float) -> None:
-    bus = Bus("fulfilment")
-    saga = bus.saga(Fulfilment, key="order_id")
-    fulfilled = 0
-    done = asyncio.Event()
-
-    def finish_if_done(state: Fulfilment, ctx: Context) -> None:
-        nonlocal fulfilled
-        if state.placed and state.paid and state.shipped:
-            ctx.saga.complete()
-            fulfilled += 1
-            print(f"[fulfilment] order {state.order_id} fulfilled ({fulfilled}/{count or '∞'})")
-            if count and fulfilled >= count:
-                done.set()
-
-    @saga.handler(start=True)
-    async def placed(msg: OrderPlaced, state: Fulfilment, ctx: Context) -> None:
-        state.order_id, state.customer, state.placed = msg.order_id, msg.customer, True
-        await ctx.saga.timeout(payment_due, PaymentOverdue(order_id=msg.order_id))
-        print(f"[fulfilment] order {msg.order_id} placed, payment due in {payment_due:g}s")
-        finish_if_done(state, ctx)
-
-    @saga.handler(start=True)
-    async def paid(msg: PaymentTaken, state: Fulfilment, ctx: Context) -> None:
-        state.order_id, state.paid = msg.order_id, True
-        print(f"[fulfilment] order {msg.order_id} paid" + (" (late)" if state.reminded else ""))
-        finish_if_done(state, ctx)
-
-    @saga.handler(start=True)
-    async def shipped(msg: OrderShipped, state: Fulfilment, ctx: Context) -> None:
-        state.order_id, state.shipped = msg.order_id, True
-        finish_if_done(state, ctx)
-
-    @saga.handler
-    async def overdue(msg: PaymentOverdue, state: Fulfilment, ctx: Context) -> None:
-        # Only a saga still running gets here: a completed one ignores its timeouts.
-        if not state.paid:
-            state.reminded = True
-            print(f"[fulfilment] order {msg.order_id}: payment overdue, reminding {state.customer}")
-
-    bus.subscribe(OrderPlaced, publisher="orders")
-    bus.subscribe(PaymentTaken, publisher="billing")
-    bus.subscribe(OrderShipped, publisher="shipping")
-    await run_until_signal(bus, done)
+    plan.count, plan.payment_due = count, payment_due
+    await run_until_signal(bus, plan.done)
     if count:
         print(f"[fulfilment] all {count} orders fulfilled")
 

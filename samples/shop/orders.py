@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+from dataclasses import dataclass, field
 
 from nmbus import Bus, Context, Message
 from samples.shop._service import configure_output, run_until_signal
@@ -29,19 +30,34 @@ class OrderShipped(Message, type_name="shop.OrderShipped"):
     carrier: str
 
 
+bus = Bus("orders")
+bus.subscribe(OrderShipped, publisher="shipping")
+bus.publishes(OrderPlaced)  # for its contract document (nmbus asyncapi)
+
+
+@dataclass
+class Progress:
+    """The orders shipped so far, of ``count`` placed (0: placing for ever)."""
+
+    count: int = 0
+    shipped: set[int] = field(default_factory=set)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+progress = Progress()
+
+
+@bus.handler
+async def on_shipped(msg: OrderShipped, ctx: Context) -> None:
+    shipped, count = progress.shipped, progress.count
+    shipped.add(msg.order_id)
+    print(f"[orders] order {msg.order_id} shipped by {msg.carrier} ({len(shipped)}/{count})")
+    if count and len(shipped) >= count:
+        progress.done.set()
+
+
 async def main(count: int, interval: float) -> None:
-    bus = Bus("orders")
-    shipped: set[int] = set()
-    done = asyncio.Event()
-
-    @bus.handler
-    async def on_shipped(msg: OrderShipped, ctx: Context) -> None:
-        shipped.add(msg.order_id)
-        print(f"[orders] order {msg.order_id} shipped by {msg.carrier} ({len(shipped)}/{count})")
-        if count and len(shipped) >= count:
-            done.set()
-
-    bus.subscribe(OrderShipped, publisher="shipping")
+    progress.count = count
 
     async def place_orders() -> None:
         for order_id in range(1, count + 1) if count else itertools.count(1):
@@ -50,9 +66,9 @@ async def main(count: int, interval: float) -> None:
             print(f"[orders] placed order {order_id} -> {', '.join(subscribers) or 'nobody'}")
             await asyncio.sleep(interval)
 
-    await run_until_signal(bus, done, place_orders)
-    if count and len(shipped) < count:
-        print(f"[orders] stopped with {count - len(shipped)} orders not shipped yet")
+    await run_until_signal(bus, progress.done, place_orders)
+    if count and len(progress.shipped) < count:
+        print(f"[orders] stopped with {count - len(progress.shipped)} orders not shipped yet")
         raise SystemExit(1)
     if count:
         print(f"[orders] all {count} orders shipped")

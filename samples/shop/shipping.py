@@ -28,24 +28,27 @@ class OrderShipped(Message, type_name="shop.OrderShipped"):
     carrier: str
 
 
+bus = Bus("shipping")
+bus.subscribe(OrderEvent, publisher="orders")
+bus.subscribe(PaymentTaken, publisher="billing")
+bus.publishes(OrderShipped)  # for its contract document (nmbus asyncapi)
+
+
+@bus.handler
+async def note(msg: OrderEvent, ctx: Context) -> None:
+    print(
+        f"[shipping] heard {ctx.label} for order {msg.order_id} (decoded as {type(msg).__name__})"
+    )
+
+
+@bus.handler
+async def ship(msg: PaymentTaken, ctx: Context) -> None:
+    carrier = "parcel-post" if msg.order_id % 2 else "courier"
+    await ctx.publish(OrderShipped(order_id=msg.order_id, carrier=carrier))
+    print(f"[shipping] order {msg.order_id} paid, shipping by {carrier}")
+
+
 async def main() -> None:
-    bus = Bus("shipping")
-
-    @bus.handler
-    async def note(msg: OrderEvent, ctx: Context) -> None:
-        print(
-            f"[shipping] heard {ctx.label} for order {msg.order_id} "
-            f"(decoded as {type(msg).__name__})"
-        )
-
-    @bus.handler
-    async def ship(msg: PaymentTaken, ctx: Context) -> None:
-        carrier = "parcel-post" if msg.order_id % 2 else "courier"
-        await ctx.publish(OrderShipped(order_id=msg.order_id, carrier=carrier))
-        print(f"[shipping] order {msg.order_id} paid, shipping by {carrier}")
-
-    bus.subscribe(OrderEvent, publisher="orders")
-    bus.subscribe(PaymentTaken, publisher="billing")
     await run_until_signal(bus)
 
 

@@ -12,13 +12,14 @@ autocommitted statement is one): nothing a session keeps outlives it. So with
   the operations' ``jit``, which stays as the server has it);
 * runs no reset query when a pooled connection goes back (``RESET ALL`` and
   ``UNLISTEN *`` would reach whichever server connection the pooler picks);
+* relies on no session state: LISTEN connects to ``listen_dsn``, a DSN that
+  bypasses the pooler, or is not used (worker loops and the forwarder then
+  look every ``poll_interval``); retention holds its one-run lock in a
+  transaction of its own instead of a session lock (nmbus/postgres/retention.py).
 
-Settings of a session are never startup parameters, which PgBouncer refuses
-in every pool mode, but a ``SET`` once connected: so a session pooler works
-with ``pooler="none"``. And nothing relies on session state: LISTEN connects to ``listen_dsn``, a DSN
-that bypasses the pooler, or is not used (worker loops and the forwarder then
-look every ``poll_interval``); retention holds its one-run lock in a
-transaction of its own instead of a session lock (nmbus/postgres/retention.py).
+Settings of a session are never startup parameters, which PgBouncer refuses in
+every pool mode, but a ``SET`` once connected: so behind a session pooler
+nmbus works with ``pooler="none"``.
 
 Without the setting, a DSN that reaches a transaction pooler is refused at
 start: :func:`refuse_transaction_pooler` asks the server to deliver a NOTIFY

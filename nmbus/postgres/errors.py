@@ -74,7 +74,9 @@ def wrap_errors(what: str) -> Iterator[None]:
             raise  # a file's error (retention's archive, say), not the database's
         # A driver's text may quote the DSN it was given: never its password.
         if hint := pooler_hint(exc):
-            raise StoreError(f"{what}: {hint} ({type(exc).__name__}: {scrub(str(exc))})") from exc
+            # The driver's own advice about PgBouncer runs over many lines: its first is enough.
+            said = scrub(str(exc)).splitlines()[0]
+            raise StoreError(f"{what}: {hint} ({type(exc).__name__}: {said})") from exc
         if is_connection_error(exc):
             raise DatabaseUnavailable(f"{what}: database unavailable ({scrub(str(exc))})") from exc
         raise StoreError(f"{what}: {type(exc).__name__}: {scrub(str(exc))}") from exc

@@ -45,13 +45,22 @@ def _free_port() -> int:
 class PgBouncer:
     """``with PgBouncer(server_dsn) as bouncer:``, then ``bouncer.dsn(database)``."""
 
-    def __init__(self, server_dsn: str, pool_mode: str = "transaction", pool_size: int = 20):
+    def __init__(
+        self,
+        server_dsn: str,
+        pool_mode: str = "transaction",
+        pool_size: int = 20,
+        round_robin: bool = False,
+    ):
         parts = urlsplit(server_dsn)
         self.server_host = parts.hostname or "127.0.0.1"
         self.server_port = parts.port or 5432
         self.user = parts.username or "postgres"
         self.pool_mode = pool_mode
         self.pool_size = pool_size
+        # server_round_robin: lend the server connections in turn rather than the
+        # last one used, so that one client's transactions land on different ones.
+        self.round_robin = round_robin
         self.port = _free_port()
         self.root = Path(tempfile.mkdtemp(prefix="nmbus-pgbouncer-"))
         self.log = self.root / "pgbouncer.log"
@@ -78,6 +87,7 @@ class PgBouncer:
                 f"admin_users = {self.user}",
                 f"pool_mode = {self.pool_mode}",
                 f"default_pool_size = {self.pool_size}",
+                f"server_round_robin = {int(self.round_robin)}",
                 "max_client_conn = 500",
                 f"logfile = {self.log}",
                 f"pidfile = {self.root / 'pgbouncer.pid'}",

@@ -30,10 +30,13 @@ from nmbus.postgres.pooler import Pooler
 from nmbus.settings import build_settings
 from nmbus.testing import drain
 from tests.messages import OrderPlaced, Ping, Posted
+from tests.pg import Databases
 from tests.waits import wait_until
 
 #: Server connections the pooler keeps per database: fewer than nmbus's client
-#: connections (two worker loops, the lease connection, a send pool of four).
+#: connections (two worker loops, the lease connection, a send pool of four),
+#: lent in turn (server_round_robin), so that a client's next transaction runs on
+#: another server connection than its last.
 SERVER_CONNECTIONS = 3
 
 
@@ -53,7 +56,8 @@ def _pgbouncer_or_skip() -> None:
 @pytest.fixture(scope="module")
 def bouncer() -> Iterator[PgBouncer]:
     _pgbouncer_or_skip()
-    with PgBouncer(_server(), "transaction", pool_size=SERVER_CONNECTIONS) as running:
+    bouncer = PgBouncer(_server(), "transaction", SERVER_CONNECTIONS, round_robin=True)
+    with bouncer as running:
         yield running
 
 
@@ -346,3 +350,27 @@ async def test_retention_through_the_pooler_holds_its_one_run_lock_in_a_transact
     # pooler lends to anyone, and stay there); afterwards nobody holds it.
     assert seen and set(seen) == {"idle in transaction"}, seen
     assert lock_states(dsn, key) == ""
+
+
+async def test_the_forwarder_moves_the_outbox_through_the_pooler(
+    bouncer: PgBouncer, pooled: str, databases: Databases
+) -> None:
+    with databases.fresh() as remote:
+        remote_pooled = bouncer.dsn(database(remote))
+        handled: list[int] = []
+        billing = pooler_bus("billing", remote_pooled, concurrency=1)
+
+        @billing.handler
+        async def on_ping(msg: Ping, ctx: Context) -> None:
+            handled.append(msg.n)
+
+        # The sender's worker runs the forwarder; no listen_dsn: it polls.
+        orders = pooler_bus("orders", pooled, concurrency=1, routes={"billing": remote_pooled})
+        before = transactions(bouncer, database(remote))
+        async with billing, orders:
+            await asyncio.gather(*(orders.send(Ping(n=n), to="billing") for n in range(50)))
+            await wait_until(lambda: sorted(handled) == list(range(50)), timeout=60)
+        assert orders.forwarder is not None
+        # Each moved once, and no transaction of the forwarder failed on the way.
+        assert (orders.forwarder.stats.inserted, orders.forwarder.stats.failures) == (50, 0)
+        assert transactions(bouncer, database(remote)) > before

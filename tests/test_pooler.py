@@ -141,6 +141,24 @@ async def test_a_prepared_statement_lost_to_a_pooler_says_to_set_it(
         await store.close()
 
 
+async def test_worker_connections_plan_generically_unless_behind_a_transaction_pooler(
+    dsn: str, pooled: str
+) -> None:
+    """The worker's plan_cache_mode is a SET once connected (PgBouncer refuses it as a
+    startup parameter in every pool mode); behind a transaction pooler it is not set."""
+    from nmbus.postgres import PostgresStore
+
+    for store, mode in (
+        (PostgresStore(dsn), "force_generic_plan"),
+        (PostgresStore(pooled, pooler=Pooler("transaction")), "auto"),
+    ):
+        conn = await store.connect()
+        try:
+            assert await conn.fetchval("SHOW plan_cache_mode") == mode
+        finally:
+            await conn.close()
+
+
 def test_listen_dsn_needs_the_pooler_setting() -> None:
     with pytest.raises(InvalidSetting, match=r"listen_dsn.*pooler=transaction"):
         build_settings(listen_dsn="postgresql://postgres@127.0.0.1:5432/x")

@@ -121,6 +121,12 @@ class PgBouncer:
         self.stop()
         raise RuntimeError(f"pgbouncer did not listen within 15 s{self._log_tail()}")
 
+    def check(self) -> None:
+        """Raise RuntimeError, with the end of its log, when the pooler is no longer running."""
+        if self._process is None or self._process.poll() is not None:
+            code = None if self._process is None else self._process.returncode
+            raise RuntimeError(f"pgbouncer is not running (exit code {code}){self._log_tail()}")
+
     def _log_tail(self) -> str:
         return "\n" + self.log.read_text()[-2000:] if self.log.exists() else ""
 

@@ -68,6 +68,7 @@ def database(dsn: str) -> str:
 @pytest.fixture
 def pooled(bouncer: PgBouncer, dsn: str) -> str:
     """The test database's DSN through the pooler."""
+    bouncer.check()
     return bouncer.dsn(database(dsn))
 
 
@@ -121,6 +122,17 @@ async def test_a_session_pooler_is_not_mistaken_for_a_transaction_pooler(dsn: st
             await wait_until(lambda: handled == [1], timeout=20)
 
 
+async def test_a_listen_dsn_that_does_not_bypass_the_pooler_is_refused_at_start(
+    pooled: str, databases: Databases
+) -> None:
+    # The pooler itself, and a direct DSN of another database: neither hears the NOTIFYs.
+    with databases.fresh() as other:
+        for deaf in (pooled, other):
+            bus = pooler_bus("orders", pooled, listen_dsn=deaf)
+            with pytest.raises(InvalidSetting, match=r"listen_dsn .* must reach the same database"):
+                await bus.start()
+
+
 async def test_a_prepared_statement_lost_to_a_pooler_says_to_set_it(
     bouncer: PgBouncer, pooled: str
 ) -> None:
@@ -159,9 +171,12 @@ async def test_worker_connections_plan_generically_unless_behind_a_transaction_p
             await conn.close()
 
 
-def test_listen_dsn_needs_the_pooler_setting() -> None:
-    with pytest.raises(InvalidSetting, match=r"listen_dsn.*pooler=transaction"):
-        build_settings(listen_dsn="postgresql://postgres@127.0.0.1:5432/x")
+def test_listen_dsn_needs_the_pooler_setting_and_keeps_its_password() -> None:
+    secret = "postgresql://app:TopS3cretPW@127.0.0.1:5432/x"
+    with pytest.raises(InvalidSetting, match=r"listen_dsn.*pooler=transaction") as refused:
+        build_settings(listen_dsn=secret)
+    assert "TopS3cretPW" not in str(refused.value)
+    assert "TopS3cretPW" not in repr(build_settings(pooler="transaction", listen_dsn=secret))
     assert build_settings(pooler="transaction").pooler == "transaction"
     with pytest.raises(InvalidSetting, match="pooler"):
         build_settings(pooler="session")

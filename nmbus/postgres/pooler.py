@@ -22,10 +22,11 @@ every pool mode, but a ``SET`` once connected: so behind a session pooler
 nmbus works with ``pooler="none"``.
 
 Without the setting, a DSN that reaches a transaction pooler is refused at
-start: :func:`refuse_transaction_pooler` asks the server to deliver a NOTIFY
-to a listening connection, which a server always does at once and a
-transaction pooler never does (the idle listening client is attached to no
-server connection).
+start: :func:`refuse_deaf_listener` asks the server to deliver a NOTIFY to a
+listening connection, which a server always does at once and a transaction
+pooler never does (the idle listening client is attached to no server
+connection). With it, a ``listen_dsn`` that does not hear what is sent through
+the DSN (the pooler again, or another database) is refused the same way.
 """
 
 from __future__ import annotations
@@ -124,16 +125,23 @@ class Pooler:
             await close_quietly(conn)
 
 
-async def refuse_transaction_pooler(
-    connect: Callable[[], Awaitable[asyncpg.Connection]], notifier: Any
-) -> None:
-    """Raise InvalidSetting (:data:`SET_POOLER`) when ``connect`` reaches a transaction pooler.
+#: Why a ``listen_dsn`` that gets no NOTIFY sent through the DSN is refused.
+DEAF_LISTEN_DSN = (
+    "listen_dsn (NMBUS_LISTEN_DSN) receives no notification sent through the DSN: it must "
+    "reach the same database straight, not through the pooler"
+)
 
-    A connection of ``connect`` LISTENs on a channel of its own and
-    ``notifier`` (another connection) NOTIFYs it. A server delivers it to the
-    idle listener at once, and at the latest with the reply to the next
-    statement; a transaction pooler never does, since the listener, idle, is
-    attached to no server connection.
+
+async def notifies_arrive(
+    connect: Callable[[], Awaitable[asyncpg.Connection]], notifier: Any
+) -> bool:
+    """Whether a connection of ``connect`` gets a NOTIFY that ``notifier`` sends.
+
+    The connection LISTENs on a channel of its own and ``notifier`` (another
+    connection) NOTIFYs it. PostgreSQL delivers it to the idle listener at once,
+    and at the latest with the reply to the listener's next statement; a
+    transaction pooler never does, since the listener, idle, is attached to no
+    server connection (nor does a database other than the notifier's).
     """
     channel = f"nmbus_probe_{uuid.uuid4().hex}"  # letters and digits: no quoting needed
     arrived = asyncio.Event()
@@ -141,12 +149,24 @@ async def refuse_transaction_pooler(
     try:
         await listener.add_listener(channel, lambda *_args: arrived.set())
         await notifier.execute(f"NOTIFY {channel}")
-        if not await _arrives(arrived):
-            await listener.fetchval("SELECT 1")
-            if not await _arrives(arrived):
-                raise InvalidSetting(SET_POOLER)
+        if await _arrives(arrived):
+            return True
+        await listener.execute("SELECT 1")  # the simple protocol: nothing prepared
+        return await _arrives(arrived)
     finally:
         await close_quietly(listener)
+
+
+async def refuse_deaf_listener(pooler: Pooler, dsn: str | None, notifier: Any) -> None:
+    """Raise InvalidSetting when nmbus would not hear its NOTIFYs: without the pooler
+    setting, ``dsn`` reaches a transaction pooler (:data:`SET_POOLER`); with it,
+    ``listen_dsn`` does not reach the database straight (:data:`DEAF_LISTEN_DSN`).
+    Nothing is asked behind a pooler without ``listen_dsn`` (nothing listens)."""
+    if not pooler.listens:
+        return
+    target = pooler.listen_on(dsn)
+    if not await notifies_arrive(lambda: asyncpg.connect(target, timeout=10), notifier):
+        raise InvalidSetting(DEAF_LISTEN_DSN if pooler.transaction else SET_POOLER)
 
 
 async def _arrives(arrived: asyncio.Event) -> bool:

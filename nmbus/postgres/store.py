@@ -31,7 +31,7 @@ from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import flow_status_on
 from nmbus.postgres.listen import close_quietly as _close_quietly
 from nmbus.postgres.listen import listen_loop, notify_channel
-from nmbus.postgres.pooler import Pooler, refuse_transaction_pooler
+from nmbus.postgres.pooler import Pooler, refuse_deaf_listener
 from nmbus.postgres.pubsub import (
     create_queue_on,
     install_publish_function,
@@ -133,17 +133,16 @@ class PostgresStore:
                     timeout=10,
                     **self.pooler.pool_options(),
                 )
-            if not self.pooler.transaction:
-                # Before anything is prepared: refused here, not at the first send.
-                await self._refuse_pooler(self._pool)
+            # Before anything is prepared: refused here, not at the first send.
+            await self._refuse_deaf_listener(self._pool)
             async with self._pool.acquire() as conn:
                 await install_schema(conn, self.schema)
                 await install_publish_function(conn, self.schema)
 
-    async def _refuse_pooler(self, pool: asyncpg.Pool) -> None:
+    async def _refuse_deaf_listener(self, pool: asyncpg.Pool) -> None:
         try:
             async with pool.acquire() as conn:
-                await refuse_transaction_pooler(lambda: asyncpg.connect(self.dsn, timeout=10), conn)
+                await refuse_deaf_listener(self.pooler, self.dsn, conn)
         except BaseException:
             await self.close()
             raise

@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 
 from bench.pgbouncer import PgBouncer, find_pgbouncer
 from nmbus import Bus, Context, Message
-from nmbus.errors import InvalidSetting, RetryLater
+from nmbus.errors import DatabaseUnavailable, InvalidSetting, RetryLater
 from nmbus.ops.admin import Admin
 from nmbus.ports.operations import RetentionPolicy
 from nmbus.postgres.pooler import Pooler
@@ -131,6 +131,11 @@ async def test_a_listen_dsn_that_does_not_bypass_the_pooler_is_refused_at_start(
             bus = pooler_bus("orders", pooled, listen_dsn=deaf)
             with pytest.raises(InvalidSetting, match=r"listen_dsn .* must reach the same database"):
                 await bus.start()
+    # One that cannot be reached says which, without its password.
+    bus = pooler_bus("orders", pooled, listen_dsn="postgresql://app:TopS3cretPW@127.0.0.1:1/x")
+    with pytest.raises(DatabaseUnavailable, match="cannot connect to") as refused:
+        await bus.start()
+    assert "127.0.0.1:1/x" in str(refused.value) and "TopS3cretPW" not in str(refused.value)
 
 
 async def test_a_prepared_statement_lost_to_a_pooler_says_to_set_it(

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import asyncpg
 
 from nmbus.errors import InvalidSetting
-from nmbus.postgres.errors import SET_POOLER
+from nmbus.postgres.errors import SET_POOLER, wrap_connect_errors
 from nmbus.postgres.listen import close_quietly
 
 PoolerMode = Literal["none", "transaction"]
@@ -165,7 +165,13 @@ async def refuse_deaf_listener(pooler: Pooler, dsn: str | None, notifier: Any) -
     if not pooler.listens:
         return
     target = pooler.listen_on(dsn)
-    if not await notifies_arrive(lambda: asyncpg.connect(target, timeout=10), notifier):
+
+    async def connect() -> asyncpg.Connection:
+        with wrap_connect_errors(target):  # names the DSN (without its password)
+            conn: asyncpg.Connection = await asyncpg.connect(target, timeout=10)
+            return conn
+
+    if not await notifies_arrive(connect, notifier):
         raise InvalidSetting(DEAF_LISTEN_DSN if pooler.transaction else SET_POOLER)
 
 

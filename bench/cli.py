@@ -34,8 +34,8 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 MODES_HELP = (
     "ceiling, peers, drain, transactional, latency, fanout, scaling, xrows, saga, delivery, "
-    "routed, reply, retention, flow, burst, or all (ceiling, peers, drain, transactional, "
-    "latency and fanout)"
+    "routed, pooler, reply, retention, flow, burst, or all (ceiling, peers, drain, "
+    "transactional, latency and fanout)"
 )
 
 

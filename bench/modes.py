@@ -1,4 +1,4 @@
-"""The modes of ``python -m bench``: nmbus bench's six, and nine of the repository's own.
+"""The modes of ``python -m bench``: nmbus bench's six, and ten of the repository's own.
 
 nmbus's runner (:mod:`nmbus.bench.runner`) measures them: :func:`run` gives it
 the catalogue :data:`MODES`, nmbus bench's modes with these, in the order a
@@ -36,6 +36,11 @@ pgqueuer is installed. The modes of this repository's own:
 ``reply``      request/reply round trips (p50, p99, answered within 3 s) with
                50 ms handlers, and with 0-4 s handlers 20 at a time
                (:mod:`bench.reply`).
+``pooler``     in one run, nmbus straight to PostgreSQL and behind a PgBouncer
+               in transaction mode that the bench starts (the machine's
+               pgbouncer): the drain, and the latency p50/p99 direct, through
+               the pooler with ``listen_dsn`` and through it polling
+               (:mod:`bench.pooler`).
 ``delivery``   in one run: a plain drain, a drain with priorities mixed 0-9,
                and a drain of ``sequences`` sequences of ``sequence_members``
                each (interleaved), as rates and ratios to the plain drain
@@ -253,6 +258,25 @@ async def _routed(rep: Rep, res: Result) -> None:
         res.add(name, value, "" if name == "burst_messages" else unit)
 
 
+async def _pooler(rep: Rep, res: Result) -> None:
+    from bench.pooler import measure_pooler
+
+    for name, value in (await measure_pooler(_options(rep), rep.progress)).items():
+        unit = "ms" if name.endswith("_ms") else "x" if "ratio" in name else "msg/s"
+        res.add(name, value, "" if name == "pooler_transactions" else unit)
+
+
+def _pooler_settings(o: BenchOptions) -> dict[str, Any]:
+    from bench.pooler import POLL, POOL_SIZE
+
+    return {
+        **messages_settings(o),
+        **latency_settings(o),
+        "pgbouncer_pool_size": POOL_SIZE,
+        "poll_behind_pooler_s": POLL,
+    }
+
+
 async def _burst(rep: Rep, res: Result) -> None:
     from bench.burst import measure_burst
 
@@ -292,6 +316,7 @@ _OWN: dict[str, Mode] = {
     "retention": Mode(_retention, _retention_settings),
     "delivery": Mode(_delivery, _delivery_settings),
     "routed": Mode(_routed, latency_settings),
+    "pooler": Mode(_pooler, _pooler_settings),
     "burst": Mode(_burst, _burst_settings),
     "reply": Mode(_reply, _reply_settings),
 }
@@ -308,6 +333,7 @@ _ORDER = (
     "retention",
     "delivery",
     "routed",
+    "pooler",
     "saga",
     "burst",
     "reply",

@@ -200,6 +200,16 @@ class Settings(BaseSettings):
         default=4, ge=1, le=1000, description="connections for send/publish"
     )
     reconnect_max_delay: float = Field(default=10.0, ge=0.1, description="longest backoff")
+    pooler: Literal["none", "transaction"] = Field(
+        default="none",
+        description="what the DSN reaches: PostgreSQL itself, or a transaction pooler "
+        "(PgBouncer, pool_mode = transaction): no prepared statements, no LISTEN through it",
+    )
+    listen_dsn: str | None = Field(
+        default=None,
+        description="with pooler=transaction: a DSN that bypasses the pooler, for LISTEN; "
+        "unset: wake-ups by polling every poll_interval",
+    )
     retention_max_age: timedelta = Field(
         default=timedelta(days=7), description="processed (X) rows older than this are removed"
     )
@@ -329,6 +339,15 @@ class Settings(BaseSettings):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _check_listen_dsn(self) -> Settings:
+        if self.listen_dsn is not None and self.pooler != "transaction":
+            raise ValueError(
+                "listen_dsn (NMBUS_LISTEN_DSN) bypasses a transaction pooler for LISTEN: "
+                "it needs pooler=transaction (NMBUS_POOLER); without a pooler, LISTEN uses dsn"
+            )
+        return self
+
     def route_dsns(self) -> dict[str, str]:
         """Each routed queue with the DSN of the database it lives in."""
         return {
@@ -372,7 +391,7 @@ class Settings(BaseSettings):
     def __repr_args__(self) -> Any:
         # The DSN's password must never reach a log line, a traceback or a repr.
         for name, value in super().__repr_args__():
-            if name == "dsn" and isinstance(value, str):
+            if name in ("dsn", "listen_dsn") and isinstance(value, str):
                 value = scrub(value)
             elif name in ("routes", "databases") and isinstance(value, dict):
                 value = {k: scrub(v) for k, v in value.items()}
@@ -406,7 +425,7 @@ def describe(exc: ValidationError) -> str:
             parts.append(reason)  # a check across settings (routes): its text names them
             continue
         # Never echo a DSN: it may hold a password.
-        secret = name.split(".")[0] in ("dsn", "routes", "databases")
+        secret = name.split(".")[0] in ("dsn", "listen_dsn", "routes", "databases")
         got = "" if secret else f", got {error['input']!r}"
         variable = (
             "NMBUS_DATABASES or NMBUS_DB_<ALIAS>"

@@ -111,8 +111,8 @@ def make_bus(dsn: str) -> Callable[..., Bus]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """With NMBUS_TEST_STRICT=1 (CI sets it) a skipped test fails the run.
 
-    Tests skip only when a machine lacks Java, the JDBC driver or Chromium; CI
-    installs all three, so there a skip means something is broken.
+    Tests skip only when a machine lacks Java, the JDBC driver, Chromium or
+    PgBouncer; CI installs all four, so there a skip means something is broken.
     """
     if not os.environ.get("NMBUS_TEST_STRICT"):
         return

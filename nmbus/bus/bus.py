@@ -127,6 +127,7 @@ class Bus(Registration, Sending):
                     "no database: pass Bus(..., dsn='postgresql://...') or set NMBUS_DSN"
                 )
             from nmbus.postgres import PostgresStore
+            from nmbus.postgres.pooler import Pooler
 
             store = PostgresStore(
                 settings.dsn,
@@ -134,6 +135,7 @@ class Bus(Registration, Sending):
                 settings.send_pool_size,
                 routed=self.routes.keys(),
                 create_queues=settings.create_queues,
+                pooler=Pooler(settings.pooler, settings.listen_dsn),
             )
         elif self.routes:
             raise ConfigurationError(
@@ -252,6 +254,7 @@ class Bus(Registration, Sending):
             # (bus.request), and bus_started says handlers=0.
             if self.routes:
                 from nmbus.postgres.forwarder import Forwarder
+                from nmbus.postgres.pooler import Pooler
 
                 assert self.settings.dsn is not None
                 self.forwarder = Forwarder(
@@ -261,6 +264,7 @@ class Bus(Registration, Sending):
                     batch_size=self.settings.forward_batch_size,
                     poll_interval=self.settings.poll_interval,
                     reconnect_max=self.settings.reconnect_max_delay,
+                    pooler=Pooler(self.settings.pooler, self.settings.listen_dsn),
                 )
                 self._spawn(self.forwarder.run, "forwarder")
             interval = self.settings.retention_interval
@@ -335,6 +339,7 @@ class Bus(Registration, Sending):
         starting (docs/routes.md).
         """
         from nmbus.postgres import PostgresStore
+        from nmbus.postgres.pooler import Pooler
 
         by_dsn: dict[str, Store] = {}
         for publisher in sorted(self.subscriptions.publishers()):
@@ -342,7 +347,10 @@ class Bus(Registration, Sending):
             if dsn is None:
                 continue
             if dsn not in by_dsn:
-                store = PostgresStore(dsn, self.settings.schema_name, 1)
+                # Behind the same pooler as this endpoint's (it prepares nothing, LISTENs never).
+                store = PostgresStore(
+                    dsn, self.settings.schema_name, 1, pooler=Pooler(self.settings.pooler)
+                )
                 self._remote_stores.append(store)
                 by_dsn[dsn] = store
             self.subscriptions.route(publisher, by_dsn[dsn])

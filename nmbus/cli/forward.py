@@ -36,6 +36,7 @@ def forward(
             code=2,
         )
     from nmbus.postgres.forwarder import Forwarder
+    from nmbus.postgres.pooler import Pooler
 
     assert cfg.dsn is not None
     forwarder = Forwarder(
@@ -45,6 +46,7 @@ def forward(
         batch_size=cfg.forward_batch_size,
         poll_interval=cfg.poll_interval,
         reconnect_max=cfg.reconnect_max_delay,
+        pooler=Pooler(cfg.pooler, cfg.listen_dsn),
     )
     if once:
 

@@ -55,6 +55,7 @@ from nmbus.ports.operations import (
     WindowStats,
 )
 from nmbus.postgres.operations import DEPTH_CHUNK, PostgresOperations, schema_ddl
+from nmbus.postgres.pooler import Pooler, PoolerMode
 from nmbus.settings import Settings
 
 __all__ = [
@@ -109,15 +110,23 @@ class Admin:
     :meth:`over` builds one over any store that implements the operations port.
     """
 
-    def __init__(self, dsn: str | None, schema: str = "nmbus", *, pool_size: int = 1) -> None:
+    def __init__(
+        self,
+        dsn: str | None,
+        schema: str = "nmbus",
+        *,
+        pool_size: int = 1,
+        pooler: PoolerMode = "none",
+    ) -> None:
         self.dsn = dsn
         self.schema = validate_schema_name(schema)
         self._pool_size = pool_size
-        self._ops: Operations = PostgresOperations(dsn, self.schema, pool_size)
+        # pooler: what the DSN reaches, as the setting says (docs/deployment.md).
+        self._ops: Operations = PostgresOperations(dsn, self.schema, pool_size, Pooler(pooler))
 
     @classmethod
     def from_settings(cls, settings: Settings, *, pool_size: int = 1) -> Admin:
-        return cls(settings.dsn, settings.schema_name, pool_size=pool_size)
+        return cls(settings.dsn, settings.schema_name, pool_size=pool_size, pooler=settings.pooler)
 
     @classmethod
     def over(cls, operations: Operations, *, pool_size: int = 1) -> Admin:

@@ -476,6 +476,8 @@ class Store(Protocol):
         """Call ``on_wakeup(queue)`` whenever messages are inserted into ``queue``.
 
         Runs until cancelled, reconnecting after connection loss with a backoff
-        that grows up to ``reconnect_max`` seconds.
+        that grows up to ``reconnect_max`` seconds. A store that cannot listen
+        (PostgreSQL behind a transaction pooler, without ``listen_dsn``) returns
+        at once: the worker's loops then find new messages by polling.
         """
         ...

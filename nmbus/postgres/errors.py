@@ -22,6 +22,25 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.TooManyConnectionsError,
 )
 
+#: What an operator reads when nmbus meets a transaction pooler it was not told of
+#: (nmbus/postgres/pooler.py refuses one at start; these errors say it later).
+SET_POOLER = (
+    "the DSN reaches a transaction pooler (PgBouncer with pool_mode = transaction?): "
+    "set NMBUS_POOLER=transaction (docs/deployment.md, 'Behind PgBouncer')"
+)
+
+
+def pooler_hint(exc: BaseException) -> str | None:
+    """:data:`SET_POOLER` when ``exc`` is what a transaction pooler does to a session's
+    assumptions: a prepared statement gone (it was on another server connection),
+    a startup setting refused."""
+    text = str(exc)
+    if isinstance(exc, asyncpg.exceptions.InvalidSQLStatementNameError) and "__asyncpg_" in text:
+        return SET_POOLER
+    if isinstance(exc, asyncpg.exceptions.ProtocolViolationError) and "startup parameter" in text:
+        return SET_POOLER
+    return None
+
 
 def is_connection_error(exc: BaseException) -> bool:
     if isinstance(exc, _CONNECTION_ERRORS):
@@ -54,6 +73,10 @@ def wrap_errors(what: str) -> Iterator[None]:
         if isinstance(exc, OSError) and exc.filename is not None:
             raise  # a file's error (retention's archive, say), not the database's
         # A driver's text may quote the DSN it was given: never its password.
+        if hint := pooler_hint(exc):
+            # The driver's own advice about PgBouncer runs over many lines: its first is enough.
+            said = scrub(str(exc)).splitlines()[0]
+            raise StoreError(f"{what}: {hint} ({type(exc).__name__}: {said})") from exc
         if is_connection_error(exc):
             raise DatabaseUnavailable(f"{what}: database unavailable ({scrub(str(exc))})") from exc
         raise StoreError(f"{what}: {type(exc).__name__}: {scrub(str(exc))}") from exc

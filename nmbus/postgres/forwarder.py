@@ -22,7 +22,10 @@ down only makes its rows wait: the forwarder backs off (up to
 
 Wake-ups come from ``NOTIFY`` on the outbox channel (sent at the sender's
 commit), with a fallback poll every ``poll_interval`` seconds. Connections:
-one for the outbox, one for LISTEN, one per remote database.
+one for the outbox, one for LISTEN, one per remote database. Behind a
+transaction pooler (``pooler``, nmbus/postgres/pooler.py) every connection
+prepares nothing, and LISTEN goes to its ``listen_dsn`` or is left out: the
+poll every ``poll_interval`` is then the only wake-up.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from nmbus.maintenance.supervise import Backoff
 from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.postgres.errors import is_connection_error, wrap_errors
 from nmbus.postgres.listen import listen_loop, notify_channel
+from nmbus.postgres.pooler import Pooler
 from nmbus.postgres.pubsub import install_publish_function
 from nmbus.postgres.rows import insert_args, outbox_arrays
 from nmbus.postgres.sql import render
@@ -97,8 +101,10 @@ class Forwarder:
         batch_size: int = 500,
         poll_interval: float = 5.0,
         reconnect_max: float = 10.0,
+        pooler: Pooler | None = None,
     ) -> None:
         self.dsn = dsn
+        self.pooler = pooler or Pooler()
         self.schema = validate_schema_name(schema)
         self.routes = {validate_queue_name(q): target for q, target in routes.items()}
         self.batch_size = batch_size
@@ -307,12 +313,19 @@ class Forwarder:
     async def _local_conn(self) -> asyncpg.Connection:
         if self._local is None or self._local.is_closed():
             with wrap_errors("connect to the outbox's database"):
-                self._local = await asyncpg.connect(self.dsn, timeout=10)
+                self._local = await asyncpg.connect(
+                    self.dsn, timeout=10, **self.pooler.connect_options()
+                )
         return self._local
 
     async def _remote_conn(self, remote: _Remote) -> asyncpg.Connection:
         if remote.conn is None or remote.conn.is_closed():
-            conn = await asyncpg.connect(remote.dsn, timeout=10, command_timeout=REMOTE_TIMEOUT)
+            conn = await asyncpg.connect(
+                remote.dsn,
+                timeout=10,
+                command_timeout=REMOTE_TIMEOUT,
+                **self.pooler.connect_options(),
+            )
             try:
                 await install_schema(conn, self.schema)
                 await install_publish_function(conn, self.schema)
@@ -324,8 +337,10 @@ class Forwarder:
 
     async def _listen(self) -> None:
         """LISTEN on the outbox channel; after a reconnection, look at every queue."""
+        if not self.pooler.listens:
+            return  # behind a transaction pooler without listen_dsn: the poll wakes it
         await listen_loop(
-            lambda: asyncpg.connect(self.dsn, timeout=10),
+            lambda: asyncpg.connect(self.pooler.listen_on(self.dsn), timeout=10),
             notify_channel(self.schema, outbox=True),
             self.wake,
             self.reconnect_max,

@@ -45,6 +45,7 @@ from nmbus.postgres.cancel import cancel_on
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.flow import flow_status_on
 from nmbus.postgres.listen import notify_channel
+from nmbus.postgres.pooler import Pooler
 from nmbus.postgres.reclaim import due
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.schema import CREATED_BY_SEND, readiness_on
@@ -61,8 +62,15 @@ DEPTH_CHUNK = 20
 class PostgresOperations:
     """The operations on one nmbus schema of a PostgreSQL database."""
 
-    def __init__(self, dsn: str | None, schema: str = "nmbus", pool_size: int = 1) -> None:
+    def __init__(
+        self,
+        dsn: str | None,
+        schema: str = "nmbus",
+        pool_size: int = 1,
+        pooler: Pooler | None = None,
+    ) -> None:
         self.dsn = dsn
+        self.pooler = pooler or Pooler()
         self.schema = validate_schema_name(schema)
         self.pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
@@ -272,7 +280,7 @@ class PostgresOperations:
             return [OutboxBacklog(**dict(r)) for r in rows]
 
     async def probe(self, dsn: str, timeout: float) -> str | None:
-        return await probe(dsn, timeout)
+        return await probe(dsn, timeout, self.pooler)
 
     async def retention_due(
         self, policy: RetentionPolicy, queues: Sequence[str] | None
@@ -310,9 +318,12 @@ class PostgresOperations:
         queues: Sequence[str] | None,
         on_batch: ProgressCallback | None,
     ) -> list[RetentionResult]:
-        async with self._session("retention", read_only=False) as conn:
+        async with (
+            self._session("retention", read_only=False) as conn,
+            self.pooler.lock_holder(self.dsn) as holder,
+        ):
             return [
-                await clean_queue(conn, self.schema, name, policy, on_batch)
+                await clean_queue(conn, self.schema, name, policy, on_batch, holder)
                 for name in await self._queues(conn, queues)
             ]
 
@@ -340,12 +351,13 @@ class PostgresOperations:
                     # runs short index-bound reads, which the planner's pessimistic
                     # estimate for a history of many buckets would send through a
                     # compile of ~0.5 s (measured on 4M rows: 35 ms without it).
+                    # Behind a transaction pooler JIT stays as the server has it.
                     self._pool = await asyncpg.create_pool(
                         self.dsn,
                         min_size=1,
                         max_size=self.pool_size,
                         timeout=10,
-                        server_settings={"jit": "off"},
+                        **self.pooler.pool_options({"jit": "off"}),
                     )
             return self._pool
 
@@ -407,7 +419,7 @@ class PostgresOperations:
     async def _store(self) -> AsyncIterator[PostgresStore]:
         # Connect as reads do first: a DSN that cannot work is an InvalidSetting here too.
         await self._connection_pool()
-        store = PostgresStore(self.dsn, self.schema, 1)
+        store = PostgresStore(self.dsn, self.schema, 1, pooler=self.pooler)
         await store.open()
         try:
             yield store
@@ -419,10 +431,10 @@ def _ids(ids: Sequence[int] | None) -> list[int] | None:
     return None if ids is None else list(ids)
 
 
-async def probe(dsn: str, timeout: float) -> str | None:
+async def probe(dsn: str, timeout: float, pooler: Pooler | None = None) -> str | None:
     """Why the database at ``dsn`` cannot be used now (one line, no password), or None."""
     try:
-        conn = await asyncpg.connect(dsn, timeout=timeout)
+        conn = await asyncpg.connect(dsn, timeout=timeout, **(pooler or Pooler()).connect_options())
     except Exception as exc:
         return scrub(f"{type(exc).__name__}: {exc}")
     try:

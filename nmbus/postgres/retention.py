@@ -20,8 +20,9 @@ batches, and never holds a long lock:
 * each batch is its own short transaction that locks at most ``batch_size``
   X/F rows (``FOR UPDATE SKIP LOCKED``) and the table in ROW EXCLUSIVE mode,
   the same mode the workers' claim takes, so claims never wait for it;
-* one run per queue at a time (a session advisory lock), so two runs never
-  archive the same rows.
+* one run per queue at a time (a session advisory lock; behind a transaction
+  pooler, the same lock held by an open transaction on a connection of its
+  own, ``holder``), so two runs never archive the same rows.
 
 With an archive directory, each batch is written to Parquet before it is
 deleted, in the layout the statistics job reads::
@@ -49,6 +50,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,47 +95,24 @@ async def clean_queue(
     queue: str,
     policy: RetentionPolicy,
     on_batch: ProgressCallback | None = None,
+    holder: Any = None,
 ) -> RetentionResult:
     """Remove (and archive, if the policy says so) the old rows of one queue.
 
     ``conn`` must not be inside a transaction: each batch commits on its own.
     ``on_batch(queue, rows)`` is called after every committed batch. When
     another run already holds this queue, returns at once with ``skipped``.
+    ``holder``: behind a transaction pooler, another connection, whose open
+    transaction holds the run's lock (a session lock would stay on whichever
+    server connection the pooler lent).
     """
     result = RetentionResult(queue)
-    key = f"nmbus.retention.{schema}.{queue}"
-    if not await conn.fetchval(render("retention_lock", schema), key):
-        log.info("retention_skipped", queue=queue, reason="another run holds the queue")
-        result.skipped = True
-        return result
-    try:
-        if policy.archive_dir is not None:
-            result.recovered_files = await recover(conn, schema, queue, policy.archive_dir)
-        # I/R rows that expired long ago and no worker took would stay forever.
-        while await conn.fetchval(
-            render("retention_expire", schema, queue), policy.max_age, policy.batch_size
-        ):
-            pass
-        passes: list[tuple[str, timedelta]] = []
-        if await segments(conn, schema, queue):
-            # Processed rows go with their segments, whole, never the one being
-            # written: so that one rolls first if its rows are already past the age.
-            early = await roll_ripe(conn, schema, queue, policy)
-            await reclaim_segments(conn, schema, queue, policy, result, on_batch)
-            # At MAX_LIVE_SEGMENTS it could not roll: the drops may have made room.
-            again = early is None and result.segments_dropped > 0
-            if again and await roll_ripe(conn, schema, queue, policy) is not None:
-                await reclaim_segments(conn, schema, queue, policy, result, on_batch)
-            # Then the next segment, once the one being written is full of time.
-            await roll(conn, schema, queue, policy.segment_seconds)
-        else:
-            passes.append(("X", policy.max_age))
-        if policy.failed_max_age is not None:
-            passes.append(("F", policy.failed_max_age))
-        for subqueue, age in passes:
-            await _walk(conn, schema, queue, subqueue, age, policy, result, on_batch)
-    finally:
-        await conn.fetchval(render("retention_unlock", schema), key)
+    async with _one_run(conn, schema, queue, holder) as alone:
+        if not alone:
+            log.info("retention_skipped", queue=queue, reason="another run holds the queue")
+            result.skipped = True
+            return result
+        await _clean(conn, schema, queue, policy, on_batch, result)
     log.info(
         "retention_done",
         queue=queue,
@@ -147,6 +127,58 @@ async def clean_queue(
         longest_batch_seconds=round(result.longest_batch_seconds, 3),
     )
     return result
+
+
+@asynccontextmanager
+async def _one_run(conn: Any, schema: str, queue: str, holder: Any) -> AsyncIterator[bool]:
+    """Whether this is the one run of ``queue`` now; the lock is held until the block ends."""
+    key = f"nmbus.retention.{schema}.{queue}"
+    if holder is not None:
+        async with holder.transaction():
+            row = await holder.fetchrow(render("retention_lock_held", schema), key)
+            yield bool(row[1])
+        return
+    alone = bool(await conn.fetchval(render("retention_lock", schema), key))
+    try:
+        yield alone
+    finally:
+        if alone:
+            await conn.fetchval(render("retention_unlock", schema), key)
+
+
+async def _clean(
+    conn: Any,
+    schema: str,
+    queue: str,
+    policy: RetentionPolicy,
+    on_batch: ProgressCallback | None,
+    result: RetentionResult,
+) -> None:
+    if policy.archive_dir is not None:
+        result.recovered_files = await recover(conn, schema, queue, policy.archive_dir)
+    # I/R rows that expired long ago and no worker took would stay forever.
+    while await conn.fetchval(
+        render("retention_expire", schema, queue), policy.max_age, policy.batch_size
+    ):
+        pass
+    passes: list[tuple[str, timedelta]] = []
+    if await segments(conn, schema, queue):
+        # Processed rows go with their segments, whole, never the one being
+        # written: so that one rolls first if its rows are already past the age.
+        early = await roll_ripe(conn, schema, queue, policy)
+        await reclaim_segments(conn, schema, queue, policy, result, on_batch)
+        # At MAX_LIVE_SEGMENTS it could not roll: the drops may have made room.
+        again = early is None and result.segments_dropped > 0
+        if again and await roll_ripe(conn, schema, queue, policy) is not None:
+            await reclaim_segments(conn, schema, queue, policy, result, on_batch)
+        # Then the next segment, once the one being written is full of time.
+        await roll(conn, schema, queue, policy.segment_seconds)
+    else:
+        passes.append(("X", policy.max_age))
+    if policy.failed_max_age is not None:
+        passes.append(("F", policy.failed_max_age))
+    for subqueue, age in passes:
+        await _walk(conn, schema, queue, subqueue, age, policy, result, on_batch)
 
 
 async def _walk(

@@ -32,6 +32,7 @@ from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import flow_status_on
 from nmbus.postgres.listen import close_quietly as _close_quietly
 from nmbus.postgres.listen import listen_loop, notify_channel
+from nmbus.postgres.pooler import Pooler, refuse_deaf_listener
 from nmbus.postgres.pubsub import (
     create_queue_on,
     install_publish_function,
@@ -81,8 +82,11 @@ class PostgresStore:
         pool_size: int = 4,
         routed: Collection[str] = (),
         create_queues: bool = True,
+        pooler: Pooler | None = None,
     ) -> None:
         self.dsn = dsn
+        # Straight to PostgreSQL, or through a transaction pooler (nmbus/postgres/pooler.py).
+        self.pooler = pooler or Pooler()
         # Whether a send may create the table of a queue no endpoint created.
         self.create_queues = create_queues
         self.schema = validate_schema_name(schema)
@@ -104,8 +108,13 @@ class PostgresStore:
         """A worker's connection (docs/storage.md, "Plans over segments")."""
         with wrap_errors("connect"):
             conn: asyncpg.Connection = await asyncpg.connect(
-                self.dsn, timeout=10, server_settings=WORKER_SERVER_SETTINGS
+                self.dsn, timeout=10, **self.pooler.connect_options()
             )
+            try:
+                await self.pooler.configure(conn, WORKER_SERVER_SETTINGS)
+            except BaseException:
+                conn.terminate()
+                raise
             return conn
 
     @property
@@ -120,11 +129,25 @@ class PostgresStore:
             # it; a server that cannot be reached stays "database unavailable".
             with wrap_connect_errors(self.dsn, unavailable=False):
                 self._pool = await asyncpg.create_pool(
-                    self.dsn, min_size=1, max_size=self._pool_size, timeout=10
+                    self.dsn,
+                    min_size=1,
+                    max_size=self._pool_size,
+                    timeout=10,
+                    **self.pooler.pool_options(),
                 )
+            # Before anything is prepared: refused here, not at the first send.
+            await self._refuse_deaf_listener(self._pool)
             async with self._pool.acquire() as conn:
                 await install_schema(conn, self.schema)
                 await install_publish_function(conn, self.schema)
+
+    async def _refuse_deaf_listener(self, pool: asyncpg.Pool) -> None:
+        try:
+            async with pool.acquire() as conn:
+                await refuse_deaf_listener(self.pooler, self.dsn, conn)
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
         if self._lease_conn is not None:
@@ -191,7 +214,7 @@ class PostgresStore:
             if dsn == self.dsn:
                 return True
             try:
-                conn = await asyncpg.connect(dsn, timeout=timeout)
+                conn = await asyncpg.connect(dsn, timeout=timeout, **self.pooler.connect_options())
             except Exception:
                 return False  # down, or refusing: never this database, which answered
             try:
@@ -355,8 +378,8 @@ class PostgresStore:
 
     async def apply_retention(self, queue: str, settings: Settings) -> None:
         policy = RetentionPolicy.from_settings(settings)
-        async with self.pool.acquire() as conn:
-            await clean_queue(conn, self.schema, queue, policy)
+        async with self.pooler.lock_holder(self.dsn) as holder, self.pool.acquire() as conn:
+            await clean_queue(conn, self.schema, queue, policy, holder=holder)
 
     async def declare_limits(
         self, queue: str, flow: FlowLimits, client_id: str
@@ -429,7 +452,9 @@ class PostgresStore:
         async with self._lease_lock:
             with wrap_errors(doing):
                 if self._lease_conn is None or self._lease_conn.is_closed():
-                    self._lease_conn = await asyncpg.connect(self.dsn, timeout=10)
+                    self._lease_conn = await asyncpg.connect(
+                        self.dsn, timeout=10, **self.pooler.connect_options()
+                    )
                 try:
                     rows: list[asyncpg.Record] = await self._lease_conn.fetch(
                         sql, *args, timeout=timeout
@@ -465,4 +490,18 @@ class PostgresStore:
             await _close_quietly(conn)
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:
-        await listen_loop(self.connect, notify_channel(self.schema), on_wakeup, reconnect_max, log)
+        """LISTEN on the DSN, or on ``listen_dsn`` behind a transaction pooler; behind
+        one without it, return at once: the worker's loops look every poll_interval."""
+        if not self.pooler.listens:
+            log.info("listener_off", schema=self.schema, reason="pooler=transaction, no listen_dsn")
+            return
+
+        async def connect() -> asyncpg.Connection:
+            if not self.pooler.transaction:
+                return await self.connect()
+            with wrap_errors("connect for LISTEN"):
+                dsn = self.pooler.listen_on(self.dsn)
+                conn: asyncpg.Connection = await asyncpg.connect(dsn, timeout=10)
+                return conn
+
+        await listen_loop(connect, notify_channel(self.schema), on_wakeup, reconnect_max, log)

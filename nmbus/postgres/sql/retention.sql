@@ -11,6 +11,17 @@ SELECT pg_try_advisory_lock(hashtext($1));
 -- Give up the retention lock taken by retention_lock. $1: lock key text.
 SELECT pg_advisory_unlock(hashtext($1));
 
+-- retention_lock_held --
+-- Behind a transaction pooler, where no session outlives a transaction: become
+-- the one retention run of a queue until this transaction ends, the lock
+-- retention_lock takes (a session's and a transaction's lock on one key exclude
+-- each other). The transaction stays open for the whole run, idle while the run
+-- works on another connection: a server's idle_in_transaction_session_timeout
+-- would end it, and the lock with it, so it is lifted for this transaction.
+-- $1: lock key text.
+SELECT set_config('idle_in_transaction_session_timeout', '0', true),
+       pg_try_advisory_xact_lock(hashtext($1));
+
 -- retention_expire --
 -- Rows no worker took before they expired, long ago: up to $2 rows of I/R (not
 -- held by a live lease) whose expires_at is more than $1 (interval) in the past

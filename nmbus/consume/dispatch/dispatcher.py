@@ -234,10 +234,13 @@ class Dispatcher:
         In the message's own handling, as its handlers are: what a middleware
         raises fails the message as a handler's exception would; one that never
         calls ``call_next`` leaves the message processed without its handlers.
-        The whole is bounded by the handlers' timeouts added up, so a middleware
-        that never returns cannot hold its batch for ever.
+        The whole is bounded by the handlers' timeouts added up, plus the
+        endpoint's ``handler_timeout`` for the middleware's own work, so that a
+        middleware that never returns cannot hold its batch for ever (and a
+        handler's own timeout always comes first).
         """
-        bound = sum(h.timeout or self.default_timeout for h in handlers)
+        default = self.default_timeout
+        bound = default + sum(h.timeout or default for h in handlers)
         async with asyncio.timeout(bound):
             await run_chain(
                 middleware,

@@ -51,8 +51,11 @@ class Fulfilment(BaseModel):
     reminded: bool = False
 
 
-async def main(count: int, payment_due: float) -> None:
-    bus = Bus("fulfilment")
+def fulfilment(
+    payment_due: float, count: int = 0, dsn: str | None = None
+) -> tuple[Bus, asyncio.Event]:
+    """The endpoint, and what is set once ``count`` orders are fulfilled (0: never)."""
+    bus = Bus("fulfilment", dsn=dsn)
     saga = bus.saga(Fulfilment, key="order_id")
     fulfilled = 0
     done = asyncio.Event()
@@ -94,6 +97,11 @@ async def main(count: int, payment_due: float) -> None:
     bus.subscribe(OrderPlaced, publisher="orders")
     bus.subscribe(PaymentTaken, publisher="billing")
     bus.subscribe(OrderShipped, publisher="shipping")
+    return bus, done
+
+
+async def main(count: int, payment_due: float) -> None:
+    bus, done = fulfilment(payment_due, count)
     await run_until_signal(bus, done)
     if count:
         print(f"[fulfilment] all {count} orders fulfilled")

@@ -1,8 +1,9 @@
-"""Envelopes: a message made ready for its queue table. Pure: no I/O.
+"""Envelopes: a message made ready for its queue table. No I/O of its own.
 
 Everything that sending checks happens here, before anything is written: the
-body is encoded and measured, headers and ids must be storable text, the
-delivery time is worked out, and a published message carries its type chain.
+endpoint's outgoing hooks (``@bus.outgoing``) have their say, the body is
+encoded and measured, headers and ids must be storable text, the delivery time
+is worked out, and a published message carries its type chain.
 The Bus and a handler's Context build envelopes through the same
 :class:`EnvelopeBuilder`, so a send from a handler and one from application
 code are checked alike.
@@ -403,9 +404,7 @@ class EnvelopeBuilder:
 
     __slots__ = ("hooks", "max_message_bytes", "now")
 
-    def __init__(
-        self, max_message_bytes: int, now: Callable[[], datetime] = _utc_now
-    ) -> None:
+    def __init__(self, max_message_bytes: int, now: Callable[[], datetime] = _utc_now) -> None:
         self.max_message_bytes = max_message_bytes
         self.hooks: tuple[Link, ...] = ()
         self.now = now

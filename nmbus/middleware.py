@@ -42,9 +42,7 @@ def checked(func: Any, kind: str, second: str) -> Link:
             f"that awaits call_next()), not {what}"
         )
     params = list(inspect.signature(func).parameters.values())
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(params) != 3 or len(positional) != 3:
         raise HandlerError(
             f"{kind} {name_of(func)} must take exactly (msg, {second}, call_next), "

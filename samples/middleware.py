@@ -60,9 +60,7 @@ def with_tenant(bus: Bus) -> Bus:
     async def tenant_of_the_message(msg: Message, ctx: Context, call_next: CallNext) -> None:
         token = TENANT.set(ctx.headers.get("tenant"))
         try:
-            with structlog.contextvars.bound_contextvars(
-                tenant=TENANT.get(), service=bus.endpoint
-            ):
+            with structlog.contextvars.bound_contextvars(tenant=TENANT.get(), service=bus.endpoint):
                 await call_next()
         finally:
             TENANT.reset(token)

@@ -140,7 +140,9 @@ async def test_the_body_is_validated_as_a_worker_validates_it() -> None:
     bad = Refund.model_construct(cents=-1)  # skips validation when built
     outcome = await t.handle(bad)
     assert outcome.failed
-    assert (outcome.error or "").startswith("UndecodableMessage: body is not a valid test.ht.Refund")
+    assert (outcome.error or "").startswith(
+        "UndecodableMessage: body is not a valid test.ht.Refund"
+    )
     assert (await t.handle(Refund(cents=1))).processed
 
 
@@ -148,7 +150,9 @@ async def test_a_handler_using_the_connection_is_told_to_use_postgresql() -> Non
     t = HandlerTest(shop())
     outcome = await t.handle(Paid(order_id=1))
     assert outcome.retrying
-    assert (outcome.error or "").startswith("ConfigurationError: HandlerTest runs without a database")
+    assert (outcome.error or "").startswith(
+        "ConfigurationError: HandlerTest runs without a database"
+    )
 
 
 async def test_handler_test_gives_what_a_worker_on_postgresql_records(

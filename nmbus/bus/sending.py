@@ -224,9 +224,7 @@ class Sending:
         builder = self.envelopes
         options = Outgoing(headers, correlation_id=correlation_id)
         if builder.hooks:
-            pairs = [
-                builder.for_publish(m, await builder.hooked(m, options)) for m in messages
-            ]
+            pairs = [builder.for_publish(m, await builder.hooked(m, options)) for m in messages]
         else:
             pairs = [builder.for_publish(m, options) for m in messages]
         envelopes = [envelope for envelope, _ in pairs]

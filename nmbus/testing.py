@@ -326,6 +326,10 @@ class HandlerTest:
             claim = self._claims.take(token, rows, since)
             assert claim is not None, "the message was not claimable"
             try:
+                # From here on it is the worker's own path: the batch runner takes the
+                # saga locks, the dispatcher decodes the row (where an upcaster of an
+                # older version would run) and validates it, runs the middleware and
+                # the handlers, and the outcome and the sends are committed.
                 await self._runner.process(session, claim)
             finally:
                 self._claims.end(claim)

@@ -462,3 +462,33 @@ async def test_a_send_a_hook_stamped_in_a_handler_that_fails_is_never_stored(
     assert out == [1]
     got = await rows(db, "mw_rollback")
     assert [r["subqueue"] for r in got] == ["X", "R"]
+
+
+async def test_handlers_running_at_once_each_see_their_own_messages_context(
+    make_bus: Callable[..., Bus],
+) -> None:
+    """With handler_concurrency, handlers of one batch interleave: each sees the
+    context variable its own message's middleware set, never a batch-mate's."""
+    bus = make_bus("mw_concurrent", handler_concurrency=4, batch_size=8)
+    seen: dict[int, str | None] = {}
+
+    @bus.middleware
+    async def tenant(msg: Message, ctx: Context, call_next: CallNext) -> None:
+        token = TENANT.set(ctx.headers.get("tenant"))
+        try:
+            await call_next()
+        finally:
+            TENANT.reset(token)
+
+    @bus.handler
+    async def slow(msg: Job, ctx: Context) -> None:
+        await asyncio.sleep(0.05 * (8 - msg.n))  # the first started finish last
+        seen[msg.n] = TENANT.get()
+
+    sender = make_bus("mw_concurrent", concurrency=0)
+    async with sender:
+        for n in range(8):
+            await sender.send(Job(n=n), to="mw_concurrent", headers={"tenant": f"t{n}"})
+    async with bus:
+        await drain(bus)
+    assert seen == {n: f"t{n}" for n in range(8)}

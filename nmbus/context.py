@@ -320,9 +320,12 @@ class Context:
         """``send`` with its options checked (a reply and a saga timeout add nmbus's headers)."""
         # Recorded now, stored when the batch commits. The current span (this
         # handler's) wins over the traceparent the handled message carried in.
+        builder = self._builder
         with self._tracer.producing("send", to) as producer:
-            traced = options.with_headers(producer.headers(options.headers))
-            envelope = self._builder.for_send(message, to, self._own(traced))
+            traced = self._own(options.with_headers(producer.headers(options.headers)))
+            if builder.hooks:
+                traced = await builder.hooked(message, traced)
+            envelope = builder.for_send(message, to, traced)
             producer.sent(envelope)
         self.effects.sends.append((to, envelope))
         return envelope.unique_id
@@ -338,9 +341,12 @@ class Context:
         ``<publish id>/<subscriber>``.
         """
         checked = outgoing(options, "publish")
+        builder = self._builder
         with self._tracer.producing("publish", type_name(message)) as producer:
-            traced = checked.with_headers(producer.headers(checked.headers))
-            envelope, _ = self._builder.for_publish(message, self._own(traced))
+            traced = self._own(checked.with_headers(producer.headers(checked.headers)))
+            if builder.hooks:
+                traced = await builder.hooked(message, traced)
+            envelope, _ = builder.for_publish(message, traced)
             producer.sent(envelope)
         self.effects.publishes.append(envelope)
         return envelope.unique_id

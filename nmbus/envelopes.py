@@ -1,8 +1,9 @@
-"""Envelopes: a message made ready for its queue table. Pure: no I/O.
+"""Envelopes: a message made ready for its queue table. No I/O of its own.
 
 Everything that sending checks happens here, before anything is written: the
-body is encoded and measured, headers and ids must be storable text, the
-delivery time is worked out, and a published message carries its type chain.
+endpoint's outgoing hooks (``@bus.outgoing``) have their say, the body is
+encoded and measured, headers and ids must be storable text, the delivery time
+is worked out, and a published message carries its type chain.
 The Bus and a handler's Context build envelopes through the same
 :class:`EnvelopeBuilder`, so a send from a handler and one from application
 code are checked alike.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict
@@ -21,6 +22,7 @@ from typing import Any, TypedDict
 from nmbus.delivery.flow import GROUP_HEADER, check_group
 from nmbus.errors import MAX_SECONDS, InvalidMessage, MessageTooLarge
 from nmbus.messages import Envelope, Message, encode, lookup_type, type_chain
+from nmbus.middleware import Link, checked, name_of, run_chain
 from nmbus.names import MAX_SEQUENCE_KEY as MAX_SEQUENCE_KEY
 from nmbus.names import check_key, check_text, utf8_size, validate_queue_name
 
@@ -142,8 +144,9 @@ def nearest_known(chain: object) -> type[Message] | None:
     return None
 
 
-def deliver_time(deliver_at: datetime | None, delay: float | None) -> datetime | None:
-    """When a message becomes ready: ``deliver_at``, now + ``delay`` seconds, or None (now)."""
+def check_delay(deliver_at: datetime | None, delay: float | None) -> float | None:
+    """Check when a message becomes ready (``deliver_at`` or ``delay`` seconds, not both);
+    the delay, or None when there is none (the envelope builder adds it to its clock)."""
     if deliver_at is not None and delay is not None:
         raise InvalidMessage("give deliver_at or delay, not both")
     if delay is not None:
@@ -154,12 +157,12 @@ def deliver_time(deliver_at: datetime | None, delay: float | None) -> datetime |
                 f"delay must be >= 0 seconds and finite, at most {MAX_SECONDS} "
                 f"(10 years), got {delay}"
             )
-        return datetime.now(UTC) + timedelta(seconds=delay) if delay else None
+        return delay or None
     if deliver_at is not None and (
         not isinstance(deliver_at, datetime) or deliver_at.tzinfo is None
     ):
         raise InvalidMessage("deliver_at must be a timezone-aware datetime (datetime.now(UTC))")
-    return deliver_at
+    return None
 
 
 #: Headers of a failure port's copy (``Bus(dead_letter=...)``): where the original
@@ -331,6 +334,8 @@ class Outgoing:
     correlation_id: str | None = None
     deliver_at: datetime | None = None
     controls: Delivery = PLAIN
+    #: Seconds from when the envelope is built (its builder's clock), instead of deliver_at.
+    delay: float | None = None
 
     def with_headers(self, headers: Mapping[str, str] | None) -> Outgoing:
         return self if headers is self.headers else replace(self, headers=headers)
@@ -364,27 +369,84 @@ def outgoing(options: Mapping[str, Any], call: str = "send") -> Outgoing:
         if group is not None:
             marks[GROUP_HEADER] = check_group(group)
         headers = {**(headers or {}), **marks}
+    deliver_at = options.get("deliver_at")
+    delay = check_delay(deliver_at, options.get("delay"))
     return Outgoing(
         headers,
         options.get("unique_id"),
         options.get("correlation_id"),
-        deliver_time(options.get("deliver_at"), options.get("delay")),
+        deliver_at,
         delivery(
             options.get("priority", 0),
             options.get("sequence"),
             options.get("ttl"),
             options.get("expires_at"),
         ),
+        delay,
     )
 
 
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _internal(name: object) -> bool:
+    return isinstance(name, str) and name[: len(INTERNAL_PREFIX)].lower() == INTERNAL_PREFIX
+
+
 class EnvelopeBuilder:
-    """Builds checked envelopes for one endpoint's sends and publishes."""
+    """Builds checked envelopes for one endpoint's sends and publishes.
 
-    __slots__ = ("max_message_bytes",)
+    ``hooks`` are the endpoint's ``@bus.outgoing`` hooks, which every outgoing
+    message passes (:meth:`hooked`) before its envelope is built; ``now`` is the
+    clock a ``delay`` counts from (a test's clock in :mod:`nmbus.testing`).
+    """
 
-    def __init__(self, max_message_bytes: int) -> None:
+    __slots__ = ("hooks", "max_message_bytes", "now")
+
+    def __init__(self, max_message_bytes: int, now: Callable[[], datetime] = _utc_now) -> None:
         self.max_message_bytes = max_message_bytes
+        self.hooks: tuple[Link, ...] = ()
+        self.now = now
+
+    def add_hook(self, func: Any) -> Link:
+        """Add ``async def h(msg, headers, call_next)`` around every outgoing message."""
+        link = checked(func, "outgoing hook", "headers")
+        self.hooks = (*self.hooks, link)
+        return link
+
+    async def hooked(self, message: Message, options: Outgoing) -> Outgoing:
+        """``options`` as the outgoing hooks leave them (call it only when there are hooks).
+
+        Each hook gets the message and its headers as a mutable dict of str to
+        str, nmbus's own (``nmbus-*``) left out and put back after the hooks:
+        they steer delivery and no hook may change them. Refused with
+        InvalidMessage: a hook that raises it, one that returns without calling
+        ``call_next`` (the message is not sent), or headers it left that are not
+        str to str or name nmbus's own.
+        """
+        given = options.headers or {}
+        own = {k: v for k, v in given.items() if _internal(k)}
+        headers = {k: v for k, v in given.items() if not _internal(k)}
+        stopped = await run_chain(self.hooks, message, headers, None, "outgoing hook")
+        if stopped is not None:
+            raise InvalidMessage(
+                f"outgoing hook {name_of(stopped)} did not call call_next(): "
+                f"{type_name(message)} is not sent"
+            )
+        for key, value in headers.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise InvalidMessage(
+                    f"outgoing hooks must leave headers of str to str, got "
+                    f"{type(key).__name__}: {type(value).__name__}"
+                )
+            if _internal(key):
+                raise InvalidMessage(
+                    f"header {key[:60]!r}: an outgoing hook may not set nmbus's own headers "
+                    f"({INTERNAL_PREFIX}*)"
+                )
+        merged = {**headers, **own}
+        return options.with_headers(merged or None)
 
     def for_send(self, message: Message, to: str, options: Outgoing) -> Envelope:
         """The envelope of a message sent to queue ``to`` (by the bus or a handler)."""
@@ -440,13 +502,16 @@ class EnvelopeBuilder:
         if correlation_id is not None and (not isinstance(correlation_id, str) or correlation_id):
             check_key("correlation_id", correlation_id)
         uid = unique_id or uuid.uuid4().hex
+        delay = options.delay
         return Envelope(
             label=message.__type_name__,
             msg_text=text,
             msg_headers=header_text,
             unique_id=uid,
             correlation_id=correlation_id or uid,
-            deliver_at=options.deliver_at,
+            deliver_at=(
+                options.deliver_at if delay is None else self.now() + timedelta(seconds=delay)
+            ),
             priority=controls.priority,
             sequence=controls.sequence,
             expires_at=controls.expires_at,

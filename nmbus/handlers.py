@@ -20,6 +20,7 @@ from nmbus.context import Context
 from nmbus.delivery.flow import FlowLimits, Limits
 from nmbus.errors import MAX_SECONDS, HandlerError
 from nmbus.messages import Message, subtypes, type_name
+from nmbus.middleware import Link, checked
 from nmbus.retry import RetryPolicy
 
 HandlerFunc = Callable[[Any, Context], Awaitable[None]]
@@ -56,9 +57,12 @@ class Handler:
 
 
 class Registry:
-    """Handlers by message class, with a per-class dispatch cache."""
+    """Handlers by message class, with a per-class dispatch cache, and the
+    middleware that runs around every handling (in registration order)."""
 
     def __init__(self) -> None:
+        #: ``@bus.middleware`` functions, outermost first (nmbus/middleware.py).
+        self.middleware: tuple[Link, ...] = ()
         self._by_type: dict[type[Message], list[Handler]] = {}
         self._dispatch: dict[type[Message], tuple[Handler, ...]] = {}
         # How many registered handlers may have effects outside the database.
@@ -133,6 +137,12 @@ class Registry:
         self._outside += outside_effects or handler.rated
         self.version += 1
         return handler
+
+    def add_middleware(self, func: Any) -> Link:
+        """Add ``async def m(msg, ctx, call_next)`` around every handling, inside the others."""
+        link = checked(func, "middleware", "ctx")
+        self.middleware = (*self.middleware, link)
+        return link
 
     def handlers_for(self, cls: type[Message]) -> tuple[Handler, ...]:
         """Handlers for ``cls`` and its Message bases, most specific first."""

@@ -832,7 +832,9 @@ async def test_a_batch_that_loses_a_deadlock_outside_its_handlers_runs_again_at_
     runs: list[int] = []
     prepare = SagaLocks.prepare
 
-    async def before_handlers(self: SagaLocks, tx: Any, rows: list[Any], wait: bool) -> set[int]:
+    async def before_handlers(
+        self: SagaLocks, tx: Any, rows: list[Any], wait: bool, table: Any
+    ) -> set[int]:
         # Statements of the batch's own, outside any handler's savepoint (as the
         # saga locks' are): a deadlock here aborts the whole batch's transaction.
         hooks.append(len(rows))
@@ -843,7 +845,7 @@ async def test_a_batch_that_loses_a_deadlock_outside_its_handlers_runs_again_at_
             holding.set()
             await go.wait()
         await tx.connection.execute("UPDATE pair SET v = v + 1 WHERE id = 2")
-        return await prepare(self, tx, rows, wait)
+        return await prepare(self, tx, rows, wait, table)
 
     monkeypatch.setattr(SagaLocks, "prepare", before_handlers)
 

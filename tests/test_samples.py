@@ -80,3 +80,83 @@ def test_flow_control_sample_runs(dsn: str) -> None:
     assert lines[2] == "exports running at once per tenant: {'big': 1, 'small': 1}"
     behind = re.fullmatch(r"the small tenant's export waited for (\d+) of the big .*", lines[3])
     assert behind is not None and int(behind[1]) < 10, lines[3]
+
+
+def test_middleware_sample_logs_each_orders_tenant_on_every_line(dsn: str) -> None:
+    from samples.middleware import ORDERS
+
+    result = run_sample("middleware", dsn)
+    lines = result.stdout.splitlines()
+    tenants = {order_id: tenant for order_id, tenant, _ in ORDERS}
+    seen: set[tuple[str, str]] = set()
+    for line in lines:
+        fields = dict(part.split("=", 1) for part in line.split(" ") if "=" in part)
+        # Every line names its service and the tenant of the order it is about.
+        assert fields.get("tenant") == repr(tenants[int(fields["order_id"])]), line
+        seen.add((fields["service"], fields["event"]))
+    assert seen == {
+        ("'http'", "'order_requested'"),
+        ("'mw_orders'", "'order_placed'"),
+        ("'mw_payments'", "'card_charged'"),
+        ("'mw_orders'", "'order_paid'"),
+    }
+    assert len(lines) == 4 * len(ORDERS)
+
+
+NOWHERE = "postgresql://nobody@127.0.0.1:1/nothing"
+
+
+async def test_middleware_samples_services_carry_the_tenant_without_a_database() -> None:
+    import pytest
+
+    from nmbus import InvalidMessage
+    from nmbus.testing import HandlerTest
+    from samples.middleware import ChargeCard, PlaceOrder, http_app, post, services
+
+    web, orders, payments, _ = services(NOWHERE)
+    t = HandlerTest(orders)
+    outcome = await t.handle(PlaceOrder(order_id=5, amount=3.0), headers={"tenant": "acme"})
+    assert outcome.processed
+    [charge] = t.sent
+    assert charge.to == "mw_payments" and charge.message == ChargeCard(order_id=5, amount=3.0)
+    assert charge.headers == {"tenant": "acme"}
+    p = HandlerTest(payments)
+    await p.handle(charge.message, headers=charge.headers, from_endpoint="mw_orders")
+    [reply] = p.replies
+    assert reply.to == "mw_orders" and reply.headers == {"tenant": "acme"}
+    # Outside any tenant the outgoing hook refuses, before anything is written.
+    with pytest.raises(InvalidMessage, match="sent outside any tenant"):
+        await web.send(PlaceOrder(order_id=6, amount=1.0), to="mw_orders")
+    status, answer = await post(http_app(web), "/orders", {"order_id": 6, "amount": 1.0}, {})
+    assert status == 400 and "X-Tenant" in answer["error"]
+
+
+async def test_fulfilment_sample_reminds_once_the_payment_is_overdue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from datetime import timedelta
+
+    from nmbus.testing import SagaScenario
+
+    monkeypatch.setenv("NMBUS_DSN", NOWHERE)  # the endpoint is built at import
+    from samples.shop.fulfilment import Fulfilment, OrderPlaced, PaymentTaken, bus, plan
+
+    monkeypatch.setattr(plan, "payment_due", 600.0)
+    late = SagaScenario(bus, key=1)
+    await late.handle(OrderPlaced(order_id=1, customer="ada"))
+    await late.advance(timedelta(seconds=599))
+    assert late.state == Fulfilment(order_id=1, customer="ada", placed=True)
+    await late.advance(timedelta(seconds=1))
+    assert late.state == Fulfilment(order_id=1, customer="ada", placed=True, reminded=True)
+    await late.handle(PaymentTaken(order_id=1))
+    assert late.state is not None and late.state.paid and not late.completed
+
+    on_time = SagaScenario(bus, key=2)
+    await on_time.handle(OrderPlaced(order_id=2, customer="bob"))
+    await on_time.handle(PaymentTaken(order_id=2))
+    from samples.shop.fulfilment import OrderShipped
+
+    await on_time.handle(OrderShipped(order_id=2, carrier="post"))
+    assert on_time.completed
+    [ignored] = await on_time.advance(timedelta(hours=1))
+    assert ignored.processed and (ignored.error_info or "").startswith("saga timeout ignored")

@@ -1,10 +1,12 @@
 """Registration: what an endpoint declares before it runs.
 
 Handlers (``@bus.handler``), sagas (``bus.saga``), periodic handlers
-(``@bus.periodic``), subscriptions (``bus.subscribe``), and the types it
+(``@bus.periodic``), subscriptions (``bus.subscribe``), the types it
 publishes and sends (``bus.publishes``, ``bus.sends``: for its contract
-document, ``nmbus asyncapi``). Each is checked when it is declared: misuse
-fails at registration, loudly, not at the first message.
+document, ``nmbus asyncapi``), and the middleware around every message
+handled (``@bus.middleware``) or sent (``@bus.outgoing``). Each is checked
+when it is declared: misuse fails at registration, loudly, not at the first
+message.
 
 These are methods of :class:`~nmbus.Bus` (this class is its base), kept in
 their own module; the Bus sets the attributes named here.
@@ -19,15 +21,18 @@ from typing import Any, Literal, TypeVar, overload
 from nmbus.delivery.flow import Limits
 from nmbus.delivery.periodic import Schedule, Tick, TickHandler, router
 from nmbus.delivery.subscriptions import Subscriptions
+from nmbus.envelopes import EnvelopeBuilder
 from nmbus.errors import ConfigurationError
 from nmbus.handlers import HandlerFunc, Registry
 from nmbus.messages import Message, type_name
+from nmbus.middleware import Link
 from nmbus.names import validate_queue_name
 from nmbus.ports.store import Store
 from nmbus.retry import RetryPolicy
 from nmbus.sagas.saga import S, Saga
 
 F = TypeVar("F", bound=HandlerFunc)
+L = TypeVar("L", bound=Link)
 
 
 @dataclass(slots=True)
@@ -59,6 +64,7 @@ class Registration:
     endpoint: str
     store: Store
     registry: Registry
+    envelopes: EnvelopeBuilder
     subscriptions: Subscriptions
     sagas: dict[str, Saga[Any]]
     outgoing_types: OutgoingTypes
@@ -124,6 +130,45 @@ class Registration:
             return func
 
         return register
+
+    def middleware(self, func: L, /) -> L:
+        """Run ``async def m(msg, ctx, call_next) -> None`` around every handling.
+
+        Inside the message's transaction, around its handlers: ``await
+        call_next()`` runs the next middleware (registration order: the first
+        registered is outermost) and then the handlers. What it raises, before
+        or after ``call_next``, fails the message as a handler's exception
+        would (retry, F, ``error_info``); context variables it sets are seen by
+        the handlers; one that returns without calling ``call_next`` leaves the
+        message processed (X) without its handlers. Calling it twice is an
+        error. Registered before the bus starts (ConfigurationError after).
+        See docs/middleware.md.
+        """
+        self._before_start("middleware")
+        self.registry.add_middleware(func)
+        return func
+
+    def outgoing(self, func: L, /) -> L:
+        """Run ``async def h(msg, headers, call_next) -> None`` around every outgoing message.
+
+        Sends, publishes, requests, replies, saga timeouts and what handlers
+        send, before the envelope is built: ``headers`` is a mutable dict of
+        str to str (nmbus's own ``nmbus-*`` headers are not in it and cannot
+        be set); ``await call_next()`` goes on to the next hook and the send.
+        Raising (InvalidMessage, say) refuses the message; a hook that returns
+        without calling ``call_next`` makes the send raise InvalidMessage.
+        Registration order is call order; registered before the bus starts.
+        See docs/middleware.md.
+        """
+        self._before_start("outgoing hooks")
+        self.envelopes.add_hook(func)
+        return func
+
+    def _before_start(self, what: str) -> None:
+        if self._started:
+            raise ConfigurationError(
+                f"register {what} before the bus starts: endpoint {self.endpoint!r} is running"
+            )
 
     def saga(
         self,

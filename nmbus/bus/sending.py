@@ -99,9 +99,12 @@ class Sending:
     ) -> str:
         """``send`` with its options checked (``request`` adds nmbus's own headers)."""
         check_connection(connection)
+        builder = self.envelopes
         with tracer_of(self.tracing).producing("send", to) as producer:
             traced = options.with_headers(producer.headers(options.headers))
-            envelope = self.envelopes.for_send(message, to, traced)
+            if builder.hooks:
+                traced = await builder.hooked(message, traced)
+            envelope = builder.for_send(message, to, traced)
             producer.sent(envelope)
             await self.store.insert(to, self.endpoint, [envelope], connection)
         return envelope.unique_id
@@ -174,9 +177,12 @@ class Sending:
         """
         checked = outgoing(options, "publish")
         check_connection(connection)
+        builder = self.envelopes
         with tracer_of(self.tracing).producing("publish", type_name(message)) as producer:
             traced = checked.with_headers(producer.headers(checked.headers))
-            envelope, chain = self.envelopes.for_publish(message, traced)
+            if builder.hooks:
+                traced = await builder.hooked(message, traced)
+            envelope, chain = builder.for_publish(message, traced)
             producer.sent(envelope)
             copies = await self.store.publish(self.endpoint, [envelope], [chain], connection)
         self._log_published(1, copies)
@@ -215,9 +221,12 @@ class Sending:
         correlation_id: str | None,
         connection: Any,
     ) -> dict[str, int]:
-        build = self.envelopes.for_publish
+        builder = self.envelopes
         options = Outgoing(headers, correlation_id=correlation_id)
-        pairs = [build(m, options) for m in messages]
+        if builder.hooks:
+            pairs = [builder.for_publish(m, await builder.hooked(m, options)) for m in messages]
+        else:
+            pairs = [builder.for_publish(m, options) for m in messages]
         envelopes = [envelope for envelope, _ in pairs]
         return await self.store.publish(
             self.endpoint, envelopes, [chain for _, chain in pairs], connection

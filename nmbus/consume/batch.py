@@ -39,7 +39,7 @@ from nmbus.envelopes import IN_REPLY_TO_HEADER
 from nmbus.errors import DatabaseUnavailable, LeaseLost, OutcomeNotRecorded, StoreError
 from nmbus.logs import debug_enabled
 from nmbus.messages import StoredMessage
-from nmbus.ports.store import Batch, Outcomes, Store, WorkerSession
+from nmbus.ports.store import Batch, Outcomes, SagaTable, Store, WorkerSession
 from nmbus.received import Received
 from nmbus.sagas.locks import SagaLocks
 from nmbus.settings import Settings
@@ -84,6 +84,14 @@ class BatchRunner:
         self.replays = 0
         # Outcomes committed so far, by subqueue (X, R, F; "released" when given back).
         self.outcomes: Counter[str] = Counter()
+        self._saga_table: SagaTable | None = None
+
+    @property
+    def saga_table(self) -> SagaTable:
+        """The saga table of this queue in the store the batches run on."""
+        if self._saga_table is None:
+            self._saga_table = self.store.saga_table(self.queue)
+        return self._saga_table
 
     async def process(
         self,
@@ -306,7 +314,7 @@ class BatchRunner:
                 # which its size has no part in: the sizer does not count it.
                 waited = time.monotonic()
                 if sagas is not None:
-                    later = await sagas.prepare(tx, received, False)
+                    later = await sagas.prepare(tx, received, False, self.saga_table)
                 waited = time.monotonic() - waited
                 first = [r for r in received if r.row.id not in later] if later else received
                 run = (outcomes, done, debug, claim, unguarded, failed)
@@ -488,7 +496,7 @@ class BatchRunner:
         # The commit let go of the saga locks: the rest of the batch takes its own
         # again, all at once, holding nothing meanwhile.
         began = time.monotonic()
-        await sagas.prepare(tx, rest, True)
+        await sagas.prepare(tx, rest, True, self.saga_table)
         return time.monotonic() - began
 
     async def _handle_concurrently(

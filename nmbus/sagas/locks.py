@@ -149,13 +149,15 @@ class SagaLocks:
         tx: Batch,
         batch: list[Received],
         wait: bool,
+        table: SagaTable,
     ) -> set[int]:
+        """Take the sagas of ``batch`` in ``tx``, from ``table`` (the saga table of the
+        store the batch runs on); the ids of the messages left for later."""
         if wait:
             # The commit before this let go of the batch's sagas, here as in PostgreSQL.
             self._let_go_of(tx)
         needs: list[tuple[Received, set[SagaKey]]] = []
         keys: set[SagaKey] = set()
-        table: SagaTable | None = None
         for received in batch:
             received.sagas = None
             found = received.found
@@ -166,10 +168,8 @@ class SagaLocks:
                 names = {(saga.name, key) for saga, key in found}
                 needs.append((received, names))
                 keys |= names
-                table = found[0][0].table
-        if table is None:
-            table = next((saga.table for saga in self._sagas.values()), None)
-            if table is not None:
+        if not needs:
+            if self._sagas:
                 states = SagaStates(table)
                 for received in batch:
                     received.sagas = states

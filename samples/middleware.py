@@ -78,29 +78,46 @@ def with_tenant(bus: Bus) -> Bus:
     return bus
 
 
-def services(dsn: str | None = None) -> tuple[Bus, Bus, Bus, asyncio.Queue[int]]:
-    """The web front's endpoint, orders and payments; and the ids of paid orders."""
-    web = with_tenant(Bus("mw_web", dsn=dsn, concurrency=0))  # it only sends
-    orders = with_tenant(Bus("mw_orders", dsn=dsn, poll_interval=0.5))
-    payments = with_tenant(Bus("mw_payments", dsn=dsn, poll_interval=0.5))
-    paid: asyncio.Queue[int] = asyncio.Queue()
+# The web front's endpoint (it only sends), orders and payments; NMBUS_DSN says where.
+web = Bus("mw_web", concurrency=0)
+orders = Bus("mw_orders", poll_interval=0.5)
+payments = Bus("mw_payments", poll_interval=0.5)
+for endpoint in (web, orders, payments):
+    with_tenant(endpoint)
+# For their contract documents (nmbus asyncapi samples.middleware:orders, ...).
+web.sends(PlaceOrder, to="mw_orders")
+orders.sends(ChargeCard, to="mw_payments")
 
-    @orders.handler
-    async def place(msg: PlaceOrder, ctx: Context) -> None:
-        log.info("order_placed", order_id=msg.order_id)
-        await ctx.send(ChargeCard(order_id=msg.order_id, amount=msg.amount), to="mw_payments")
 
-    @payments.handler
-    async def charge(msg: ChargeCard, ctx: Context) -> None:
-        log.info("card_charged", order_id=msg.order_id, amount=msg.amount)
-        await ctx.reply(CardCharged(order_id=msg.order_id))
+class Paid:
+    """The ids of the orders paid so far, and the event ``main`` waits on."""
 
-    @orders.handler
-    async def charged(msg: CardCharged, ctx: Context) -> None:
-        log.info("order_paid", order_id=msg.order_id)
-        paid.put_nowait(msg.order_id)
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.all: asyncio.Event | None = None
 
-    return web, orders, payments, paid
+
+paid = Paid()
+
+
+@orders.handler
+async def place(msg: PlaceOrder, ctx: Context) -> None:
+    log.info("order_placed", order_id=msg.order_id)
+    await ctx.send(ChargeCard(order_id=msg.order_id, amount=msg.amount), to="mw_payments")
+
+
+@payments.handler
+async def charge(msg: ChargeCard, ctx: Context) -> None:
+    log.info("card_charged", order_id=msg.order_id, amount=msg.amount)
+    await ctx.reply(CardCharged(order_id=msg.order_id))
+
+
+@orders.handler
+async def charged(msg: CardCharged, ctx: Context) -> None:
+    log.info("order_paid", order_id=msg.order_id)
+    paid.ids.append(msg.order_id)
+    if paid.all is not None and len(paid.ids) >= len(ORDERS):
+        paid.all.set()
 
 
 def http_app(web: Bus) -> Starlette:
@@ -180,8 +197,8 @@ def configure_logging() -> None:
 
 
 async def main() -> None:
-    web, orders, payments, paid = services()
     app = http_app(web)
+    paid.all = asyncio.Event()
     async with web, orders, payments:
         for order_id, tenant, amount in ORDERS:
             status, answer = await post(
@@ -189,8 +206,8 @@ async def main() -> None:
             )
             assert status == 202, answer
         async with asyncio.timeout(30):
-            done = {await paid.get() for _ in ORDERS}
-    assert done == {order_id for order_id, _, _ in ORDERS}
+            await paid.all.wait()
+    assert set(paid.ids) == {order_id for order_id, _, _ in ORDERS}
 
 
 if __name__ == "__main__":

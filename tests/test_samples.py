@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -82,7 +84,10 @@ def test_flow_control_sample_runs(dsn: str) -> None:
     assert behind is not None and int(behind[1]) < 10, lines[3]
 
 
-def test_middleware_sample_logs_each_orders_tenant_on_every_line(dsn: str) -> None:
+def test_middleware_sample_logs_each_orders_tenant_on_every_line(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NMBUS_DSN", dsn)  # the endpoints are built at import
     from samples.middleware import ORDERS
 
     result = run_sample("middleware", dsn)
@@ -106,14 +111,15 @@ def test_middleware_sample_logs_each_orders_tenant_on_every_line(dsn: str) -> No
 NOWHERE = "postgresql://nobody@127.0.0.1:1/nothing"
 
 
-async def test_middleware_samples_services_carry_the_tenant_without_a_database() -> None:
-    import pytest
-
+async def test_middleware_samples_services_carry_the_tenant_without_a_database(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from nmbus import InvalidMessage
     from nmbus.testing import HandlerTest
-    from samples.middleware import ChargeCard, PlaceOrder, http_app, post, services
 
-    web, orders, payments, _ = services(NOWHERE)
+    monkeypatch.setenv("NMBUS_DSN", NOWHERE)  # the endpoints are built at import
+    from samples.middleware import ChargeCard, PlaceOrder, http_app, orders, payments, post, web
+
     t = HandlerTest(orders)
     outcome = await t.handle(PlaceOrder(order_id=5, amount=3.0), headers={"tenant": "acme"})
     assert outcome.processed

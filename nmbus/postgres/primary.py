@@ -1,0 +1,35 @@
+"""The server a DSN reaches must take writes: a hot standby is refused at start.
+
+nmbus writes to its database from the first statement a worker runs (a claim
+is an UPDATE) and a send is an INSERT. A DSN that reaches a read-only server
+(a standby, or a primary whose ``default_transaction_read_only`` is on) would
+start, and then fail at every claim and send; so a Bus and the operations
+refuse it when they open, with the way out: point the DSN at the primary, or
+name every server with ``target_session_attrs=read-write`` so that the driver
+picks the one that takes writes (docs/deployment.md, "Failover").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nmbus.errors import InvalidSetting
+from nmbus.logs import scrub
+from nmbus.postgres.sql import render
+
+
+async def refuse_read_only(conn: Any, dsn: str | None) -> None:
+    """Raise InvalidSetting when ``conn``'s server cannot take nmbus's writes."""
+    read_only, standby = await conn.fetchrow(render("server_read_only", "nmbus"))
+    if not read_only:
+        return
+    what = (
+        "a hot standby (in recovery)"
+        if standby
+        else "a server whose default_transaction_read_only is on"
+    )
+    raise InvalidSetting(
+        f"the DSN {scrub(dsn or '')} reaches a read-only server, {what}: nmbus writes "
+        "to its database; point the DSN at the primary, or name every server with "
+        "target_session_attrs=read-write"
+    )

@@ -40,7 +40,8 @@ class Server(PrivateServer):
         return f"127.0.0.1:{self.port}"
 
     def promote(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")
+        """Ask this standby to become a primary; returns at once (the caller sees when)."""
+        self._run("pg_ctl", "-D", str(self.data), "-W", "promote")
 
     def follow(self, primary: Server) -> None:
         """Make this (stopped) cluster a standby of ``primary``: it starts read-only.

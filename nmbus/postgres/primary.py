@@ -6,7 +6,7 @@ is an UPDATE) and a send is an INSERT. A DSN that reaches a read-only server
 start, and then fail at every claim and send; so a Bus and the operations
 refuse it when they open, with the way out: point the DSN at the primary, or
 name every server with ``target_session_attrs=read-write`` so that the driver
-picks the one that takes writes (docs/deployment.md, "Failover").
+picks the one that takes writes (docs/reliability.md, "Production PostgreSQL").
 """
 
 from __future__ import annotations

@@ -112,6 +112,21 @@ class Pair:
                 raise AssertionError(f"the standby is not streaming ({wanted}): {states}")
             time.sleep(0.1)
 
+    def cut(self, timeout: float = 30.0) -> None:
+        """The standby stops receiving WAL, as one that lags when its primary dies.
+
+        Its primary_conninfo then names a port nobody listens on; this returns once
+        the primary has no standby streaming: what commits after is not replicated
+        (with synchronous replication, commits wait for a standby from now on).
+        """
+        _fetch(self.standby.dsn, "ALTER SYSTEM SET primary_conninfo = 'host=127.0.0.1 port=1'")
+        _fetch(self.standby.dsn, "SELECT pg_reload_conf()")
+        deadline = time.monotonic() + timeout
+        while _fetch(self.primary.dsn, "SELECT count(*) FROM pg_stat_replication") != [(0,)]:
+            if time.monotonic() > deadline:
+                raise AssertionError("the standby still streams")
+            time.sleep(0.05)
+
     def remove(self) -> None:
         try:
             self.standby.remove()

@@ -363,7 +363,10 @@ class PostgresOperations:
                 try:
                     with wrap_errors("open"):
                         async with pool.acquire() as conn:
-                            await refuse_read_only(conn, self.dsn)
+                            # A standby's figures lag and its writes fail: refused. A role
+                            # or database read-only by default reads (its writes fail with
+                            # the server's own error): how a viewer is given access.
+                            await refuse_read_only(conn, self.dsn, standby_only=True)
                 except BaseException:
                     await pool.close()
                     raise

@@ -157,3 +157,7 @@ async def test_a_database_read_only_by_default_is_refused(dsn: str) -> None:
         await conn.close()
     with pytest.raises(InvalidSetting, match="default_transaction_read_only is on"):
         await Bus("billing", dsn=dsn).start()
+    # The operations read there (a viewer's access); tests/test_admin_guards.py
+    # shows that their writes then fail with the server's own error.
+    async with Admin(dsn) as admin:
+        assert await admin.list_queues() == []

@@ -4,9 +4,11 @@ A primary and a standby of the test's own (tests/standby.py), a DSN that names
 both with ``target_session_attrs=read-write``, two worker processes
 (tests/failover_workers.py: an effect through ``ctx.connection``, one outside
 the database, a copy through the outbox and the forwarder to another database,
-retention every half second) and four sender tasks. Nobody restarts anything:
-the processes must find the new primary by themselves. Then the old primary
-is started again as a standby of the new one, and must never see a write.
+retention every half second) and four sender tasks. The standby stops
+receiving WAL just before the primary dies, as a standby that lags. Nobody
+restarts anything: the processes must find the new primary by themselves.
+Then the old primary is started again as a standby of the new one, and must
+never see a write.
 
 With synchronous replication nothing a send returned for is lost; with
 asynchronous replication the test measures what is (the last commits not yet

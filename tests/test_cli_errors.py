@@ -98,6 +98,16 @@ def test_an_unreachable_database_is_one_line() -> None:
     one_line_error(result.stderr, result.exit_code, 1, "cannot connect", "127.0.0.1:1")
 
 
+def test_an_unreachable_primary_and_standby_are_one_line() -> None:
+    # A DSN naming several servers is a DSN like any other: none answering is
+    # "cannot connect" (exit 1), never an invalid DSN (urlsplit reads no port in it).
+    both = "postgresql://postgres@127.0.0.1:1,127.0.0.1:2/x?target_session_attrs=read-write"
+    result = invoke("status", "--dsn", both)
+    one_line_error(result.stderr, result.exit_code, 1, "cannot connect", "127.0.0.1:1,127.0.0.1:2")
+    created = invoke("queues", "create", "billing", "--dsn", both)
+    one_line_error(created.stderr, created.exit_code, 1, "cannot connect")
+
+
 @pytest.mark.parametrize("size", ["-5", "0", "100001"])
 def test_cleanup_refuses_a_batch_size_out_of_range(dsn: str, size: str) -> None:
     # 0 used to mean "the default, 5000" without a word.

@@ -78,7 +78,7 @@ def wrap_errors(what: str) -> Iterator[None]:
             said = scrub(str(exc)).splitlines()[0]
             raise StoreError(f"{what}: {hint} ({type(exc).__name__}: {said})") from exc
         if is_connection_error(exc):
-            raise DatabaseUnavailable(f"{what}: database unavailable ({scrub(str(exc))})") from exc
+            raise DatabaseUnavailable(f"{what}: database unavailable ({_why(exc)})") from exc
         raise StoreError(f"{what}: {type(exc).__name__}: {scrub(str(exc))}") from exc
 
 
@@ -98,18 +98,36 @@ def wrap_connect_errors(dsn: str | None, *, unavailable: bool = True) -> Iterato
     except (asyncpg.exceptions.ClientConfigurationError, ValueError, OverflowError) as exc:
         reason = scrub(str(exc).removeprefix("invalid DSN: "))
         raise InvalidSetting(f"invalid DSN {shown}: {_port_problem(dsn) or reason}") from exc
-    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except (
+        OSError,
+        TimeoutError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        asyncpg.exceptions.TargetServerAttributeNotMatched,
+    ) as exc:
         if problem := _port_problem(dsn):
             raise InvalidSetting(f"invalid DSN {shown}: {problem}") from exc
         if not unavailable:
             raise
-        raise DatabaseUnavailable(f"cannot connect to {shown}: {scrub(str(exc))}") from exc
+        raise DatabaseUnavailable(f"cannot connect to {shown}: {_why(exc)}") from exc
+
+
+def _why(exc: BaseException) -> str:
+    """The driver's reason, without a password; in words for a DSN that found no primary."""
+    if isinstance(exc, asyncpg.exceptions.TargetServerAttributeNotMatched):
+        # Each server named answered, none takes writes: a failover under way (no
+        # standby promoted yet), or a DSN that names only standbys.
+        return "no server of the DSN takes writes now (target_session_attrs=read-write)"
+    return scrub(str(exc))
 
 
 def _port_problem(dsn: str | None) -> str | None:
-    """Why the port of a URL-style DSN cannot be one (asked only after a failure)."""
+    """Why a port of a URL-style DSN cannot be one (asked only after a failure)."""
     try:
-        _ = urlsplit(dsn or "").port  # a property that checks the port
+        servers = urlsplit(dsn or "").netloc.rpartition("@")[2]
+        # A DSN may name several servers (host1:5432,host2:5432): each its own port.
+        for server in servers.split(","):
+            _ = urlsplit(f"//{server}").port  # a property that checks the port
     except ValueError as exc:
         return str(exc)
     return None

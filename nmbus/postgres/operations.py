@@ -46,6 +46,7 @@ from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.flow import flow_status_on
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.pooler import Pooler
+from nmbus.postgres.primary import refuse_read_only
 from nmbus.postgres.reclaim import due
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.schema import CREATED_BY_SEND, readiness_on
@@ -352,13 +353,24 @@ class PostgresOperations:
                     # estimate for a history of many buckets would send through a
                     # compile of ~0.5 s (measured on 4M rows: 35 ms without it).
                     # Behind a transaction pooler JIT stays as the server has it.
-                    self._pool = await asyncpg.create_pool(
+                    pool = await asyncpg.create_pool(
                         self.dsn,
                         min_size=1,
                         max_size=self.pool_size,
                         timeout=10,
                         **self.pooler.pool_options({"jit": "off"}),
                     )
+                try:
+                    with wrap_errors("open"):
+                        async with pool.acquire() as conn:
+                            # A standby's figures lag and its writes fail: refused. A role
+                            # or database read-only by default reads (its writes fail with
+                            # the server's own error): how a viewer is given access.
+                            await refuse_read_only(conn, self.dsn, standby_only=True)
+                except BaseException:
+                    await pool.close()
+                    raise
+                self._pool = pool
             return self._pool
 
     @asynccontextmanager

@@ -33,6 +33,7 @@ from nmbus.postgres.flow import flow_status_on
 from nmbus.postgres.listen import close_quietly as _close_quietly
 from nmbus.postgres.listen import listen_loop, notify_channel
 from nmbus.postgres.pooler import Pooler, refuse_deaf_listener
+from nmbus.postgres.primary import refuse_read_only
 from nmbus.postgres.pubsub import (
     create_queue_on,
     install_publish_function,
@@ -136,14 +137,17 @@ class PostgresStore:
                     **self.pooler.pool_options(),
                 )
             # Before anything is prepared: refused here, not at the first send.
-            await self._refuse_deaf_listener(self._pool)
+            await self._refuse_unusable(self._pool)
             async with self._pool.acquire() as conn:
                 await install_schema(conn, self.schema)
                 await install_publish_function(conn, self.schema)
 
-    async def _refuse_deaf_listener(self, pool: asyncpg.Pool) -> None:
+    async def _refuse_unusable(self, pool: asyncpg.Pool) -> None:
+        """A read-only server, then a listener that would not hear (a standby fails
+        the latter's LISTEN: it must be told to go to the primary first)."""
         try:
             async with pool.acquire() as conn:
+                await refuse_read_only(conn, self.dsn)
                 await refuse_deaf_listener(self.pooler, self.dsn, conn)
         except BaseException:
             await self.close()

@@ -29,6 +29,12 @@ SELECT pg_advisory_xact_lock(hashtext($1));
 -- (nmbus/postgres/outgrown.py).
 SELECT pg_try_advisory_xact_lock(hashtext($1));
 
+-- server_read_only --
+-- Whether this session can write (a hot standby, or a server whose
+-- default_transaction_read_only is on, cannot), and whether the server is a
+-- standby (in recovery).
+SELECT current_setting('transaction_read_only') = 'on', pg_is_in_recovery();
+
 -- create_schema --
 -- Create the schema and its shared tables (idempotent).
 CREATE SCHEMA IF NOT EXISTS {schema};

@@ -52,7 +52,12 @@ from nmbus.consume.sizing import BatchSizer
 from nmbus.consume.turns import Turn
 from nmbus.consume.wakeups import Wakeups
 from nmbus.delivery.flow import FlowLimits
-from nmbus.errors import ConfigurationError, DatabaseUnavailable, StoreError
+from nmbus.errors import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    StoreError,
+    cancelled_by_server,
+)
 from nmbus.logs import log_failure, per_message_logs
 from nmbus.maintenance.supervise import Backoff, Services, supervise
 from nmbus.ports.store import Store, WorkerSession
@@ -67,6 +72,14 @@ log = structlog.get_logger("nmbus.worker")
 #: How often a worker with flow limits and metrics counts what its limits hold
 #: back (one statement that counts the ready rows of its limited types).
 HELD_BACK_INTERVAL = 5.0
+#: Seconds a batch's transaction may stay idle beyond its handlers' timeouts and
+#: one part's commit interval (a busy event loop, the round trips between them).
+IDLE_MARGIN = 5.0
+#: Times one message's batch may be cut short by the server in this process (its
+#: connection ended, a statement of nmbus's cancelled) at no cost to its attempts;
+#: beyond, the attempt counts, so a message whose handler ends its own backend
+#: every time still reaches F (as MAX_FREE_CONFLICTS does for conflicts).
+MAX_FREE_INTERRUPTIONS = 10
 
 
 class Worker:
@@ -112,6 +125,8 @@ class Worker:
             stopping=self._stopping,
         )
         self._gate: Gate | None = None
+        # Batches cut short by the server so far, by message (MAX_FREE_INTERRUPTIONS).
+        self._interrupted: dict[int, int] = {}
         # The limits of the endpoint's handlers (nmbus/delivery/flow.py), read when it starts.
         self.flow: FlowLimits | None = None
         self._marks: StartMarks | None = None
@@ -215,7 +230,7 @@ class Worker:
         self.claims.begin()
         sizer = BatchSizer(self.settings.batch_size)
         try:
-            async with self.store.worker_session(self.flow) as session:
+            async with self.store.worker_session(self.flow, self._idle()) as session:
                 ahead: Claim | None = None
                 while True:
                     claim = ahead or await self._claim(session, sizer.limit, "burst")
@@ -231,6 +246,13 @@ class Worker:
             await self._marks.close()
         done = self.outcomes - before
         return {subqueue: done[subqueue] for subqueue in ("X", "R", "F")}
+
+    def _idle(self) -> float:
+        """The longest a batch's transaction may stay idle while its handlers run:
+        one message's handlers (their timeouts), one part's commit interval, a margin."""
+        settings = self.settings
+        longest = self.dispatcher.registry.longest_handling(settings.handler_timeout)
+        return longest + settings.batch_commit_interval + IDLE_MARGIN
 
     def _on_wakeup(self, queue: str) -> None:
         if queue == self.queue or queue == "*":
@@ -338,11 +360,8 @@ class Worker:
         backoff = Backoff(reconnect)
 
         async def connected() -> None:
-            async with self.store.worker_session(self.flow) as session:
-                if backoff.failures:
-                    log.info("worker_reconnected", queue=self.queue, loop=index)
-                backoff.reset()
-                await self._serve(session, index)
+            async with self.store.worker_session(self.flow, self._idle()) as session:
+                await self._serve(session, index, backoff)
 
         def report(exc: BaseException, pause: float) -> None:
             if isinstance(exc, asyncio.CancelledError):
@@ -350,6 +369,14 @@ class Worker:
             elif isinstance(exc, DatabaseUnavailable):
                 log.warning(
                     "worker_connection_lost",
+                    queue=self.queue,
+                    loop=index,
+                    error=str(exc),
+                    retry_in=round(pause, 3),
+                )
+            elif cancelled_by_server(exc):
+                log.warning(
+                    "worker_statement_cancelled",
                     queue=self.queue,
                     loop=index,
                     error=str(exc),
@@ -369,7 +396,7 @@ class Worker:
             stop=self._stopping,
         )
 
-    async def _serve(self, session: WorkerSession, loop: int) -> None:
+    async def _serve(self, session: WorkerSession, loop: int, backoff: Backoff) -> None:
         settings = self.settings
         # The next batch, claimed by the statement that finished the previous one.
         ahead: Claim | None = None
@@ -398,6 +425,12 @@ class Worker:
                 else:
                     claiming = time.monotonic()
                     claim = await self._claim(session, sizer.limit, loop)
+                    if backoff.failures:
+                        # Back once its session claims (not when it connects: a server
+                        # that takes the connection and then ends it, or cancels the
+                        # claim, keeps the pauses growing, one line each).
+                        log.info("worker_reconnected", queue=self.queue, loop=loop)
+                        backoff.reset()
                 if claim is not None:
                     hinted = True  # busy until now: as if woken, when it next finds nothing
                     if len(claim.rows) >= sizer.limit:
@@ -436,15 +469,23 @@ class Worker:
             if turn:
                 self._turn.give()
 
-    async def _give_back(self, claim: Claim) -> None:
-        """A claim that will not run (its session failed before it began). Its fresh
-        rows go back to I at once, their attempt not counted, unless claimed again
-        since (their lease ran out: the other claim has them); a crash's suspects, and
-        all when that fails, are left to run out and come back as a crash leaves them."""
+    async def _give_back(self, claim: Claim, cut: bool = False) -> None:
+        """A claim that will not run on (its session failed). Its fresh rows go back
+        to I at once, their attempt not counted, unless claimed again since (their
+        lease ran out: the other claim has them); a crash's suspects, and all when
+        that fails, are left to run out and come back as a crash leaves them.
+
+        Fresh rows that started go back so too when the server ``cut`` the batch
+        short (its connection ended, a statement of nmbus's cancelled: what they
+        wrote was rolled back with it), each up to MAX_FREE_INTERRUPTIONS times;
+        otherwise they are left to their lease, their attempt counted.
+        """
         fresh = [
             m
             for m in claim.rows
-            if not m.recovered and m.id not in claim.started and m.id not in claim.committed
+            if not m.recovered
+            and m.id not in claim.committed
+            and (m.id not in claim.started or (cut and self._free_interruption(m.id)))
         ]
         try:
             if fresh:
@@ -453,6 +494,13 @@ class Worker:
         except StoreError as exc:
             log.warning("worker_abandon_failed", queue=self.queue, ids=len(fresh), error=str(exc))
         self.claims.end(claim)
+
+    def _free_interruption(self, id: int) -> bool:
+        """Whether message ``id``'s batch, cut short by the server, may cost it no attempt."""
+        if len(self._interrupted) >= 10_000 and id not in self._interrupted:
+            self._interrupted.clear()  # bounded: forgetting only makes more of them free
+        cut = self._interrupted[id] = self._interrupted.get(id, 0) + 1
+        return cut <= MAX_FREE_INTERRUPTIONS
 
     def _contended(self) -> bool:
         """Whether other processes' batches hold what this endpoint's batches need."""
@@ -495,11 +543,14 @@ class Worker:
             if not self._stopping.is_set():
                 await asyncio.shield(self._let_go(claim))
             raise
-        except BaseException:
+        except BaseException as exc:
             # Its session failed (a batch that failed otherwise has recorded every
             # outcome): what never started goes back at once, on the leases' own
-            # connection; what started is left to run out, as a crash leaves it.
-            await asyncio.shield(self._give_back(claim))
+            # connection; what started is left to run out, as a crash leaves it,
+            # unless the server cut the batch short (then it goes back too, its
+            # attempt not counted, up to MAX_FREE_INTERRUPTIONS times a message).
+            cut = isinstance(exc, DatabaseUnavailable) or cancelled_by_server(exc)
+            await asyncio.shield(self._give_back(claim, cut))
             raise
         self.claims.end(claim)
         return ahead

@@ -50,7 +50,7 @@ from nmbus.postgres.schema import (
     no_such_queue,
     readiness_on,
 )
-from nmbus.postgres.session import PostgresSession, insert_outbox
+from nmbus.postgres.session import PostgresSession, idle_lift, insert_outbox
 from nmbus.postgres.sql import render
 from nmbus.settings import Settings
 
@@ -479,12 +479,13 @@ class PostgresStore:
 
     @asynccontextmanager
     async def worker_session(
-        self, flow: FlowLimits | None = None
+        self, flow: FlowLimits | None = None, idle: float | None = None
     ) -> AsyncIterator[PostgresSession]:
         conn = await self.connect()
         try:
+            lift = await idle_lift(conn, self.schema, idle)
             yield PostgresSession(
-                conn, self.schema, self._known_queues, self.routed, self._floors, flow
+                conn, self.schema, self._known_queues, self.routed, self._floors, flow, lift
             )
         finally:
             await _close_quietly(conn)

@@ -127,6 +127,8 @@ class Worker:
         self._gate: Gate | None = None
         # Batches cut short by the server so far, by message (MAX_FREE_INTERRUPTIONS).
         self._interrupted: dict[int, int] = {}
+        # Per loop, the claim whose batch the server cut short, to run again first.
+        self._resumed: dict[int, Claim] = {}
         # The limits of the endpoint's handlers (nmbus/delivery/flow.py), read when it starts.
         self.flow: FlowLimits | None = None
         self._marks: StartMarks | None = None
@@ -321,6 +323,7 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         self._tasks.clear()
+        self._resumed.clear()  # still live claims: let go of below
         if self._marks is not None:
             # Before the leases of abandoned messages end: their starts must count.
             await self._marks.close()
@@ -398,8 +401,9 @@ class Worker:
 
     async def _serve(self, session: WorkerSession, loop: int, backoff: Backoff) -> None:
         settings = self.settings
-        # The next batch, claimed by the statement that finished the previous one.
-        ahead: Claim | None = None
+        # The next batch, claimed by the statement that finished the previous one (or
+        # one the server cut short in the loop's last session: _run_again).
+        ahead: Claim | None = self._resumed.pop(loop, None)
         releases = self._releases
         # Whether this loop was woken by a hint (a NOTIFY), not by its poll timeout,
         # or has just been busy.
@@ -469,23 +473,15 @@ class Worker:
             if turn:
                 self._turn.give()
 
-    async def _give_back(self, claim: Claim, cut: bool = False) -> None:
-        """A claim that will not run on (its session failed). Its fresh rows go back
-        to I at once, their attempt not counted, unless claimed again since (their
-        lease ran out: the other claim has them); a crash's suspects, and all when
-        that fails, are left to run out and come back as a crash leaves them.
-
-        Fresh rows that started go back so too when the server ``cut`` the batch
-        short (its connection ended, a statement of nmbus's cancelled: what they
-        wrote was rolled back with it), each up to MAX_FREE_INTERRUPTIONS times;
-        otherwise they are left to their lease, their attempt counted.
-        """
+    async def _give_back(self, claim: Claim) -> None:
+        """A claim that will not run (its session failed before it began). Its fresh
+        rows go back to I at once, their attempt not counted, unless claimed again
+        since (their lease ran out: the other claim has them); a crash's suspects, and
+        all when that fails, are left to run out and come back as a crash leaves them."""
         fresh = [
             m
             for m in claim.rows
-            if not m.recovered
-            and m.id not in claim.committed
-            and (m.id not in claim.started or (cut and self._free_interruption(m.id)))
+            if not m.recovered and m.id not in claim.started and m.id not in claim.committed
         ]
         try:
             if fresh:
@@ -494,6 +490,30 @@ class Worker:
         except StoreError as exc:
             log.warning("worker_abandon_failed", queue=self.queue, ids=len(fresh), error=str(exc))
         self.claims.end(claim)
+
+    def _run_again(self, claim: Claim, loop: int | str) -> bool:
+        """The server cut ``claim``'s batch short (its connection ended, or it cancelled
+        a statement of nmbus's): everything uncommitted was rolled back. Its rows run
+        again under the same claim, still leased (and renewed), as the loop's first
+        batch once it is connected again: no statement, so a server that cannot take
+        one yet loses nothing, and no attempt, as for a conflict. Past
+        MAX_FREE_INTERRUPTIONS for a message, or for a crash's suspect, a started row is
+        left to its lease instead, its attempt counted, as a crash leaves it. False
+        when nothing runs again (a burst has no later session: it lets go of all)."""
+        if not isinstance(loop, int):
+            return False
+        again = [
+            m
+            for m in claim.rows
+            if not m.recovered
+            and m.id not in claim.committed
+            and (m.id not in claim.started or self._free_interruption(m.id))
+        ]
+        if not again:
+            return False
+        claim.run_again(again)
+        self._resumed[loop] = claim
+        return True
 
     def _free_interruption(self, id: int) -> bool:
         """Whether message ``id``'s batch, cut short by the server, may cost it no attempt."""
@@ -544,13 +564,13 @@ class Worker:
                 await asyncio.shield(self._let_go(claim))
             raise
         except BaseException as exc:
+            cut = isinstance(exc, DatabaseUnavailable) or cancelled_by_server(exc)
+            if cut and self._run_again(claim, loop):
+                raise
             # Its session failed (a batch that failed otherwise has recorded every
             # outcome): what never started goes back at once, on the leases' own
-            # connection; what started is left to run out, as a crash leaves it,
-            # unless the server cut the batch short (then it goes back too, its
-            # attempt not counted, up to MAX_FREE_INTERRUPTIONS times a message).
-            cut = isinstance(exc, DatabaseUnavailable) or cancelled_by_server(exc)
-            await asyncio.shield(self._give_back(claim, cut))
+            # connection; what started is left to run out, as a crash leaves it.
+            await asyncio.shield(self._give_back(claim))
             raise
         self.claims.end(claim)
         return ahead

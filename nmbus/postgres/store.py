@@ -378,8 +378,9 @@ class PostgresStore:
 
     async def apply_retention(self, queue: str, settings: Settings) -> None:
         policy = RetentionPolicy.from_settings(settings)
-        async with self.pooler.lock_holder(self.dsn) as holder, self.pool.acquire() as conn:
-            await clean_queue(conn, self.schema, queue, policy, holder=holder)
+        with wrap_errors(f"retention of {queue}"):
+            async with self.pooler.lock_holder(self.dsn) as holder, self.pool.acquire() as conn:
+                await clean_queue(conn, self.schema, queue, policy, holder=holder)
 
     async def declare_limits(
         self, queue: str, flow: FlowLimits, client_id: str

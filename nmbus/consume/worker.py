@@ -467,7 +467,12 @@ class Worker:
             # stop cancelled the loop (it lets go of every claim left).
             stopped = isinstance(exc, asyncio.CancelledError) and self._stopping.is_set()
             if ahead is not None and not stopped:
-                await asyncio.shield(self._give_back(ahead))
+                # Cut short by the server, it runs in the next session, as a batch
+                # cut short does (giving it back needs a statement the server may
+                # not take yet: its rows would come back a lease later as suspects).
+                cut = isinstance(exc, DatabaseUnavailable) or cancelled_by_server(exc)
+                if not (cut and self._run_again(ahead, loop)):
+                    await asyncio.shield(self._give_back(ahead))
             raise
         finally:
             if turn:

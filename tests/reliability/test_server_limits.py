@@ -10,6 +10,7 @@ the test's own ``db`` (made before) does not.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -33,7 +34,7 @@ def _database(dsn: str) -> str:
 
 
 async def _set_on_database(db: asyncpg.Connection, dsn: str, setting: str, value: str) -> None:
-    await db.execute(f'ALTER DATABASE "{_database(dsn)}" SET {setting} = \'{value}\'')
+    await db.execute(f"ALTER DATABASE \"{_database(dsn)}\" SET {setting} = '{value}'")
 
 
 async def _outcomes(db: asyncpg.Connection) -> dict[str, int]:
@@ -76,7 +77,10 @@ async def test_slow_handlers_that_have_written_outlive_idle_in_transaction_sessi
                 await bus.send(Ping(n=n), to="billing")
             await drain(bus, timeout=90)
 
-    assert await _outcomes(db) == {"X": 20}
+    outcomes = await _outcomes(db)
+    ended = sum(e["event"] == "worker_connection_lost" for e in logs)
+    print(f"idle 500ms, 20 x (write, 1 s): {outcomes}, {sum(runs.values())} runs, {ended} ended")
+    assert outcomes == {"X": 20}
     assert await db.fetchval("SELECT count(*) FROM effects") == 20
     assert await db.fetchval("SELECT count(DISTINCT n) FROM effects") == 20
     # Each ran once and used one attempt: the server ended no batch.
@@ -165,6 +169,8 @@ async def test_a_backend_ended_mid_batch_costs_its_messages_no_attempt(
                 ended.set()
             await drain(bus, timeout=60)
 
+    attempts = await db.fetchval("SELECT max(retry_count) FROM nmbus.billing")
+    print(f"2 backends ended mid-batch: {sum(runs.values())} runs of 30, max attempts {attempts}")
     assert await _outcomes(db) == {"X": 30}
     assert sorted(r[0] for r in await db.fetch("SELECT n FROM effects")) == list(range(30))
     # The victims (and any batch-mate started before them) ran twice: the end came
@@ -204,6 +210,7 @@ async def test_a_handler_that_ends_its_own_backend_every_time_still_reaches_f(
         runs["ping"] += 1
 
     async with bus:
+        began = time.monotonic()
         await bus.send(Pong(n=1), to="billing")
         for n in range(5):
             await bus.send(Ping(n=n), to="billing")
@@ -214,7 +221,9 @@ async def test_a_handler_that_ends_its_own_backend_every_time_still_reaches_f(
             timeout=90,
             what="the self-ending message in F",
         )
+        took = time.monotonic() - began
         await drain(bus, timeout=30)
+    print(f"a handler ending its backend: F after {runs['pong']} runs, {took:.1f} s")
 
     info = await db.fetchval("SELECT error_info FROM nmbus.billing WHERE label = 'test.Pong'")
     assert info.startswith("AttemptsExhausted"), info
@@ -229,8 +238,12 @@ async def test_statement_timeout_shorter_than_a_claim_a_finish_and_a_retention_s
     the queue table for 1.5 s, twice: claims, finishes and retention steps are
     cancelled. One line per cancel, a growing pause, nothing lost, no effect
     twice, no attempt spent."""
-    await _set_on_database(db, dsn, "statement_timeout", "200ms")
     await db.execute("CREATE TABLE effects (n int NOT NULL)")
+    # The queue's table made first: its DDL may take longer than 200 ms on a busy
+    # machine (a start whose statement is cancelled fails, with that error).
+    async with Bus("billing", dsn=dsn, concurrency=0):
+        pass
+    await _set_on_database(db, dsn, "statement_timeout", "200ms")
     bus = Bus(
         "billing",
         dsn=dsn,
@@ -266,7 +279,14 @@ async def test_statement_timeout_shorter_than_a_claim_a_finish_and_a_retention_s
     finally:
         await locker.close()
 
-    assert await _outcomes(db) == {"X": 200}
+    outcomes = await _outcomes(db)
+    print(
+        f"statement_timeout 200ms, 2 locks of 1.5 s: {outcomes}, "
+        f"{sum(e['event'] == 'worker_statement_cancelled' for e in logs)} cancels logged, "
+        f"{sum(e['event'] == 'retention_failed' for e in logs)} retention steps cancelled, "
+        f"max attempts {await db.fetchval('SELECT max(retry_count) FROM nmbus.billing')}"
+    )
+    assert outcomes == {"X": 200}
     assert sorted(r[0] for r in await db.fetch("SELECT n FROM effects")) == list(range(200))
     assert await db.fetchval("SELECT max(retry_count) FROM nmbus.billing") == 1
     events = Counter(str(e["event"]) for e in logs)
@@ -321,11 +341,11 @@ async def test_a_worker_waits_for_a_free_connection_one_line_per_try(
             reconnect_max_delay=0.8,
             send_pool_size=1,
         )
-        pids: list[int] = []
+        pids: dict[int, int] = {}
 
         @bus.handler
         async def note(msg: Ping, ctx: Context) -> None:
-            pids.append(await ctx.connection.fetchval("SELECT pg_backend_pid()"))
+            pids[msg.n] = await ctx.connection.fetchval("SELECT pg_backend_pid()")
 
         with structlog.testing.capture_logs() as logs:
             held = await _fill(limited)
@@ -340,26 +360,39 @@ async def test_a_worker_waits_for_a_free_connection_one_line_per_try(
             finally:
                 for conn in held:
                     await conn.close()
+            freed = time.monotonic()
             await asyncio.wait_for(starting, 30)
+            start_took = time.monotonic() - freed
             try:
                 await bus.send(Ping(n=1), to="billing")
-                await wait_until(lambda: pids, what="the first message handled")
-                # The loop's connection ended while the role is full: it cannot
-                # connect again until connections are free.
-                held = await _fill(limited)
+                await wait_until(
+                    "SELECT count(*) FROM nmbus.billing WHERE subqueue = 'X'",
+                    db=db,
+                    what="the first message handled",
+                )
+                # The loop's connection ended while the role is full (its limit
+                # lowered below what it holds: no slot its own end frees will do):
+                # it cannot connect again until the limit is raised.
+                await db.execute(f"ALTER ROLE {role} CONNECTION LIMIT 1")
                 try:
-                    await db.execute("SELECT pg_terminate_backend($1)", pids[0])
+                    await db.execute("SELECT pg_terminate_backend($1)", pids[1])
                     await wait_until(
                         lambda: sum(e["event"] == "worker_connection_lost" for e in logs),
                         until=lambda n: n >= 4,
                         what="the loop's tries",
                     )
                 finally:
-                    for conn in held:
-                        await conn.close()
+                    await db.execute(f"ALTER ROLE {role} CONNECTION LIMIT 8")
+                freed = time.monotonic()
                 for n in range(2, 6):
                     await bus.send(Ping(n=n), to="billing")
-                await wait_until(lambda: len(pids) == 5, what="the messages after it")
+                await wait_until(
+                    "SELECT count(*) FROM nmbus.billing WHERE subqueue = 'X'",
+                    db=db,
+                    until=lambda n: n == 5,
+                    what="the messages after it",
+                )
+                back_took = time.monotonic() - freed
             finally:
                 await bus.stop()
     finally:
@@ -374,6 +407,11 @@ async def test_a_worker_waits_for_a_free_connection_one_line_per_try(
     pauses = [e["retry_in"] for e in tries]
     assert pauses[0] < pauses[-1] <= 0.8
     lost = [e for e in logs if e["event"] == "worker_connection_lost"]
+    print(
+        f"role full: the start tried {len(tries)} times, started {start_took:.2f} s after "
+        f"the connections were free; the loop tried {len(lost) - 1} times, handled again "
+        f"{back_took:.2f} s after; pauses up to {max(pauses)} s"
+    )
     assert all("too many connections for role" in str(e["error"]) for e in lost[1:]), lost
     assert [e["event"] for e in logs].count("worker_reconnected") == 1
     assert _tracebacks(logs) == []

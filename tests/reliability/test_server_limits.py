@@ -10,9 +10,14 @@ the test's own ``db`` (made before) does not.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -27,6 +32,8 @@ from tests.messages import Ping, Pong
 from tests.waits import wait_until
 
 pytestmark = pytest.mark.reliability
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _database(dsn: str) -> str:
@@ -416,3 +423,46 @@ async def test_a_worker_waits_for_a_free_connection_one_line_per_try(
     assert [e["event"] for e in logs].count("worker_reconnected") == 1
     assert _tracebacks(logs) == []
     assert "worker_error" not in {e["event"] for e in logs}
+
+
+def _worker_process(dsn: str) -> subprocess.Popen[str]:
+    """``nmbus worker tests.cli_app:bus`` on ``dsn``, its log lines on stderr."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "nmbus", "worker", "tests.cli_app:bus"],
+        cwd=ROOT,
+        env={**os.environ, "NMBUS_DSN": dsn, "NMBUS_RECONNECT_MAX_DELAY": "0.5"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def test_a_worker_process_waiting_for_a_connection_stops_at_sigterm(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    """``nmbus worker`` whose role may open no connection: it waits, one line per
+    try, and a SIGTERM meanwhile ends it at once, exit 0, no traceback."""
+    role = f"nmbus_none_{uuid.uuid4().hex[:8]}"
+    await db.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 0")
+    lines: list[str] = []
+    try:
+        with _worker_process(_as_role(dsn, role)) as proc:  # closes its pipe at the end
+            try:
+                assert proc.stderr is not None
+                while sum("too_many_connections" in line for line in lines) < 3:
+                    line = await asyncio.wait_for(asyncio.to_thread(proc.stderr.readline), 30)
+                    assert line, f"the worker exited: {lines}"
+                    lines.append(line)
+                proc.send_signal(signal.SIGTERM)
+                code = await asyncio.to_thread(proc.wait, 30)
+                lines.extend(proc.stderr.read().splitlines())
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        await db.execute(f"DROP ROLE {role}")
+    assert code == 0, lines
+    assert not any("Traceback" in line for line in lines), lines
+    tries = [line for line in lines if "too_many_connections" in line]
+    assert all("too many connections for role" in line for line in tries), tries

@@ -32,6 +32,9 @@ from nmbus.postgres.sql import render
 
 log = structlog.get_logger("nmbus.worker")
 
+#: The largest value PostgreSQL takes for a timeout in milliseconds (INT_MAX).
+MAX_TIMEOUT_MS = 2_147_483_647
+
 
 async def insert_outbox(
     conn: Any, schema: str, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]
@@ -246,7 +249,8 @@ async def idle_lift(conn: asyncpg.Connection, schema: str, idle: float | None) -
         return None
     with wrap_errors("read idle_in_transaction_session_timeout"):
         server = int(await conn.fetchval(render("idle_limit", schema)))
-    wanted = math.ceil(idle * 1000)
+    # The setting's own ceiling (about 24.8 days), whatever the handlers' timeouts.
+    wanted = min(math.ceil(idle * 1000), MAX_TIMEOUT_MS)
     if server == 0 or server >= wanted:
         return None
     return f"SET LOCAL idle_in_transaction_session_timeout = {wanted}"

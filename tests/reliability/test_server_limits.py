@@ -27,6 +27,8 @@ import structlog
 
 from nmbus import Bus, Context
 from nmbus.consume.worker import IDLE_MARGIN, MAX_FREE_INTERRUPTIONS
+from nmbus.errors import MAX_SECONDS
+from nmbus.postgres.session import MAX_TIMEOUT_MS
 from nmbus.testing import drain
 from tests.messages import Ping, Pong
 from tests.waits import wait_until
@@ -103,7 +105,7 @@ async def test_the_idle_limit_is_lifted_only_when_shorter_and_to_the_handlers_ti
     enough, else the longest the handlers of one message may take (their timeouts)
     plus one part's commit interval and a margin, never unbounded."""
 
-    async def seen_by_a_handler() -> str:
+    async def seen_by_a_handler(longest: float = 7.0) -> str:
         bus = Bus("billing", dsn=dsn, concurrency=1, poll_interval=0.5, handler_timeout=3.0)
         seen: list[str] = []
 
@@ -111,7 +113,7 @@ async def test_the_idle_limit_is_lifted_only_when_shorter_and_to_the_handlers_ti
         async def look(msg: Ping, ctx: Context) -> None:
             seen.append(await ctx.connection.fetchval("SHOW idle_in_transaction_session_timeout"))
 
-        @bus.handler(timeout=7.0)
+        @bus.handler(timeout=longest)
         async def longer(msg: Pong, ctx: Context) -> None:
             return None
 
@@ -126,6 +128,9 @@ async def test_the_idle_limit_is_lifted_only_when_shorter_and_to_the_handlers_ti
     assert await seen_by_a_handler() == f"{lifted}ms"
     await _set_on_database(db, dsn, "idle_in_transaction_session_timeout", "1h")
     assert await seen_by_a_handler() == "1h"  # never lowered
+    await _set_on_database(db, dsn, "idle_in_transaction_session_timeout", "500ms")
+    # A handler's timeout of 10 years: the setting's own ceiling, and batches still run.
+    assert await seen_by_a_handler(MAX_SECONDS) == f"{MAX_TIMEOUT_MS}ms"
 
 
 async def test_a_backend_ended_mid_batch_costs_its_messages_no_attempt(

@@ -175,7 +175,8 @@ class BatchRunner:
             if cancelled_by_server(exc):
                 # The server cancelled a statement of nmbus's (its statement_timeout):
                 # nothing says a message is to blame. The session's failure, so the
-                # loop backs off; its claim goes back without the attempts.
+                # loop backs off; the claim then runs again, no attempt spent
+                # (nmbus/consume/worker.py, _run_again).
                 raise
             rest = [m for m in rows if m.id not in claim.committed]
             if len(rest) > 1:

@@ -125,6 +125,41 @@ class StoreError(NmbusError):
     """The database refused or failed an operation."""
 
 
+#: SQLSTATE of a statement the server cancelled (its ``statement_timeout``, or an
+#: operator's ``pg_cancel_backend``): the statement was rolled back, nothing else.
+QUERY_CANCELED = "57014"
+#: SQLSTATE of a connection refused for the server's, a database's or a role's
+#: connection limit (``max_connections``, ``CONNECTION LIMIT``).
+TOO_MANY_CONNECTIONS = "53300"
+
+
+def cancelled_by_server(exc: BaseException) -> bool:
+    """Whether ``exc`` comes of a statement the server cancelled (``statement_timeout``)."""
+    return caused_by(exc, _CANCELLED)
+
+
+_CANCELLED = frozenset({QUERY_CANCELED})
+
+
+def caused_by(exc: BaseException, states: frozenset[str] | set[str]) -> bool:
+    """Whether ``exc``, or an exception that caused it, carries one of SQLSTATEs ``states``.
+
+    The chain is read as a traceback reads it: the cause, else the context
+    unless suppressed.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if getattr(current, "sqlstate", None) in states:
+            return True
+        if current.__cause__ is not None:
+            current = current.__cause__
+        else:
+            current = None if current.__suppress_context__ else current.__context__
+    return False
+
+
 class DatabaseUnavailable(StoreError):
     """The database cannot be reached, or the connection was lost."""
 

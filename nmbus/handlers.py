@@ -157,6 +157,14 @@ class Registry:
             self._dispatch[cls] = found
         return found
 
+    def longest_handling(self, default: float) -> float:
+        """The longest the handlers of one message may run: the sum of their timeouts
+        (``default`` for a handler without its own), for the message type with the most."""
+        return max(
+            (sum(h.timeout or default for h in self.handlers_for(cls)) for cls in self._by_type),
+            default=default,
+        )
+
     @property
     def all_replayable(self) -> bool:
         """Whether every registered handler declared ``outside_effects=False`` (and no rate)."""

@@ -32,10 +32,17 @@ from nmbus.delivery.periodic import Schedule, Scheduler
 from nmbus.delivery.replies import Replies
 from nmbus.delivery.subscriptions import Subscriptions
 from nmbus.envelopes import EnvelopeBuilder
-from nmbus.errors import ConfigurationError
+from nmbus.errors import (
+    TOO_MANY_CONNECTIONS,
+    ConfigurationError,
+    DatabaseUnavailable,
+    StoreError,
+    cancelled_by_server,
+    caused_by,
+)
 from nmbus.handlers import Registry
 from nmbus.logs import log_failure
-from nmbus.maintenance.supervise import Services
+from nmbus.maintenance.supervise import Backoff, Services
 from nmbus.names import validate_queue_name
 from nmbus.ports.store import Store
 from nmbus.retry import RetryPolicy
@@ -49,6 +56,8 @@ if TYPE_CHECKING:
     from nmbus.telemetry.server import PortServer
 
 log = structlog.get_logger("nmbus.bus")
+
+_FULL = frozenset({TOO_MANY_CONNECTIONS})
 
 
 class Bus(Registration, Sending):
@@ -230,7 +239,7 @@ class Bus(Registration, Sending):
                 self.health.stop()
                 raise
         try:
-            await self.store.open()
+            await self._open_store()
         except BaseException:
             await self._stop_metrics()
             raise
@@ -290,6 +299,33 @@ class Bus(Registration, Sending):
             subscriptions=len(self.subscriptions),
             **({} if self._port is None else {"metrics_port": self._port.port}),
         )
+
+    async def _open_store(self) -> None:
+        """Open the store; while the server refuses connections for a limit, try again.
+
+        A server at ``max_connections`` (or a database's or role's ``CONNECTION
+        LIMIT``) is shared with other services: the bus starts once a connection
+        is free, one line per try (``too_many_connections``), the pauses doubling
+        up to ``reconnect_max_delay``. Any other failure is raised at once.
+        """
+        backoff = Backoff(self.settings.reconnect_max_delay)
+        while True:
+            try:
+                await self.store.open()
+                return
+            except DatabaseUnavailable as exc:
+                await self.store.close()  # what it opened before the refusal
+                if not caused_by(exc, _FULL):
+                    raise
+                pause = backoff.next()
+                log.warning(
+                    "too_many_connections",
+                    queue=self.endpoint,
+                    attempt=backoff.failures,
+                    error=str(exc),
+                    retry_in=round(pause, 3),
+                )
+                await asyncio.sleep(pause)
 
     async def stop(self) -> None:
         """Graceful shutdown: finish in-flight handlers, return unstarted messages to I."""
@@ -389,6 +425,13 @@ class Bus(Registration, Sending):
             await asyncio.sleep(interval * random.uniform(0.5, 1.0))
             try:
                 await self.store.apply_retention(self.endpoint, self.settings)
+            except (DatabaseUnavailable, StoreError) as exc:
+                if not isinstance(exc, DatabaseUnavailable) and not cancelled_by_server(exc):
+                    log_failure(log, "retention_failed", exc, "warning", queue=self.endpoint)
+                else:
+                    # The server's doing (down, full, or its statement_timeout): one line;
+                    # a step that was cancelled was rolled back, the next run goes on.
+                    log.warning("retention_failed", queue=self.endpoint, error=str(exc))
             except Exception as exc:
                 log_failure(log, "retention_failed", exc, "warning", queue=self.endpoint)
 

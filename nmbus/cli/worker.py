@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import structlog
@@ -72,7 +74,10 @@ async def serve(obj: Any) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        async with bus:
+        if not await _started(bus, stop):
+            log.info("worker_exited", queue=bus.endpoint)
+            return 0
+        async with _running(bus):
             log.info("worker_ready", queue=bus.endpoint, pid=os.getpid())
             waiters = [
                 asyncio.create_task(stop.wait()),
@@ -86,6 +91,32 @@ async def serve(obj: Any) -> int:
             loop.remove_signal_handler(signum)
     log.info("worker_exited", queue=bus.endpoint)
     return 0
+
+
+async def _started(bus: Bus, stop: asyncio.Event) -> bool:
+    """Start ``bus``; False when told to stop first (a start may wait for a free
+    connection for as long as the server has none: nmbus.bus.Bus.start)."""
+    starting = asyncio.create_task(bus.start())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return False
+    starting.result()  # its failure, if it failed
+    return True
+
+
+@contextlib.asynccontextmanager
+async def _running(bus: Bus) -> AsyncIterator[Bus]:
+    """A started ``bus``, stopped gracefully however the block ends."""
+    try:
+        yield bus
+    finally:
+        await asyncio.shield(bus.stop())
 
 
 @app.command()

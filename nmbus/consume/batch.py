@@ -36,7 +36,13 @@ from nmbus.consume.output import copy_failed, store_effects
 from nmbus.consume.sizing import BatchSizer
 from nmbus.context import Effects
 from nmbus.envelopes import IN_REPLY_TO_HEADER
-from nmbus.errors import DatabaseUnavailable, LeaseLost, OutcomeNotRecorded, StoreError
+from nmbus.errors import (
+    DatabaseUnavailable,
+    LeaseLost,
+    OutcomeNotRecorded,
+    StoreError,
+    cancelled_by_server,
+)
 from nmbus.logs import debug_enabled
 from nmbus.messages import StoredMessage
 from nmbus.ports.store import Batch, Outcomes, SagaTable, Store, WorkerSession
@@ -166,6 +172,12 @@ class BatchRunner:
                         log.warning("worker_abandon_failed", queue=self.queue, error=str(again))
             return None
         except Exception as exc:
+            if cancelled_by_server(exc):
+                # The server cancelled a statement of nmbus's (its statement_timeout):
+                # nothing says a message is to blame. The session's failure, so the
+                # loop backs off; the claim then runs again, no attempt spent
+                # (nmbus/consume/worker.py, _run_again).
+                raise
             rest = [m for m in rows if m.id not in claim.committed]
             if len(rest) > 1:
                 # One message may be spoiling the batch: try each alone, still

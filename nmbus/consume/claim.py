@@ -76,6 +76,14 @@ class Claim:
         """Keep only ``rows`` (the others were let go: isolate)."""
         self.rows = rows
 
+    def run_again(self, rows: list[StoredMessage]) -> None:
+        """Keep only ``rows``, to run again afresh: their batch was rolled back (the
+        server cut it short), nothing of it was visible. The rows left out are no
+        longer this claim's care: their leases run out."""
+        self.rows = rows
+        self.started.difference_update(m.id for m in rows)
+        self.skipped = []
+
 
 class Claims:
     """The live claims of one worker, each taken in by the loop that claimed it."""

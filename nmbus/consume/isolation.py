@@ -18,6 +18,7 @@ import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from nmbus.errors import caused_by
 from nmbus.messages import StoredMessage
 from nmbus.ports.store import WorkerSession
 
@@ -78,18 +79,7 @@ CONFLICT_STATES = frozenset({"40P01", "40001"})
 
 def is_conflict(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a deadlock or a serialization failure."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if getattr(current, "sqlstate", None) in CONFLICT_STATES:
-            return True
-        # As a traceback reads the chain: the cause, else the unsuppressed context.
-        if current.__cause__ is not None:
-            current = current.__cause__
-        else:
-            current = None if current.__suppress_context__ else current.__context__
-    return False
+    return caused_by(exc, CONFLICT_STATES)
 
 
 _GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Gate] = weakref.WeakKeyDictionary()

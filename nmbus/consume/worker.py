@@ -52,7 +52,12 @@ from nmbus.consume.sizing import BatchSizer
 from nmbus.consume.turns import Turn
 from nmbus.consume.wakeups import Wakeups
 from nmbus.delivery.flow import FlowLimits
-from nmbus.errors import ConfigurationError, DatabaseUnavailable, StoreError
+from nmbus.errors import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    StoreError,
+    cancelled_by_server,
+)
 from nmbus.logs import log_failure, per_message_logs
 from nmbus.maintenance.supervise import Backoff, Services, supervise
 from nmbus.ports.store import Store, WorkerSession
@@ -67,6 +72,14 @@ log = structlog.get_logger("nmbus.worker")
 #: How often a worker with flow limits and metrics counts what its limits hold
 #: back (one statement that counts the ready rows of its limited types).
 HELD_BACK_INTERVAL = 5.0
+#: Seconds a batch's transaction may stay idle beyond its handlers' timeouts and
+#: one part's commit interval (a busy event loop, the round trips between them).
+IDLE_MARGIN = 5.0
+#: Times one message's batch may be cut short by the server in this process (its
+#: connection ended, a statement of nmbus's cancelled) at no cost to its attempts;
+#: beyond, the attempt counts, so a message whose handler ends its own backend
+#: every time still reaches F (as MAX_FREE_CONFLICTS does for conflicts).
+MAX_FREE_INTERRUPTIONS = 10
 
 
 class Worker:
@@ -112,6 +125,10 @@ class Worker:
             stopping=self._stopping,
         )
         self._gate: Gate | None = None
+        # Batches cut short by the server so far, by message (MAX_FREE_INTERRUPTIONS).
+        self._interrupted: dict[int, int] = {}
+        # Per loop, the claim whose batch the server cut short, to run again first.
+        self._resumed: dict[int, Claim] = {}
         # The limits of the endpoint's handlers (nmbus/delivery/flow.py), read when it starts.
         self.flow: FlowLimits | None = None
         self._marks: StartMarks | None = None
@@ -215,7 +232,7 @@ class Worker:
         self.claims.begin()
         sizer = BatchSizer(self.settings.batch_size)
         try:
-            async with self.store.worker_session(self.flow) as session:
+            async with self.store.worker_session(self.flow, self._idle()) as session:
                 ahead: Claim | None = None
                 while True:
                     claim = ahead or await self._claim(session, sizer.limit, "burst")
@@ -231,6 +248,13 @@ class Worker:
             await self._marks.close()
         done = self.outcomes - before
         return {subqueue: done[subqueue] for subqueue in ("X", "R", "F")}
+
+    def _idle(self) -> float:
+        """The longest a batch's transaction may stay idle while its handlers run:
+        one message's handlers (their timeouts), one part's commit interval, a margin."""
+        settings = self.settings
+        longest = self.dispatcher.registry.longest_handling(settings.handler_timeout)
+        return longest + settings.batch_commit_interval + IDLE_MARGIN
 
     def _on_wakeup(self, queue: str) -> None:
         if queue == self.queue or queue == "*":
@@ -299,6 +323,7 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         self._tasks.clear()
+        self._resumed.clear()  # still live claims: let go of below
         if self._marks is not None:
             # Before the leases of abandoned messages end: their starts must count.
             await self._marks.close()
@@ -338,11 +363,8 @@ class Worker:
         backoff = Backoff(reconnect)
 
         async def connected() -> None:
-            async with self.store.worker_session(self.flow) as session:
-                if backoff.failures:
-                    log.info("worker_reconnected", queue=self.queue, loop=index)
-                backoff.reset()
-                await self._serve(session, index)
+            async with self.store.worker_session(self.flow, self._idle()) as session:
+                await self._serve(session, index, backoff)
 
         def report(exc: BaseException, pause: float) -> None:
             if isinstance(exc, asyncio.CancelledError):
@@ -350,6 +372,14 @@ class Worker:
             elif isinstance(exc, DatabaseUnavailable):
                 log.warning(
                     "worker_connection_lost",
+                    queue=self.queue,
+                    loop=index,
+                    error=str(exc),
+                    retry_in=round(pause, 3),
+                )
+            elif cancelled_by_server(exc):
+                log.warning(
+                    "worker_statement_cancelled",
                     queue=self.queue,
                     loop=index,
                     error=str(exc),
@@ -369,10 +399,11 @@ class Worker:
             stop=self._stopping,
         )
 
-    async def _serve(self, session: WorkerSession, loop: int) -> None:
+    async def _serve(self, session: WorkerSession, loop: int, backoff: Backoff) -> None:
         settings = self.settings
-        # The next batch, claimed by the statement that finished the previous one.
-        ahead: Claim | None = None
+        # The next batch, claimed by the statement that finished the previous one (or
+        # one the server cut short in the loop's last session: _run_again).
+        ahead: Claim | None = self._resumed.pop(loop, None)
         releases = self._releases
         # Whether this loop was woken by a hint (a NOTIFY), not by its poll timeout,
         # or has just been busy.
@@ -398,6 +429,12 @@ class Worker:
                 else:
                     claiming = time.monotonic()
                     claim = await self._claim(session, sizer.limit, loop)
+                    if backoff.failures:
+                        # Back once its session claims (not when it connects: a server
+                        # that takes the connection and then ends it, or cancels the
+                        # claim, keeps the pauses growing, one line each).
+                        log.info("worker_reconnected", queue=self.queue, loop=loop)
+                        backoff.reset()
                 if claim is not None:
                     hinted = True  # busy until now: as if woken, when it next finds nothing
                     if len(claim.rows) >= sizer.limit:
@@ -430,7 +467,12 @@ class Worker:
             # stop cancelled the loop (it lets go of every claim left).
             stopped = isinstance(exc, asyncio.CancelledError) and self._stopping.is_set()
             if ahead is not None and not stopped:
-                await asyncio.shield(self._give_back(ahead))
+                # Cut short by the server, it runs in the next session, as a batch
+                # cut short does (giving it back needs a statement the server may
+                # not take yet: its rows would come back a lease later as suspects).
+                cut = isinstance(exc, DatabaseUnavailable) or cancelled_by_server(exc)
+                if not (cut and self._run_again(ahead, loop)):
+                    await asyncio.shield(self._give_back(ahead))
             raise
         finally:
             if turn:
@@ -453,6 +495,37 @@ class Worker:
         except StoreError as exc:
             log.warning("worker_abandon_failed", queue=self.queue, ids=len(fresh), error=str(exc))
         self.claims.end(claim)
+
+    def _run_again(self, claim: Claim, loop: int | str) -> bool:
+        """The server cut ``claim``'s batch short (its connection ended, or it cancelled
+        a statement of nmbus's): everything uncommitted was rolled back. Its rows run
+        again under the same claim, still leased (and renewed), as the loop's first
+        batch once it is connected again: no statement, so a server that cannot take
+        one yet loses nothing, and no attempt, as for a conflict. Past
+        MAX_FREE_INTERRUPTIONS for a message, or for a crash's suspect, a started row is
+        left to its lease instead, its attempt counted, as a crash leaves it. False
+        when nothing runs again (a burst has no later session: it lets go of all)."""
+        if not isinstance(loop, int):
+            return False
+        again = [
+            m
+            for m in claim.rows
+            if not m.recovered
+            and m.id not in claim.committed
+            and (m.id not in claim.started or self._free_interruption(m.id))
+        ]
+        if not again:
+            return False
+        claim.run_again(again)
+        self._resumed[loop] = claim
+        return True
+
+    def _free_interruption(self, id: int) -> bool:
+        """Whether message ``id``'s batch, cut short by the server, may cost it no attempt."""
+        if len(self._interrupted) >= 10_000 and id not in self._interrupted:
+            self._interrupted.clear()  # bounded: forgetting only makes more of them free
+        cut = self._interrupted[id] = self._interrupted.get(id, 0) + 1
+        return cut <= MAX_FREE_INTERRUPTIONS
 
     def _contended(self) -> bool:
         """Whether other processes' batches hold what this endpoint's batches need."""
@@ -495,7 +568,10 @@ class Worker:
             if not self._stopping.is_set():
                 await asyncio.shield(self._let_go(claim))
             raise
-        except BaseException:
+        except BaseException as exc:
+            cut = isinstance(exc, DatabaseUnavailable) or cancelled_by_server(exc)
+            if cut and self._run_again(claim, loop):
+                raise
             # Its session failed (a batch that failed otherwise has recorded every
             # outcome): what never started goes back at once, on the leases' own
             # connection; what started is left to run out, as a crash leaves it.

@@ -512,7 +512,9 @@ class MemoryStore:
         return freed
 
     @asynccontextmanager
-    async def worker_session(self, flow: FlowLimits | None = None) -> AsyncIterator[MemorySession]:
+    async def worker_session(
+        self, flow: FlowLimits | None = None, idle: float | None = None
+    ) -> AsyncIterator[MemorySession]:
         if flow is not None:
             raise ConfigurationError(
                 "flow limits (concurrency=, rate=, group_concurrency=) are enforced by "

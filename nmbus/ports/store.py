@@ -467,9 +467,15 @@ class Store(Protocol):
         ...
 
     def worker_session(
-        self, flow: FlowLimits | None = None
+        self, flow: FlowLimits | None = None, idle: float | None = None
     ) -> AbstractAsyncContextManager[WorkerSession]:
-        """A worker loop's session; its claims keep to ``flow``'s limits when given."""
+        """A worker loop's session; its claims keep to ``flow``'s limits when given.
+
+        ``idle``: the longest a batch's transaction may stay idle while its
+        handlers run (their timeouts); a server that would end it sooner
+        (``idle_in_transaction_session_timeout``) is told otherwise for each such
+        transaction, for that transaction alone.
+        """
         ...
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:

@@ -79,6 +79,12 @@ def wrap_errors(what: str) -> Iterator[None]:
             raise StoreError(f"{what}: {hint} ({type(exc).__name__}: {said})") from exc
         if is_connection_error(exc):
             raise DatabaseUnavailable(f"{what}: database unavailable ({_why(exc)})") from exc
+        if isinstance(exc, asyncpg.exceptions.QueryCanceledError):
+            raise StoreError(
+                f"{what}: the server cancelled the statement ({scrub(str(exc))}): it took "
+                "longer than the session's statement_timeout (the server's, the database's "
+                "or the role's), or an operator cancelled it"
+            ) from exc
         raise StoreError(f"{what}: {type(exc).__name__}: {scrub(str(exc))}") from exc
 
 

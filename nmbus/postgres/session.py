@@ -9,6 +9,7 @@ finish-and-claim statement and takes the sends and publishes of its handlers.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,6 +31,9 @@ from nmbus.postgres.schema import ensure_queue_on
 from nmbus.postgres.sql import render
 
 log = structlog.get_logger("nmbus.worker")
+
+#: The largest value PostgreSQL takes for a timeout in milliseconds (INT_MAX).
+MAX_TIMEOUT_MS = 2_147_483_647
 
 
 async def insert_outbox(
@@ -64,6 +68,7 @@ class PostgresBatch:
         routed: frozenset[str] = frozenset(),
         floors: ReadyFloors | None = None,
         flow: FlowLimits | None = None,
+        lift: str | None = None,
     ) -> None:
         self._conn = conn
         self._schema = schema
@@ -75,6 +80,9 @@ class PostgresBatch:
         # asyncpg's own Transaction, so a handler may still nest conn.transaction().
         self.transaction: Transaction | None = None
         self._unreleased = False
+        # "SET LOCAL idle_in_transaction_session_timeout = ..." when the server's is
+        # shorter than the batch's handlers may keep its transaction idle, else None.
+        self._lift = lift
 
     @property
     def begun(self) -> bool:
@@ -87,9 +95,14 @@ class PostgresBatch:
     async def begin(self) -> None:
         """Begin the batch's transaction if it has not begun (no savepoint)."""
         if self.transaction is None:
-            transaction = self._conn.transaction()
-            await transaction.start()
-            self.transaction = transaction
+            await self._start()
+            if self._lift is not None:
+                await self._conn.execute(self._lift)
+
+    async def _start(self) -> None:
+        transaction = self._conn.transaction()
+        await transaction.start()
+        self.transaction = transaction
 
     async def savepoint(self) -> None:
         if self._unreleased:
@@ -97,7 +110,12 @@ class PostgresBatch:
             self._unreleased = False
             await self._conn.execute("RELEASE SAVEPOINT nmbus_handler; SAVEPOINT nmbus_handler")
             return
-        await self.begin()
+        if self.transaction is None:
+            await self._start()
+            if self._lift is not None:
+                # The lift goes in the savepoint's round trip.
+                await self._conn.execute(f"{self._lift}; SAVEPOINT nmbus_handler")
+                return
         await self._conn.execute("SAVEPOINT nmbus_handler")
 
     async def release_savepoint(self) -> None:
@@ -218,6 +236,26 @@ class PostgresBatch:
         return finished, messages
 
 
+async def idle_lift(conn: asyncpg.Connection, schema: str, idle: float | None) -> str | None:
+    """What each batch's transaction on ``conn`` runs to stay idle up to ``idle`` seconds.
+
+    None when the session's ``idle_in_transaction_session_timeout`` (the server's,
+    the database's or the role's) is off or already as long: nothing to lift, no
+    statement. Otherwise a ``SET LOCAL`` of ``idle`` (the longest its handlers may
+    keep a batch's transaction idle: their timeouts), which holds for that one
+    transaction only, so it needs no session state (a transaction pooler keeps none).
+    """
+    if idle is None:
+        return None
+    with wrap_errors("read idle_in_transaction_session_timeout"):
+        server = int(await conn.fetchval(render("idle_limit", schema)))
+    # The setting's own ceiling (about 24.8 days), whatever the handlers' timeouts.
+    wanted = min(math.ceil(idle * 1000), MAX_TIMEOUT_MS)
+    if server == 0 or server >= wanted:
+        return None
+    return f"SET LOCAL idle_in_transaction_session_timeout = {wanted}"
+
+
 class PostgresSession:
     """A worker loop's dedicated connection."""
 
@@ -229,6 +267,7 @@ class PostgresSession:
         routed: frozenset[str] = frozenset(),
         floors: ReadyFloors | None = None,
         flow: FlowLimits | None = None,
+        lift: str | None = None,
     ) -> None:
         self._conn = conn
         self._schema = schema
@@ -236,6 +275,7 @@ class PostgresSession:
         self._routed = routed
         self._floors = floors or ReadyFloors(schema)
         self._flow = flow
+        self._lift = lift
         #: Seconds after which to claim again though nothing woke the loop: set when
         #: the last claim held limited messages back (nmbus/delivery/flow.py), else None.
         self.recheck: float | None = None
@@ -313,7 +353,13 @@ class PostgresSession:
     async def batch(self) -> AsyncIterator[PostgresBatch]:
         with wrap_errors("batch transaction"):
             batch = PostgresBatch(
-                self._conn, self._schema, self._known, self._routed, self._floors, self._flow
+                self._conn,
+                self._schema,
+                self._known,
+                self._routed,
+                self._floors,
+                self._flow,
+                self._lift,
             )
             committing = False
             try:

@@ -51,7 +51,7 @@ from nmbus.postgres.schema import (
     no_such_queue,
     readiness_on,
 )
-from nmbus.postgres.session import PostgresSession, insert_outbox
+from nmbus.postgres.session import PostgresSession, idle_lift, insert_outbox
 from nmbus.postgres.sql import render
 from nmbus.settings import Settings
 
@@ -382,8 +382,9 @@ class PostgresStore:
 
     async def apply_retention(self, queue: str, settings: Settings) -> None:
         policy = RetentionPolicy.from_settings(settings)
-        async with self.pooler.lock_holder(self.dsn) as holder, self.pool.acquire() as conn:
-            await clean_queue(conn, self.schema, queue, policy, holder=holder)
+        with wrap_errors(f"retention of {queue}"):
+            async with self.pooler.lock_holder(self.dsn) as holder, self.pool.acquire() as conn:
+                await clean_queue(conn, self.schema, queue, policy, holder=holder)
 
     async def declare_limits(
         self, queue: str, flow: FlowLimits, client_id: str
@@ -483,12 +484,13 @@ class PostgresStore:
 
     @asynccontextmanager
     async def worker_session(
-        self, flow: FlowLimits | None = None
+        self, flow: FlowLimits | None = None, idle: float | None = None
     ) -> AsyncIterator[PostgresSession]:
         conn = await self.connect()
         try:
+            lift = await idle_lift(conn, self.schema, idle)
             yield PostgresSession(
-                conn, self.schema, self._known_queues, self.routed, self._floors, flow
+                conn, self.schema, self._known_queues, self.routed, self._floors, flow, lift
             )
         finally:
             await _close_quietly(conn)

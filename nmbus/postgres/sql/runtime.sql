@@ -490,3 +490,10 @@ FROM claimed AS c;
 -- in I or R, not parked) at or above the ready floor $4.
 {:row}.subqueue IN ('I', 'R') AND {:row}.retry_time < 'infinity'
 AND {:row}.msg_headers ? 'nmbus-group' AND {:row}.id >= $4
+
+-- idle_limit --
+-- This session's idle_in_transaction_session_timeout in milliseconds (0: none),
+-- as the server, the database or the role set it. A worker session reads it
+-- once as it connects: when it is shorter than its handlers may keep a batch's
+-- transaction idle, each batch's transaction lifts it (SET LOCAL).
+SELECT setting::bigint FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout';

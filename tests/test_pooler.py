@@ -143,6 +143,7 @@ async def test_a_prepared_statement_lost_to_a_pooler_says_to_set_it(
 ) -> None:
     """Past the start (a pooler put in front later): the error says what to set."""
     from nmbus.postgres import PostgresStore
+    from nmbus.postgres.connections import open_pool
 
     store = PostgresStore(pooled, pooler=Pooler("transaction"))  # starts as told...
     await store.open()
@@ -151,7 +152,7 @@ async def test_a_prepared_statement_lost_to_a_pooler_says_to_set_it(
         # ... and then sends as a direct connection would, with named statements.
         store.pooler = Pooler()
         await store._pool.close()  # type: ignore[union-attr]
-        store._pool = await asyncpg.create_pool(pooled, min_size=4, max_size=4)
+        store._pool = await open_pool(pooled, 4, Pooler())
         with pytest.raises(Exception, match="set NMBUS_POOLER=transaction"):
             await asyncio.gather(*(store.counts("orders") for _ in range(40)))
     finally:

@@ -145,6 +145,7 @@ class Bus(Registration, Sending):
                 routed=self.routes.keys(),
                 create_queues=settings.create_queues,
                 pooler=Pooler(settings.pooler, settings.listen_dsn),
+                endpoint=self.endpoint,
             )
         elif self.routes:
             raise ConfigurationError(

@@ -42,6 +42,7 @@ from nmbus.errors import DatabaseUnavailable
 from nmbus.logs import log_failure, scrub
 from nmbus.maintenance.supervise import Backoff
 from nmbus.names import validate_queue_name, validate_schema_name
+from nmbus.postgres.connections import server_settings
 from nmbus.postgres.errors import is_connection_error, wrap_errors
 from nmbus.postgres.listen import listen_loop, notify_channel
 from nmbus.postgres.pooler import Pooler
@@ -314,7 +315,10 @@ class Forwarder:
         if self._local is None or self._local.is_closed():
             with wrap_errors("connect to the outbox's database"):
                 self._local = await asyncpg.connect(
-                    self.dsn, timeout=10, **self.pooler.connect_options()
+                    self.dsn,
+                    timeout=10,
+                    server_settings=server_settings(self.dsn, "forward"),
+                    **self.pooler.connect_options(),
                 )
         return self._local
 
@@ -324,6 +328,7 @@ class Forwarder:
                 remote.dsn,
                 timeout=10,
                 command_timeout=REMOTE_TIMEOUT,
+                server_settings=server_settings(remote.dsn, "forward"),
                 **self.pooler.connect_options(),
             )
             try:
@@ -339,8 +344,11 @@ class Forwarder:
         """LISTEN on the outbox channel; after a reconnection, look at every queue."""
         if not self.pooler.listens:
             return  # behind a transaction pooler without listen_dsn: the poll wakes it
+        dsn = self.pooler.listen_on(self.dsn)
         await listen_loop(
-            lambda: asyncpg.connect(self.pooler.listen_on(self.dsn), timeout=10),
+            lambda: asyncpg.connect(
+                dsn, timeout=10, server_settings=server_settings(dsn, "forward-listen")
+            ),
             notify_channel(self.schema, outbox=True),
             self.wake,
             self.reconnect_max,

@@ -1,7 +1,8 @@
 """The PostgreSQL adapter of the storage port, on asyncpg.
 
-Connections a process uses: ``send_pool_size`` pooled ones for send/publish
-and schema work, one per worker loop, one for LISTEN and one for lease renewal.
+Connections a store uses: up to ``send_pool_size`` in the send pool and one
+LISTEN, both shared with the process's other stores on the same DSN, one per
+worker loop and one for lease renewal (:mod:`nmbus.postgres.connections`).
 The schema and its channels are :mod:`nmbus.postgres.schema`; a worker loop's
 connection and its batches, :mod:`nmbus.postgres.session`.
 """
@@ -27,11 +28,12 @@ from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.ports.operations import RetentionPolicy
 from nmbus.ports.store import Readiness
 from nmbus.postgres.cancel import cancel_on
+from nmbus.postgres.connections import SharedPool, listen_shared, open_pool, server_settings
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import flow_status_on
 from nmbus.postgres.listen import close_quietly as _close_quietly
-from nmbus.postgres.listen import listen_loop, notify_channel
+from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.pooler import Pooler, refuse_deaf_listener
 from nmbus.postgres.primary import refuse_read_only
 from nmbus.postgres.pubsub import (
@@ -74,6 +76,8 @@ class PostgresStore:
 
     Queues named in ``routed`` live in other databases: what is sent or published
     to them is written into this schema's outbox, for the forwarder to move.
+    ``endpoint``, the one whose store it is, names its own connections
+    (``nmbus:<endpoint>:loop`` and ``:lease`` in ``pg_stat_activity``).
     """
 
     def __init__(
@@ -84,16 +88,19 @@ class PostgresStore:
         routed: Collection[str] = (),
         create_queues: bool = True,
         pooler: Pooler | None = None,
+        endpoint: str | None = None,
     ) -> None:
         self.dsn = dsn
         # Straight to PostgreSQL, or through a transaction pooler (nmbus/postgres/pooler.py).
         self.pooler = pooler or Pooler()
+        self.endpoint = validate_queue_name(endpoint) if endpoint is not None else None
         # Whether a send may create the table of a queue no endpoint created.
         self.create_queues = create_queues
         self.schema = validate_schema_name(schema)
         self.routed = frozenset(validate_queue_name(q) for q in routed)
         self._pool_size = pool_size
-        self._pool: asyncpg.Pool | None = None
+        # The process's send pool on this DSN, shared with its other stores.
+        self._pool: SharedPool | None = None
         self._known_queues: set[str] = set()
         # Each queue's ready floor, shared by this store's worker loops.
         self._floors = ReadyFloors(self.schema, connection=lambda: self.pool.acquire())
@@ -109,7 +116,10 @@ class PostgresStore:
         """A worker's connection (docs/storage.md, "Plans over segments")."""
         with wrap_errors("connect"):
             conn: asyncpg.Connection = await asyncpg.connect(
-                self.dsn, timeout=10, **self.pooler.connect_options()
+                self.dsn,
+                timeout=10,
+                server_settings=server_settings(self.dsn, "loop", self.endpoint),
+                **self.pooler.connect_options(),
             )
             try:
                 await self.pooler.configure(conn, WORKER_SERVER_SETTINGS)
@@ -120,25 +130,21 @@ class PostgresStore:
 
     @property
     def pool(self) -> asyncpg.Pool:
-        if self._pool is None:
+        if self._pool is None or self._pool.pool is None:
             raise RuntimeError("the store is not open; use 'async with bus:' first")
-        return self._pool
+        return self._pool.pool
 
     async def open(self) -> None:
         with wrap_errors("open"):
             # A DSN that cannot work is an InvalidSetting, as the operations layer says
             # it; a server that cannot be reached stays "database unavailable".
+            if self._pool is not None:
+                raise RuntimeError("the store is open already")
             with wrap_connect_errors(self.dsn, unavailable=False):
-                self._pool = await asyncpg.create_pool(
-                    self.dsn,
-                    min_size=1,
-                    max_size=self._pool_size,
-                    timeout=10,
-                    **self.pooler.pool_options(),
-                )
+                self._pool = await open_pool(self.dsn, self._pool_size, self.pooler)
             # Before anything is prepared: refused here, not at the first send.
-            await self._refuse_unusable(self._pool)
-            async with self._pool.acquire() as conn:
+            await self._refuse_unusable(self.pool)
+            async with self.pool.acquire() as conn:
                 await install_schema(conn, self.schema)
                 await install_publish_function(conn, self.schema)
 
@@ -159,7 +165,7 @@ class PostgresStore:
             await _close_quietly(conn)
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            await asyncio.shield(pool.close())
+            await pool.close()
 
     async def ensure_queue(self, queue: str) -> None:
         """Create ``queue``'s table if missing: its endpoint starts, or an operator asks.
@@ -458,7 +464,10 @@ class PostgresStore:
             with wrap_errors(doing):
                 if self._lease_conn is None or self._lease_conn.is_closed():
                     self._lease_conn = await asyncpg.connect(
-                        self.dsn, timeout=10, **self.pooler.connect_options()
+                        self.dsn,
+                        timeout=10,
+                        server_settings=server_settings(self.dsn, "lease", self.endpoint),
+                        **self.pooler.connect_options(),
                     )
                 try:
                     rows: list[asyncpg.Record] = await self._lease_conn.fetch(
@@ -496,18 +505,21 @@ class PostgresStore:
             await _close_quietly(conn)
 
     async def listen(self, on_wakeup: Callable[[str], None], reconnect_max: float = 10.0) -> None:
-        """LISTEN on the DSN, or on ``listen_dsn`` behind a transaction pooler; behind
-        one without it, return at once: the worker's loops look every poll_interval."""
+        """LISTEN on the DSN, or on ``listen_dsn`` behind a transaction pooler, through
+        the process's one listener there (shared by its stores); behind a pooler
+        without it, return at once: the worker's loops look every poll_interval."""
         if not self.pooler.listens:
             log.info("listener_off", schema=self.schema, reason="pooler=transaction, no listen_dsn")
             return
+        dsn = self.pooler.listen_on(self.dsn)
 
         async def connect() -> asyncpg.Connection:
-            if not self.pooler.transaction:
-                return await self.connect()
+            # Never through a transaction pooler (listen_on): a connection of its own.
             with wrap_errors("connect for LISTEN"):
-                dsn = self.pooler.listen_on(self.dsn)
-                conn: asyncpg.Connection = await asyncpg.connect(dsn, timeout=10)
+                conn: asyncpg.Connection = await asyncpg.connect(
+                    dsn, timeout=10, server_settings=server_settings(dsn, "listen")
+                )
                 return conn
 
-        await listen_loop(connect, notify_channel(self.schema), on_wakeup, reconnect_max, log)
+        channel = notify_channel(self.schema)
+        await listen_shared(dsn, channel, on_wakeup, connect, reconnect_max, log)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
@@ -150,3 +151,32 @@ def driver_error_line(exc: BaseException) -> str | None:
     if isinstance(exc, asyncpg.PostgresError):
         return scrub(f"the database said: {exc}")
     return None
+
+
+class _PoolFloorInOneLine(logging.Filter):
+    """asyncpg's pool, while it cannot reconnect the connections it keeps open
+    (a failover, a full ``max_connections``), logs every retry with a traceback:
+    here each retry is its one line, with the error's first line, password-free."""
+
+    PREFIX = "Failed to restore the pool connection floor"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and str(record.msg).startswith(self.PREFIX):
+            exc = record.exc_info[1]
+            if exc is not None:
+                said = (scrub(str(exc)).splitlines() or [""])[0]
+                record.msg = f"{record.getMessage()} ({type(exc).__name__}: {said})"
+                record.args = ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_pool_floor() -> None:
+    """Install :class:`_PoolFloorInOneLine` on asyncpg's pool logger, once."""
+    pool_log = logging.getLogger("asyncpg.pool")
+    if not any(isinstance(f, _PoolFloorInOneLine) for f in pool_log.filters):
+        pool_log.addFilter(_PoolFloorInOneLine())
+
+
+# Every pool nmbus opens is asyncpg's: its retries are one line each from the start.
+quiet_pool_floor()

@@ -471,3 +471,39 @@ async def test_a_worker_process_waiting_for_a_connection_stops_at_sigterm(
     assert not any("Traceback" in line for line in lines), lines
     tries = [line for line in lines if "too_many_connections" in line]
     assert all("too many connections for role" in line for line in tries), tries
+
+
+async def test_a_send_pool_that_cannot_reconnect_says_so_in_one_line_per_retry(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The send pool keeps one connection open; when the server ends it and takes no
+    # new one (a failover under way, the database closed to connections), asyncpg's
+    # pool retries in the background and logged each retry with a traceback.
+    from tests.pg import with_database
+
+    admin = await asyncpg.connect(with_database(dsn, "postgres"))
+    name = _database(dsn)
+    bus = Bus("billing", dsn=dsn, concurrency=0)
+    try:
+        async with bus:
+            await bus.send(Ping(n=1), to="billing")
+            await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1", name
+            )
+            with caplog.at_level("WARNING", logger="asyncpg.pool"):
+                await wait_until(
+                    lambda: len([r for r in caplog.records if r.name == "asyncpg.pool"]),
+                    until=lambda n: n >= 2,
+                    timeout=20,
+                    what="two retries of the pool's floor",
+                )
+            await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+    finally:
+        await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        await admin.close()
+    retries = [r for r in caplog.records if r.name == "asyncpg.pool"]
+    for record in retries:
+        assert record.exc_info is None and record.exc_text is None
+        text = record.getMessage()
+        assert "\n" not in text and "not currently accepting connections" in text, text

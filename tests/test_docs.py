@@ -174,6 +174,49 @@ def test_cli_page_lists_every_command() -> None:
     assert not missing, f"docs/cli.md does not describe: {missing}"
 
 
+def _blocks(page: str, language: str) -> list[str]:
+    text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+
+
+def test_the_deployment_pages_manifests_are_yaml_with_the_probes_and_commands_nmbus_has() -> None:
+    import textwrap
+
+    import yaml
+    from typer.testing import CliRunner
+
+    docs = [
+        doc
+        for block in _blocks("deployment.md", "yaml")
+        for doc in yaml.safe_load_all(textwrap.dedent(block))
+    ]
+    kinds = {d.get("kind") for d in docs if isinstance(d, dict)}
+    assert {"Deployment", "ScaledObject"} <= kinds
+    (deployment,) = [d for d in docs if isinstance(d, dict) and d.get("kind") == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    (port,) = container["ports"]
+    assert str(port["containerPort"]) == env["NMBUS_METRICS_PORT"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
+    # Every command a manifest or a shell block runs is one nmbus has, with its options.
+    commands = [d["readinessProbe"]["exec"]["command"] for d in docs if "readinessProbe" in d]
+    commands.append(container["command"])
+    for block in _blocks("deployment.md", "(?:bash|sh)"):
+        commands += [line.split() for line in block.splitlines() if line.startswith("nmbus ")]
+    assert len(commands) >= 3
+    for command in commands:
+        assert command[0] == "nmbus", command
+        words = [w for w in command[1:] if not w.startswith("-")][:2]
+        shown = CliRunner().invoke(app, [*words[:1], "--help"])
+        assert shown.exit_code == 0, (command, shown.output)
+        for option in (w.split("=")[0] for w in command[1:] if w.startswith("--")):
+            assert (
+                option in shown.output
+                or option in CliRunner().invoke(app, [*words, "--help"]).output
+            ), (command, option)
+
+
 def main() -> int:
     text = SETTINGS_MD.read_text(encoding="utf-8")
     SETTINGS_MD.write_text(text.replace(_generated_part(text), settings_table()), "utf-8")

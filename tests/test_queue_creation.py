@@ -179,7 +179,11 @@ async def test_the_marks_of_many_queues_are_read_in_a_few_statements(
     create_pool = asyncpg.create_pool
 
     def counting_pool(*args: Any, **kwargs: Any) -> Any:
+        given = kwargs.pop("init", None)  # the operations' own session settings
+
         async def init(conn: asyncpg.Connection) -> None:
+            if given is not None:
+                await given(conn)
             conn.add_query_logger(lambda record: statements.append(record.query))
 
         return create_pool(*args, init=init, **kwargs)

@@ -193,6 +193,28 @@ class BatchRunner:
                 await self._record_failure(session, claim, rest[0], exc)
             return None
 
+    async def renew_lapsed(self) -> None:
+        """Before a claim: renew the leases of this worker's claims that lapsed by the clock.
+
+        They lapse when the event loop was held past a lease (a handler that blocks
+        it, a paused process): the renewer had no turn meanwhile, and a claim now
+        would take the rows of the other loops' batches, still running, for a
+        crash's, and run them again. Renewed first (as the renewer would have), the
+        rows stay theirs; a row another process took since is not touched.
+        """
+        ids, tokens = self.claims.lapsed_leases()
+        if not ids:
+            return
+        sent = time.monotonic()
+        try:
+            renewed = await self.store.renew_leases(
+                self.queue, ids, tokens, self.settings.lease_seconds
+            )
+        except StoreError as exc:
+            log.warning("lease_renewal_failed", queue=self.queue, error=str(exc))
+            return
+        self.claims.renewed(renewed, sent)
+
     async def _release(self, claim: Claim) -> None:
         """Free a claim that never began, its attempt not counted; it ends."""
         try:
@@ -344,6 +366,7 @@ class BatchRunner:
                 # batch that holds sagas, which other batches may be waiting for: the
                 # claim would keep them waiting longer.
                 if sizer is not None and not self._stopping.is_set() and not _holds_sagas(received):
+                    await self.renew_lapsed()
                     token, since = self.claims.token(loop), time.monotonic()
                     changed, rows = await tx.finish_and_claim(
                         self.queue,

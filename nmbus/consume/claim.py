@@ -136,6 +136,17 @@ class Claims:
             tokens.extend([claim.token] * len(open_ids))
         return ids, tokens
 
+    def lapsed_leases(self) -> tuple[list[int], list[str]]:
+        """As ``leases``, of the live claims whose lease may have lapsed by the clock."""
+        ids: list[int] = []
+        tokens: list[str] = []
+        for claim in self._live.values():
+            if claim.lapsed():
+                open_ids = claim.open_ids()
+                ids.extend(open_ids)
+                tokens.extend([claim.token] * len(open_ids))
+        return ids, tokens
+
     def renewed(self, ids: set[int], sent_at: float) -> None:
         """Rows ``ids`` were renewed by a statement sent at ``sent_at``: a claim all of
         whose open rows were is sure of its lease from then (one skipped, locked by

@@ -262,6 +262,7 @@ class Worker:
 
     async def _claim(self, session: WorkerSession, limit: int, loop: int | str) -> Claim | None:
         """Claim up to ``limit`` ready rows under a new token; None when none is ready."""
+        await self.batches.renew_lapsed()
         token = self.claims.token(loop)
         since = time.monotonic()
         rows = await session.claim(self.queue, limit, token, self.settings.lease_seconds)

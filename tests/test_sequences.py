@@ -87,8 +87,14 @@ async def test_twenty_members_on_two_processes_arrive_in_exactly_send_order(
     workers = await start_workers(dsn, db)
     try:
         async with make_bus("sender", concurrency=0) as sender:
-            await send_members(sender, "account-42", 20)
-            await send_members(sender, "account-7", 20)
+            # In bursts, each after both processes went idle: a burst's first members
+            # wake a loop of each, which race for them, so both take part (sent at
+            # once, the process that finishes a member mostly claims the next itself).
+            for start in range(0, 20, 5):
+                await send_members(sender, "account-42", start + 5, start=start)
+                await send_members(sender, "account-7", start + 5, start=start)
+                await wait_done(db, 2 * (start + 5))
+                await asyncio.sleep(0.5)  # past the workers' poll interval: all idle
             for n in range(20):
                 await sender.send(Ping(n=n), to="ledger")
         await wait_done(db, 40)

@@ -15,8 +15,8 @@ The modes:
                    marks a batch X and claims the next), with no framework.
                    Single-write: a claim that writes each row once (row locks
                    in the batch's transaction, a per-batch record committed on
-                   a second connection), held batches' design (setting
-                   held_batches) without the framework.
+                   a second connection), with no framework: what a
+                   single-write claim could gain at most.
 ``drain``          pre-load N messages, time a worker draining them with a typed
                    no-op handler, at ``concurrency`` loops and at 2 loops,
                    against both ceilings (the crash-safe one at as many loops).

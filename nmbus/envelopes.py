@@ -19,9 +19,10 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict
 
+from nmbus.contracts import Codec
 from nmbus.delivery.flow import GROUP_HEADER, check_group
 from nmbus.errors import MAX_SECONDS, InvalidMessage, MessageTooLarge
-from nmbus.messages import Envelope, Message, encode, lookup_type, type_chain
+from nmbus.messages import Envelope, Message, lookup_type, type_chain
 from nmbus.middleware import Link, checked, name_of, run_chain
 from nmbus.names import MAX_SEQUENCE_KEY as MAX_SEQUENCE_KEY
 from nmbus.names import check_key, check_text, utf8_size, validate_queue_name
@@ -402,10 +403,17 @@ class EnvelopeBuilder:
     clock a ``delay`` counts from (a test's clock in :mod:`nmbus.testing`).
     """
 
-    __slots__ = ("hooks", "max_message_bytes", "now")
+    __slots__ = ("codec", "hooks", "max_message_bytes", "now")
 
-    def __init__(self, max_message_bytes: int, now: Callable[[], datetime] = _utc_now) -> None:
+    def __init__(
+        self,
+        max_message_bytes: int,
+        now: Callable[[], datetime] = _utc_now,
+        codec: Codec | None = None,
+    ) -> None:
         self.max_message_bytes = max_message_bytes
+        #: How bodies are encoded (nmbus.contracts): the endpoint's, shared with its registry.
+        self.codec = codec if codec is not None else Codec()
         self.hooks: tuple[Link, ...] = ()
         self.now = now
 
@@ -466,7 +474,9 @@ class EnvelopeBuilder:
     def build(self, message: Message, options: Outgoing) -> Envelope:
         if not isinstance(message, Message):
             raise TypeError(f"expected a nmbus.Message, got {type(message).__name__}")
-        text = encode(message)
+        text, own = self.codec.encode(message)
+        if own is not None:
+            options = options.marked(own)
         headers, unique_id = options.headers, options.unique_id
         correlation_id, controls = options.correlation_id, options.controls
         header_text = None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nmbus.context import Context
+from nmbus.contracts import Codec
 from nmbus.delivery.flow import FlowLimits, Limits
 from nmbus.errors import MAX_SECONDS, HandlerError
 from nmbus.messages import Message, subtypes, type_name
@@ -63,6 +64,8 @@ class Registry:
     def __init__(self) -> None:
         #: ``@bus.middleware`` functions, outermost first (nmbus/middleware.py).
         self.middleware: tuple[Link, ...] = ()
+        #: How this endpoint's bodies are encoded and decoded (nmbus.contracts).
+        self.codec = Codec()
         self._by_type: dict[type[Message], list[Handler]] = {}
         self._dispatch: dict[type[Message], tuple[Handler, ...]] = {}
         # How many registered handlers may have effects outside the database.

@@ -269,7 +269,9 @@ class HandlerTest:
         self.store = _RecordingStore(self)
         # The bus's own registration (handlers, sagas, middleware), retry policy
         # and settings; envelopes on the test's clock.
-        self._builder = EnvelopeBuilder(bus.settings.max_message_bytes, now=lambda: self._at)
+        self._builder = EnvelopeBuilder(
+            bus.settings.max_message_bytes, now=lambda: self._at, codec=bus.registry.codec
+        )
         dispatcher = Dispatcher(bus.endpoint, bus.registry, bus.retry, bus.settings, self._builder)
         self._claims = Claims("nmbus-testing", bus.settings.lease_seconds)
         self._runner = BatchRunner(
@@ -349,7 +351,7 @@ class HandlerTest:
     def _record(self, envelope: Envelope, to: str | None) -> None:
         cls = lookup_type(envelope.label)
         assert cls is not None, envelope.label
-        message = cls.model_validate_json(envelope.msg_text)
+        message = self.bus.registry.codec.decode(cls, envelope.msg_text, envelope.msg_headers)
         loaded = json.loads(envelope.msg_headers) if envelope.msg_headers else {}
         headers = {
             k: v for k, v in loaded.items() if k[: len(INTERNAL_PREFIX)].lower() != INTERNAL_PREFIX

@@ -164,7 +164,7 @@ class Bus(Registration, Sending):
         )
         self.client_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.subscriptions = Subscriptions(self.endpoint, store, settings)
-        self.envelopes = EnvelopeBuilder(settings.max_message_bytes)
+        self.envelopes = EnvelopeBuilder(settings.max_message_bytes, codec=self.registry.codec)
         self.replies = Replies(self.client_id)
         # Both optional, both None unless wanted: docs/metrics.md, docs/tracing.md.
         self.metrics = _metrics(self.endpoint, settings)

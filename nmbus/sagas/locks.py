@@ -357,7 +357,7 @@ class SagaLocks:
                 continue
             try:
                 if message is None:
-                    message = cls.model_validate_json(row.msg_text or "")
+                    message = self._registry.codec.decode(cls, row.msg_text or "", row.msg_headers)
                     received.message = message  # its handlers need not decode it again
                 if field is not None:
                     value = getattr(message, field)

@@ -18,7 +18,7 @@ from nmbus.consume.isolation import DIED_ALONE
 from nmbus.context import Context, Effects
 from nmbus.delivery.replies import Replies
 from nmbus.envelopes import IN_REPLY_TO_HEADER, EnvelopeBuilder
-from nmbus.errors import AttemptsExhausted, UndecodableMessage
+from nmbus.errors import AttemptsExhausted, MessageError, UndecodableMessage
 from nmbus.handlers import Handler, Registry
 from nmbus.messages import Message, StoredMessage
 from nmbus.middleware import Link, run_chain
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("nmbus.worker")
 
-# Per message class: its handlers, its body's validator and its retry policy.
-Plan = tuple[tuple[Handler, ...], Any, RetryPolicy]
+# Per message class: its handlers and its retry policy.
+Plan = tuple[tuple[Handler, ...], RetryPolicy]
 
 
 def cancelled_from_outside() -> bool:
@@ -291,14 +291,17 @@ class Dispatcher:
         if plan is None:
             self.failures.unhandled(row, cls, outcomes)
             return None
-        handlers, validator, policy = plan
+        handlers, policy = plan
         message = received.message
         if message is not None:
             received.message = None
         else:
+            assert cls is not None  # a plan is made for a known class only
             try:
-                # What cls.model_validate_json does, without its wrapper's call.
-                message = validator.validate_json(row.msg_text or "")
+                message = self.registry.codec.decode(cls, row.msg_text or "", headers)
+            except MessageError as exc:  # a version or key no retry can change
+                self.failures.refused(row, exc, outcomes)
+                return None
             except (ValidationError, ValueError) as exc:
                 undecodable = UndecodableMessage(f"body is not a valid {row.label}: {exc}")
                 self.failures.refused(row, because(undecodable, exc), outcomes)
@@ -313,7 +316,7 @@ class Dispatcher:
         return handlers, message, policy
 
     def _plan(self, cls: type[Message] | None) -> Plan | None:
-        """The handlers, validator and policy of ``cls``; None when no handler takes it."""
+        """The handlers and policy of ``cls``; None when no handler takes it."""
         if self._plans_for is not self.registry.version:
             self._plans.clear()
             self._plans_for = self.registry.version
@@ -323,6 +326,6 @@ class Dispatcher:
             if not handlers:
                 return None
             assert cls is not None
-            plan = (handlers, cls.__pydantic_validator__, handlers[0].retry or self.retry)
+            plan = (handlers, handlers[0].retry or self.retry)
             self._plans[cls] = plan
         return plan

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from nmbus.delivery.replies import Replies
 from nmbus.envelopes import IN_REPLY_TO_HEADER, REPLY_BY_HEADER, REQUESTER_HEADER
+from nmbus.errors import MessageError
 from nmbus.handlers import Registry
 from nmbus.logs import per_message_logs
 from nmbus.messages import Message, StoredMessage
@@ -84,8 +85,8 @@ class ReplyRouting:
         replies = self.replies
         if replies is not None and row.correlation_id in replies:
             try:
-                message = cls.model_validate_json(row.msg_text or "")
-            except (ValidationError, ValueError):
+                message = self.registry.codec.decode(cls, row.msg_text or "", row.msg_headers)
+            except (ValidationError, ValueError, MessageError):
                 return False  # recorded as undecodable by the usual path
             if replies.resolve(row.correlation_id, message):
                 if len(self._resolved) >= 10_000:

@@ -1,0 +1,40 @@
+"""Message contracts over time: a body on its way out of the process and back in.
+
+Every message body passes one :class:`Codec` when it is encoded for sending
+(:meth:`Codec.encode`, called by the envelope builder) and when a stored body is
+decoded for a handler (:meth:`Codec.decode`, called by the dispatcher, the saga
+locks, the replies and :mod:`nmbus.testing`). It is the one place where a body
+is changed on the way: versions and their upcasters, encrypted fields. A type
+that uses none of them is encoded and validated exactly as before, with no
+work beyond one check.
+
+A stored body the codec cannot read for a reason no retry can change (a
+version this process does not know, a key id it does not hold) raises a
+:class:`~nmbus.errors.MessageError`, which fails the message at once (F).
+"""
+
+from __future__ import annotations
+
+from nmbus.messages import Message, encode
+
+
+class Codec:
+    """Encodes outgoing bodies and decodes stored ones, for one endpoint."""
+
+    __slots__ = ()
+
+    def encode(self, message: Message) -> tuple[str, dict[str, str] | None]:
+        """The JSON body of ``message`` and the headers nmbus adds for it (None for none).
+
+        Raises InvalidMessage when no receiver could read it (nmbus.messages.encode).
+        """
+        return encode(message), None
+
+    def decode(self, cls: type[Message], text: str, headers: str | None) -> Message:
+        """The message of a stored body ``text`` (with its raw JSON ``headers``) as ``cls``.
+
+        Raises pydantic's ValidationError or ValueError for a body that does not
+        validate (UndecodableMessage at the caller), and a MessageError for one
+        that must fail at once for another reason.
+        """
+        return cls.__pydantic_validator__.validate_json(text)  # type: ignore[no-any-return]

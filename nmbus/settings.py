@@ -153,7 +153,13 @@ class EncryptionKeys:
     def __get_pydantic_core_schema__(
         cls, source: Any, handler: GetCoreSchemaHandler
     ) -> core_schema.CoreSchema:
-        return core_schema.no_info_plain_validator_function(cls.of)
+        # As JSON, the ids only: a dumped Settings never carries a key.
+        return core_schema.no_info_plain_validator_function(
+            cls.of,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda keys: {"ids": list(keys.ids), "current": keys.current}, when_used="json"
+            ),
+        )
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -476,14 +482,10 @@ class Settings(BaseSettings):
                 f"encryption_key_id (NMBUS_ENCRYPTION_KEY_ID) {_shown(current)} is not among "
                 f"encryption_keys (ids: {', '.join(keys.ids)})"
             )
+        elif keys.current != current:
+            # The ring carries its current id, so that the bus needs only the ring.
+            object.__setattr__(self, "encryption_keys", keys.using(current))
         return self
-
-    def encryption(self) -> EncryptionKeys | None:
-        """The keys of encrypted fields, their current one set (None: no keys)."""
-        keys = self.encryption_keys
-        if keys is None or self.encryption_key_id is None:
-            return keys
-        return keys.using(self.encryption_key_id)
 
     @model_validator(mode="after")
     def _check_listen_dsn(self) -> Settings:

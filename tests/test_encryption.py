@@ -54,10 +54,10 @@ class Shipped(Message, type_name="test.enc.Shipped"):
 
 
 def secrets(*keys: bytes) -> list[str]:
-    """What must never be found: the plaintext, each key raw, base64 and hex."""
+    """What must never be found: the plaintext, each key raw, as a repr, base64 and hex."""
     found = [CARD]
     for key in keys:
-        found += [key.decode("latin-1"), base64.b64encode(key).decode(), key.hex()]
+        found += [key.decode("latin-1"), repr(key)[2:-1], base64.b64encode(key).decode(), key.hex()]
     return found
 
 
@@ -343,10 +343,13 @@ def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NMBUS_ENCRYPTION_KEYS", f"k1:{one}, k2:{two}")
     monkeypatch.setenv("NMBUS_ENCRYPTION_KEY_ID", "k2")
     settings = Settings()
-    keys = settings.encryption()
+    keys = settings.encryption_keys
     assert keys is not None
     assert (keys.ids, keys.current, keys.key("k1")) == (("k1", "k2"), "k2", KEY1)
     assert_none_in(repr(settings) + str(settings) + repr(keys), KEY1, KEY2)
+    dumped = settings.model_dump_json()
+    assert json.loads(dumped)["encryption_keys"] == {"ids": ["k1", "k2"], "current": "k2"}
+    assert_none_in(dumped, KEY1, KEY2)
     monkeypatch.setenv("NMBUS_ENCRYPTION_KEYS", f"k1={one}")
     with pytest.raises(Exception, match="id:<base64 key> pairs") as caught:
         Settings()

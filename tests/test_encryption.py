@@ -9,9 +9,12 @@ import html
 import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
+import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel
 from structlog.testing import capture_logs
@@ -28,10 +31,13 @@ from nmbus import (
     UnknownEncryptionKey,
 )
 from nmbus.cli import app
+from nmbus.ports.operations import RetentionPolicy
 from nmbus.postgres.forwarder import Forwarder
+from nmbus.postgres.retention import clean_queue
 from nmbus.settings import Settings
 from nmbus.testing import HandlerTest, drain
 from tests.dashboard_server import start
+from tests.ops_data import split_segments
 from tests.pg import Databases
 
 CARD = "4111-1111-SECRET-1111"
@@ -383,3 +389,26 @@ def test_unknown_key_is_a_message_error_naming_no_key() -> None:
     with pytest.raises(UnknownEncryptionKey, match="key id 'k9'") as caught:
         reader.registry.codec.decode(CardCharged, text, None)
     assert_none_in(str(caught.value), KEY9)
+
+
+async def test_the_parquet_archive_holds_only_ciphertext(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    bus = make_bus("enc_archived", encryption_keys={"k1": KEY1})
+    got: list[str] = []
+
+    @bus.handler
+    async def charge(msg: CardCharged, ctx: Context) -> None:
+        got.append(msg.card_number)
+
+    async with bus:
+        await bus.send(CardCharged(order_id=1, card_number=CARD), to="enc_archived")
+        await drain(bus)
+    assert got == [CARD]
+    await split_segments(db, "true", queue="enc_archived")
+    policy = RetentionPolicy(max_age=timedelta(0), archive_dir=tmp_path)
+    result = await clean_queue(db, "nmbus", "enc_archived", policy)
+    assert result.deleted["X"] == 1
+    (archived,) = pq.read_table(result.files[0]).to_pylist()
+    assert sealed(archived["msg_text"])["nmbus-encrypted"] == "k1"
+    assert_none_in(str(archived), KEY1)

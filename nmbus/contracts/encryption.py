@@ -20,6 +20,7 @@ import base64
 import binascii
 import json
 import os
+from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated, Any, get_args
 
 from pydantic import BaseModel
@@ -27,6 +28,8 @@ from pydantic import BaseModel
 from nmbus.errors import InvalidMessage, UndecodableMessage, UnknownEncryptionKey
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     from nmbus.messages import Message
     from nmbus.settings import EncryptionKeys
 
@@ -118,10 +121,8 @@ class Sealer:
                 "bus has no encryption key: pass Bus(..., encryption_keys=..., "
                 "encryption_key_id=...) or set NMBUS_ENCRYPTION_KEYS"
             )
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
         key_id = keys.current
-        cipher = AESGCM(keys.key(key_id))
+        cipher = _cipher(keys.key(key_id))
         body = json.loads(text)
         for field in self.fields:
             if field not in body:
@@ -160,7 +161,6 @@ class Sealer:
 
     def _open_one(self, field: str, key_id: str, data: Any, keys: EncryptionKeys) -> Any:
         from cryptography.exceptions import InvalidTag
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         try:
             if not isinstance(data, str):
@@ -168,7 +168,7 @@ class Sealer:
             sealed = base64.b64decode(data, validate=True)
             if len(sealed) <= _NONCE:
                 raise ValueError
-            plain = AESGCM(keys.key(key_id)).decrypt(
+            plain = _cipher(keys.key(key_id)).decrypt(
                 sealed[:_NONCE], sealed[_NONCE:], self._aad(field)
             )
             return json.loads(plain)
@@ -177,6 +177,14 @@ class Sealer:
                 f"{self.type_name}.{field}: its encrypted value (key id {key_id!r}) does not "
                 "authenticate: altered, or sealed for another type or field"
             ) from None
+
+
+@lru_cache(maxsize=32)
+def _cipher(key: bytes) -> AESGCM:
+    # Built once per key: a new AESGCM sets up its key schedule each time.
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(key)
 
 
 def _id(key_id: Any) -> str:

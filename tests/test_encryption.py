@@ -11,12 +11,12 @@ import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import asyncpg
 import pyarrow.parquet as pq
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, StringConstraints
 from structlog.testing import capture_logs
 from typer.testing import CliRunner
 
@@ -28,6 +28,7 @@ from nmbus import (
     InvalidSetting,
     Message,
     PermanentError,
+    UndecodableMessage,
     UnknownEncryptionKey,
 )
 from nmbus.cli import app
@@ -378,6 +379,19 @@ async def test_handler_test_opens_the_fields_the_bus_sealed() -> None:
     no_key.handler(CardCharged)(charge)
     with pytest.raises(InvalidMessage, match="no encryption key"):
         await HandlerTest(no_key).handle(CardCharged(order_id=1, card_number=CARD))
+
+
+class Short(Message, type_name="test.enc.Short"):
+    code: Encrypted[Annotated[str, StringConstraints(max_length=4)]]
+
+
+def test_a_decrypted_value_that_does_not_validate_is_not_repeated() -> None:
+    bus = Bus("enc_unit", dsn="postgresql://x@127.0.0.1/x", encryption_keys={"k1": KEY1})
+    text, _ = bus.registry.codec.encode(Short.model_construct(code=CARD))
+    with pytest.raises(UndecodableMessage, match="code: String should have at most 4") as caught:
+        bus.registry.codec.decode(Short, text, None)
+    assert caught.value.__cause__ is None and caught.value.__context__ is None
+    assert_none_in(str(caught.value), KEY1)
 
 
 def test_unknown_key_is_a_message_error_naming_no_key() -> None:

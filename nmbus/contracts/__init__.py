@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nmbus.contracts.encryption import Sealer, sealer
+from pydantic import ValidationError
+
+from nmbus.contracts.encryption import Sealer, sealer, without_values
+from nmbus.errors import UndecodableMessage
 from nmbus.messages import Message, encode
 
 if TYPE_CHECKING:
@@ -49,8 +52,16 @@ class Codec:
 
         Raises pydantic's ValidationError or ValueError for a body that does not
         validate (UndecodableMessage at the caller), and a MessageError for one
-        that must fail at once for another reason.
+        that must fail at once for another reason. A type with encrypted fields
+        raises UndecodableMessage itself, naming fields and reasons but no value.
         """
-        if (seal := sealer(cls, self._sealers)) is not None:
-            text = seal.open(text, self.keys)
-        return cls.__pydantic_validator__.validate_json(text)  # type: ignore[no-any-return]
+        if (seal := sealer(cls, self._sealers)) is None:
+            return cls.__pydantic_validator__.validate_json(text)  # type: ignore[no-any-return]
+        text = seal.open(text, self.keys)
+        try:
+            return cls.__pydantic_validator__.validate_json(text)  # type: ignore[no-any-return]
+        except ValidationError as exc:
+            reason = without_values(exc)
+        # Raised outside the except: pydantic's error repeats the value it refused
+        # (here, maybe a decrypted one), so it must not travel as the context.
+        raise UndecodableMessage(f"body is not a valid {cls.__type_name__}: {reason}")

@@ -23,7 +23,7 @@ import os
 from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated, Any, get_args
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from nmbus.errors import InvalidMessage, UndecodableMessage, UnknownEncryptionKey
 
@@ -221,3 +221,11 @@ def readable(text: str | None) -> str | None:
         if isinstance(value, dict) and set(value) == {SEALED, "data"}:
             body[field] = f"[encrypted, key {value[SEALED]}]"
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+
+
+def without_values(exc: ValidationError) -> str:
+    """What ``exc`` refused, by field and reason, never repeating a value."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc']) or 'body'}: {error['msg']}"
+        for error in exc.errors(include_input=False, include_context=False)
+    )

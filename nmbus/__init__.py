@@ -6,6 +6,7 @@ I (ready), R (scheduled), X (processed) and F (failed).
 
 from nmbus.bus import Bus
 from nmbus.context import Context, Effects
+from nmbus.contracts.encryption import Encrypted
 from nmbus.delivery.periodic import Tick
 from nmbus.envelopes import PublishOptions, SendOptions
 from nmbus.errors import (
@@ -36,6 +37,7 @@ from nmbus.errors import (
     StoreError,
     ToolError,
     UndecodableMessage,
+    UnknownEncryptionKey,
     UnknownMessageType,
 )
 from nmbus.messages import Message
@@ -64,6 +66,7 @@ __all__ = [
     "Context",
     "DatabaseUnavailable",
     "Effects",
+    "Encrypted",
     "Expired",
     "HandlerCancelled",
     "HandlerError",
@@ -94,5 +97,6 @@ __all__ = [
     "Tick",
     "ToolError",
     "UndecodableMessage",
+    "UnknownEncryptionKey",
     "UnknownMessageType",
 ]

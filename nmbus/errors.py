@@ -13,6 +13,7 @@ The whole tree::
     │   ├── UnknownMessageType      a label no registered Message class carries   (F)
     │   ├── NoHandler               a known type this endpoint has no handler for (F)
     │   ├── UndecodableMessage      a body that does not parse or validate        (F)
+    │   ├── UnknownEncryptionKey    an encrypted field under a key id not held    (F)
     │   ├── SagaNotFound            a saga's non-start message found no saga      (F)
     │   └── Expired                 its expires_at passed before a handler got it (F)
     ├── AttemptFailed               why an attempt failed, beside a handler's own error
@@ -91,6 +92,10 @@ class NoHandler(MessageError):
 
 class UndecodableMessage(MessageError):
     """The stored body is not valid JSON for its message type."""
+
+
+class UnknownEncryptionKey(MessageError):
+    """An encrypted field names a key id this endpoint does not hold (never the key)."""
 
 
 class SagaNotFound(MessageError):

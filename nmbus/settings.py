@@ -6,14 +6,18 @@ pass them down; library code never reads the environment itself.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import os
 import re
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
 import structlog
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, GetCoreSchemaHandler, ValidationError, field_validator, model_validator
+from pydantic_core import core_schema
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -96,6 +100,117 @@ def _looks_like_dsn(value: str) -> bool:
 def _shown(name: str) -> str:
     """``name`` quoted for an error when it cannot hold a password, else a placeholder."""
     return repr(name) if _PLAIN_NAME.fullmatch(name) else "(not shown: it may hold a password)"
+
+
+_KEY_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_KEY_BYTES = (16, 24, 32)
+
+
+class EncryptionKeys:
+    """The AES keys of encrypted fields, by key id (docs/messages.md).
+
+    Built from a mapping ``{id: key}`` (each key 16, 24 or 32 bytes, raw or
+    base64) or the environment's ``"id:<base64>,id:<base64>"``. Its repr, and
+    every error about it, shows the key ids only, never a key.
+    """
+
+    __slots__ = ("_keys", "current")
+
+    def __init__(self, keys: Mapping[str, bytes | str], current: str | None = None) -> None:
+        if not keys:
+            raise ValueError("needs at least one key")
+        self._keys: dict[str, bytes] = {}
+        for key_id, key in keys.items():
+            if not isinstance(key_id, str) or not _KEY_ID.fullmatch(key_id):
+                raise ValueError(
+                    "a key id is 1 to 64 letters, digits, '_', '.' or '-' (the id refused "
+                    "is left out of this message)"
+                )
+            self._keys[key_id] = _key_bytes(key_id, key)
+        #: The id new messages are encrypted with.
+        self.current = current if current is not None else next(iter(self._keys))
+
+    @classmethod
+    def of(cls, value: Any) -> EncryptionKeys | None:
+        if value is None or isinstance(value, EncryptionKeys):
+            return value
+        if isinstance(value, str):
+            pairs: dict[str, bytes | str] = {}
+            for part in value.split(","):
+                key_id, sep, key = part.strip().partition(":")
+                if not sep or not key_id.strip() or not key.strip():
+                    raise ValueError(
+                        "expected id:<base64 key> pairs separated by commas (the value "
+                        "is left out of this message: it holds keys)"
+                    )
+                pairs[key_id.strip()] = key.strip()
+            return cls(pairs)
+        if isinstance(value, Mapping):
+            return cls(value)
+        raise ValueError("expected a mapping of key id to key, or id:<base64 key> pairs")
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        # As JSON, the ids only: a dumped Settings never carries a key.
+        return core_schema.no_info_plain_validator_function(
+            cls.of,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda keys: {"ids": list(keys.ids), "current": keys.current}, when_used="json"
+            ),
+        )
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(self._keys)
+
+    def __contains__(self, key_id: object) -> bool:
+        return key_id in self._keys
+
+    def key(self, key_id: str) -> bytes:
+        """The key of ``key_id`` (KeyError, naming the id only, when there is none)."""
+        return self._keys[key_id]
+
+    def using(self, current: str) -> EncryptionKeys:
+        """These keys, with ``current`` the id new messages are encrypted with."""
+        if current not in self._keys:
+            raise ValueError(
+                f"key id {current!r} is not among the keys (ids: {', '.join(self._keys)})"
+            )
+        found = EncryptionKeys.__new__(EncryptionKeys)
+        found._keys = self._keys
+        found.current = current
+        return found
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, EncryptionKeys)
+            and other._keys == self._keys
+            and other.current == self.current
+        )
+
+    def __hash__(self) -> int:
+        return hash((tuple(self._keys), self.current))
+
+    def __repr__(self) -> str:
+        return f"EncryptionKeys(ids={list(self._keys)!r}, current={self.current!r})"
+
+    __str__ = __repr__
+
+
+def _key_bytes(key_id: str, key: bytes | str) -> bytes:
+    if isinstance(key, str):
+        try:
+            key = base64.b64decode(key, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"key {key_id!r} is not valid base64") from None
+    if not isinstance(key, bytes) or len(key) not in _KEY_BYTES:
+        raise ValueError(
+            f"key {key_id!r} must be 16, 24 or 32 bytes (AES-128, -192 or -256), "
+            "given as bytes or base64"
+        )
+    return key
 
 
 class _Databases(PydanticBaseSettingsSource):
@@ -251,6 +366,15 @@ class Settings(BaseSettings):
         default=500, ge=1, le=10_000, description="outbox rows moved per remote transaction"
     )
 
+    encryption_keys: Annotated[EncryptionKeys | None, NoDecode] = Field(
+        default=None,
+        description="keys of Encrypted fields: id:<base64 key> pairs, 16/24/32 bytes each "
+        "(docs/messages.md); never shown",
+    )
+    encryption_key_id: str | None = Field(
+        default=None, description="the key id new messages are encrypted with"
+    )
+
     metrics_port: int | None = Field(
         default=None,
         ge=0,
@@ -340,6 +464,30 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _check_encryption(self) -> Settings:
+        keys, current = self.encryption_keys, self.encryption_key_id
+        if current is None:
+            if keys is not None and len(keys.ids) > 1:
+                raise ValueError(
+                    "encryption_key_id (NMBUS_ENCRYPTION_KEY_ID) must name the key new "
+                    f"messages use, one of {', '.join(keys.ids)}"
+                )
+        elif keys is None:
+            raise ValueError(
+                "encryption_key_id (NMBUS_ENCRYPTION_KEY_ID) needs encryption_keys "
+                "(NMBUS_ENCRYPTION_KEYS)"
+            )
+        elif current not in keys:
+            raise ValueError(
+                f"encryption_key_id (NMBUS_ENCRYPTION_KEY_ID) {_shown(current)} is not among "
+                f"encryption_keys (ids: {', '.join(keys.ids)})"
+            )
+        elif keys.current != current:
+            # The ring carries its current id, so that the bus needs only the ring.
+            object.__setattr__(self, "encryption_keys", keys.using(current))
+        return self
+
+    @model_validator(mode="after")
     def _check_listen_dsn(self) -> Settings:
         if self.listen_dsn is not None and self.pooler != "transaction":
             raise ValueError(
@@ -425,7 +573,14 @@ def describe(exc: ValidationError) -> str:
             parts.append(reason)  # a check across settings (routes): its text names them
             continue
         # Never echo a DSN: it may hold a password.
-        secret = name.split(".")[0] in ("dsn", "listen_dsn", "routes", "databases")
+        secret = name.split(".")[0] in (
+            "dsn",
+            "listen_dsn",
+            "routes",
+            "databases",
+            "encryption_keys",
+            "encryption_key_id",
+        )
         got = "" if secret else f", got {error['input']!r}"
         variable = (
             "NMBUS_DATABASES or NMBUS_DB_<ALIAS>"

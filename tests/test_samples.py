@@ -84,6 +84,21 @@ def test_flow_control_sample_runs(dsn: str) -> None:
     assert behind is not None and int(behind[1]) < 10, lines[3]
 
 
+def test_encryption_sample_reads_cards_in_the_clear_and_stores_them_sealed(dsn: str) -> None:
+    result = run_sample("encryption", dsn)
+    own = [line for line in result.stdout.splitlines() if "message_failed" not in line]
+    assert own == [
+        "order 1: charged the card ending 1111",
+        "order 2: charged the card ending 1881",
+        "failed: UnknownEncryptionKey: enc.CardCharged.card_number is encrypted with key id "
+        "'k0', which this endpoint does not hold: add that key to encryption_keys "
+        "(NMBUS_ENCRYPTION_KEYS)",
+        "stored: key k0, 68 characters of base64",
+    ]
+    # The one line nmbus logs: the failure, with the key id and no key.
+    assert "message_failed" in result.stdout
+
+
 def test_middleware_sample_logs_each_orders_tenant_on_every_line(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

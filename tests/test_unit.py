@@ -35,7 +35,9 @@ PUBLIC_API = {
     "UndecodableMessage", "AttemptFailed", "AttemptsExhausted", "HandlerTimeout",
     "HandlerCancelled", "OutcomeNotRecorded", "StoreError", "DatabaseUnavailable",
     "QueueNotFound", "LeaseLost", "SchemaVersionError", "RetentionError", "ToolError",
-    "HandlerSignal", "PermanentError", "RetryLater", "SagaNotFound",
+    "HandlerSignal", "PermanentError", "RetryLater", "SagaNotFound", "UnknownEncryptionKey",
+    # Message contracts (DESIGN.md section 11).
+    "Encrypted",
     # The service bus (DESIGN.md section 8).
     "Saga",
 }  # fmt: skip

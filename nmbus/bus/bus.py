@@ -154,6 +154,8 @@ class Bus(Registration, Sending):
             )
         self.store: Store = store
         self.registry = Registry()
+        # Encrypted fields are sealed and opened by the codec (nmbus.contracts.encryption).
+        self.registry.codec.keys = settings.encryption_keys
         self.retry = RetryPolicy.of(
             retry,
             RetryPolicy(

@@ -26,6 +26,7 @@ from nmbus.cli._common import (
     table,
 )
 from nmbus.cli._table import Column
+from nmbus.contracts.encryption import readable
 from nmbus.ops.admin import FAILED_BATCH, Admin, FailedCount
 from nmbus.settings import Settings
 
@@ -91,7 +92,9 @@ def show(
     if as_json:
         emit_json(row)
         return
-    # Every value whole (full timestamps): this is the one message looked at closely.
+    # Every value whole (full timestamps): this is the one message looked at closely;
+    # an encrypted field as its key id (--json gives the stored body as it is).
+    row["msg_text"] = readable(row["msg_text"])
     table(
         f"{queue} #{message_id}",
         ["column", Column("value", align="left", wrap=True)],

@@ -15,26 +15,53 @@ version this process does not know, a key id it does not hold) raises a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from nmbus.contracts.encryption import Sealer, sealer, without_values
+from nmbus.errors import UndecodableMessage
 from nmbus.messages import Message, encode
+
+if TYPE_CHECKING:
+    from nmbus.settings import EncryptionKeys
 
 
 class Codec:
     """Encodes outgoing bodies and decodes stored ones, for one endpoint."""
 
-    __slots__ = ()
+    __slots__ = ("_sealers", "keys")
+
+    def __init__(self) -> None:
+        #: The keys of encrypted fields (nmbus.contracts.encryption); None: none.
+        self.keys: EncryptionKeys | None = None
+        self._sealers: dict[type[Message], Sealer | None] = {}
 
     def encode(self, message: Message) -> tuple[str, dict[str, str] | None]:
         """The JSON body of ``message`` and the headers nmbus adds for it (None for none).
 
         Raises InvalidMessage when no receiver could read it (nmbus.messages.encode).
         """
-        return encode(message), None
+        text = encode(message)
+        if (seal := sealer(type(message), self._sealers)) is not None:
+            text = seal.seal(text, self.keys)
+        return text, None
 
     def decode(self, cls: type[Message], text: str, headers: str | None) -> Message:
         """The message of a stored body ``text`` (with its raw JSON ``headers``) as ``cls``.
 
         Raises pydantic's ValidationError or ValueError for a body that does not
         validate (UndecodableMessage at the caller), and a MessageError for one
-        that must fail at once for another reason.
+        that must fail at once for another reason. A type with encrypted fields
+        raises UndecodableMessage itself, naming fields and reasons but no value.
         """
-        return cls.__pydantic_validator__.validate_json(text)  # type: ignore[no-any-return]
+        if (seal := sealer(cls, self._sealers)) is None:
+            return cls.__pydantic_validator__.validate_json(text)  # type: ignore[no-any-return]
+        text = seal.open(text, self.keys)
+        try:
+            return cls.__pydantic_validator__.validate_json(text)  # type: ignore[no-any-return]
+        except ValidationError as exc:
+            reason = without_values(exc)
+        # Raised outside the except: pydantic's error repeats the value it refused
+        # (here, maybe a decrypted one), so it must not travel as the context.
+        raise UndecodableMessage(f"body is not a valid {cls.__type_name__}: {reason}")

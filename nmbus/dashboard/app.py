@@ -35,6 +35,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from nmbus.contracts.encryption import readable
 from nmbus.dashboard import charts, display, forms, guard
 from nmbus.dashboard.guard import DashboardOptions
 from nmbus.dashboard.hosts import is_loopback
@@ -205,7 +206,11 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
         row = await admin.message(queue, ident, max_chars=TEXT_SHOWN)
         if row is None:
             raise HTTPException(404, f"no message {ident} in queue {queue}")
-        body = row.msg_text if row.msg_text_chars > TEXT_SHOWN else display.pretty(row.msg_text)
+        body = (
+            row.msg_text
+            if row.msg_text_chars > TEXT_SHOWN
+            else display.pretty(readable(row.msg_text))
+        )
         headers = (
             row.msg_headers
             if row.msg_headers_chars > TEXT_SHOWN

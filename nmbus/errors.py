@@ -13,6 +13,7 @@ The whole tree::
     │   ├── UnknownMessageType      a label no registered Message class carries   (F)
     │   ├── NoHandler               a known type this endpoint has no handler for (F)
     │   ├── UndecodableMessage      a body that does not parse or validate        (F)
+    │   ├── MessageVersionError     a body version this process cannot upcast     (F)
     │   ├── UnknownEncryptionKey    an encrypted field under a key id not held    (F)
     │   ├── SagaNotFound            a saga's non-start message found no saga      (F)
     │   └── Expired                 its expires_at passed before a handler got it (F)
@@ -92,6 +93,11 @@ class NoHandler(MessageError):
 
 class UndecodableMessage(MessageError):
     """The stored body is not valid JSON for its message type."""
+
+
+class MessageVersionError(MessageError):
+    """A stored body of a version this process cannot read: newer than its class, or
+    older with no complete chain of upcasters to the class's version."""
 
 
 class UnknownEncryptionKey(MessageError):

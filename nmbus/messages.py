@@ -30,6 +30,9 @@ from nmbus.names import utf8_size as utf8_size
 
 _TYPE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
 
+# The highest message version accepted (a header value must stay short and an int4).
+MAX_VERSION = 1_000_000
+
 # Every concrete type name known in this process, for decoding labels.
 _TYPES: dict[str, type[Message]] = {}
 
@@ -44,8 +47,12 @@ class Message(BaseModel):
     model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
 
     __type_name__: ClassVar[str] = "Message"
+    #: The version of this type's body (``version=`` class keyword; 1 by default).
+    __version__: ClassVar[int] = 1
 
-    def __init_subclass__(cls, type_name: str | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(
+        cls, type_name: str | None = None, version: int = 1, **kwargs: Any
+    ) -> None:
         super().__init_subclass__(**kwargs)
         name = type_name if type_name is not None else cls.__qualname__
         if not _TYPE_NAME.fullmatch(name):
@@ -53,7 +60,17 @@ class Message(BaseModel):
                 f"invalid message type name {name!r}: use letters, digits, '_', '.', ':' "
                 "or '-', starting with a letter, at most 200 characters"
             )
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 1 <= version <= MAX_VERSION
+        ):
+            raise ConfigurationError(
+                f"invalid version {version!r} for message type {name!r}: "
+                f"use a whole number from 1 to {MAX_VERSION}"
+            )
         cls.__type_name__ = name
+        cls.__version__ = version
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -77,6 +94,11 @@ def _qualified(cls: type) -> str:
 def type_name(cls: type[Message]) -> str:
     """The stable type name of a Message class."""
     return cls.__type_name__
+
+
+def message_version(cls: type[Message]) -> int:
+    """The version of a Message class's body (1 unless it was given ``version=``)."""
+    return cls.__version__
 
 
 def type_chain(cls: type[Message]) -> tuple[str, ...]:

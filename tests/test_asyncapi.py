@@ -381,9 +381,8 @@ class Plain(Message, type_name="asyncapi_test_Awkward"):
     n: int
 
 
-class Versioned(Message, type_name="asyncapi_test.Versioned"):
-    # How a type states its version until Message takes version=.
-    __version__ = 3
+class Versioned(Message, type_name="asyncapi_test.Versioned", version=3):
+    pass
 
 
 def _bus(name: str = "awkward") -> Bus:

@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 from pydantic.json_schema import models_json_schema
 
 from nmbus import envelopes
+from nmbus.contracts.versions import VERSION_HEADER
 from nmbus.delivery.flow import GROUP_HEADER
 from nmbus.errors import ConfigurationError
 from nmbus.messages import Message, type_name
+from nmbus.messages import message_version as _class_version
 
 if TYPE_CHECKING:
     from nmbus.bus.bus import Bus
@@ -48,9 +50,8 @@ _KEY = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def message_version(cls: type[Message]) -> int:
-    """The version of a message type, as the document states it: 1 until types have one."""
-    version = getattr(cls, "__version__", 1)
-    return version if isinstance(version, int) and not isinstance(version, bool) else 1
+    """The version of a message type, as the document states it (its ``version=``)."""
+    return _class_version(cls)
 
 
 #: The headers nmbus sets (nmbus/envelopes.py), and what each one says.
@@ -64,6 +65,10 @@ NMBUS_HEADERS: dict[str, str] = {
     envelopes.SAGA_KEY_HEADER: "On a saga's timeout: the key of the saga that set it.",
     envelopes.SAGA_INSTANCE_HEADER: (
         "On a saga's timeout: the saga instance that set it (a timeout acts on that instance only)."
+    ),
+    VERSION_HEADER: (
+        "On a message whose class has version= other than 1: that version. Absent means 1; "
+        "a receiver upcasts an older body to its own version (docs/messages.md)."
     ),
     GROUP_HEADER: (
         "On a message sent with group=: its group, within which its handler's "

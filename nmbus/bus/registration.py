@@ -33,6 +33,7 @@ from nmbus.sagas.saga import S, Saga
 
 F = TypeVar("F", bound=HandlerFunc)
 L = TypeVar("L", bound=Link)
+U = TypeVar("U", bound=Callable[[dict[str, Any]], dict[str, Any]])
 
 
 @dataclass(slots=True)
@@ -163,6 +164,24 @@ class Registration:
         self._before_start("outgoing hooks")
         self.envelopes.add_hook(func)
         return func
+
+    def upcaster(self, type_name: str, /, *, from_version: int) -> Callable[[U], U]:
+        """Register ``def f(body: dict) -> dict`` making a stored ``type_name`` body of
+        ``from_version`` into one of the next version, before it is validated.
+
+        Chains run in order up to the class's ``version=`` wherever a body is
+        decoded (worker, saga locks, replies, HandlerTest). A second upcaster
+        of the same step, or one from the class's version or later, is a
+        ConfigurationError. Registered before the bus starts. See
+        docs/messages.md, "Versions and upcasters".
+        """
+
+        def register(func: U) -> U:
+            self._before_start("upcasters")
+            self.registry.codec.versions.add(type_name, from_version, func)
+            return func
+
+        return register
 
     def _before_start(self, what: str) -> None:
         if self._started:

@@ -15,11 +15,13 @@ version this process does not know, a key id it does not hold) raises a
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from nmbus.contracts.encryption import Sealer, sealer, without_values
+from nmbus.contracts.versions import VERSION_HEADER, Versions, stored_version
 from nmbus.errors import UndecodableMessage
 from nmbus.messages import Message, encode
 
@@ -30,12 +32,14 @@ if TYPE_CHECKING:
 class Codec:
     """Encodes outgoing bodies and decodes stored ones, for one endpoint."""
 
-    __slots__ = ("_sealers", "keys")
+    __slots__ = ("_sealers", "keys", "versions")
 
     def __init__(self) -> None:
         #: The keys of encrypted fields (nmbus.contracts.encryption); None: none.
         self.keys: EncryptionKeys | None = None
         self._sealers: dict[type[Message], Sealer | None] = {}
+        #: The upcasters registered with ``@bus.upcaster`` (nmbus.contracts.versions).
+        self.versions = Versions()
 
     def encode(self, message: Message) -> tuple[str, dict[str, str] | None]:
         """The JSON body of ``message`` and the headers nmbus adds for it (None for none).
@@ -45,7 +49,8 @@ class Codec:
         text = encode(message)
         if (seal := sealer(type(message), self._sealers)) is not None:
             text = seal.seal(text, self.keys)
-        return text, None
+        version = message.__version__
+        return text, ({VERSION_HEADER: str(version)} if version != 1 else None)
 
     def decode(self, cls: type[Message], text: str, headers: str | None) -> Message:
         """The message of a stored body ``text`` (with its raw JSON ``headers``) as ``cls``.
@@ -54,10 +59,17 @@ class Codec:
         validate (UndecodableMessage at the caller), and a MessageError for one
         that must fail at once for another reason. A type with encrypted fields
         raises UndecodableMessage itself, naming fields and reasons but no value.
+        An older body is upcast to ``cls``'s version first (nmbus.contracts.versions).
         """
+        version = stored_version(headers)
         if (seal := sealer(cls, self._sealers)) is None:
+            if version != cls.__version__:
+                text = self._upcast(cls, text, version, secret=False)
             return cls.__pydantic_validator__.validate_json(text)  # type: ignore[no-any-return]
+        # Opened first: upcasters see the body's fields in the clear.
         text = seal.open(text, self.keys)
+        if version != cls.__version__:
+            text = self._upcast(cls, text, version, secret=True)
         try:
             return cls.__pydantic_validator__.validate_json(text)  # type: ignore[no-any-return]
         except ValidationError as exc:
@@ -65,3 +77,10 @@ class Codec:
         # Raised outside the except: pydantic's error repeats the value it refused
         # (here, maybe a decrypted one), so it must not travel as the context.
         raise UndecodableMessage(f"body is not a valid {cls.__type_name__}: {reason}")
+
+    def _upcast(self, cls: type[Message], text: str, version: int, *, secret: bool) -> str:
+        """``text`` of ``version`` upcast to ``cls``'s version, as JSON to validate exactly
+        as a sent body. ``secret``: the body holds opened encrypted fields, which an
+        upcaster's error must not carry into error_info."""
+        body = self.versions.upcast(cls, text, version, secret=secret)
+        return body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)

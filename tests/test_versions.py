@@ -1,0 +1,233 @@
+"""Message versions and upcasters on a real PostgreSQL (docs/messages.md,
+"Versions and upcasters"): the version travels in the ``nmbus-version`` header
+(absent for version 1), an older body is upcast through its chain before it is
+validated, and a body no chain can read fails at once (F)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+import pytest
+
+from nmbus import Bus, ConfigurationError, Context, Message, MessageError, MessageVersionError
+from nmbus.bus.asyncapi import message_version
+from nmbus.testing import HandlerTest, MemoryStore, drain
+from tests import procs
+from tests.waits import wait_until
+
+# A row's version, as an operator asks for it.
+VERSION_SQL = "coalesce((msg_headers->>'nmbus-version')::int, 1)"
+
+
+def order(name: str, version: int) -> type[Message]:
+    """Release ``version`` of message type ``name``: one qualified name for all of them,
+    as the same class is in the code of each release."""
+    if version == 1:
+
+        class Order(Message, type_name=name):
+            n: int
+
+    elif version == 2:
+
+        class Order(Message, type_name=name, version=2):  # type: ignore[no-redef]
+            n: int
+            currency: str
+
+    else:
+
+        class Order(Message, type_name=name, version=3):  # type: ignore[no-redef]
+            n: int
+            currency: str
+            region: str
+
+    return Order
+
+
+def upcast(bus: Bus, name: str, *steps: int) -> None:
+    """Register the upcasters of ``name`` from each version in ``steps``."""
+    if 1 in steps:
+
+        @bus.upcaster(name, from_version=1)
+        def add_currency(body: dict[str, Any]) -> dict[str, Any]:
+            return {**body, "currency": "EUR"}
+
+    if 2 in steps:
+
+        @bus.upcaster(name, from_version=2)
+        def add_region(body: dict[str, Any]) -> dict[str, Any]:
+            return {**body, "region": "eu" if body["currency"] == "EUR" else "other"}
+
+
+async def rows(db: asyncpg.Connection, queue: str) -> list[asyncpg.Record]:
+    return await db.fetch(
+        f"SELECT subqueue, retry_count, error_info, msg_headers, {VERSION_SQL} AS version "
+        f'FROM nmbus."{queue}" ORDER BY id'
+    )
+
+
+async def test_an_old_body_is_upcast_through_its_chain_in_a_real_worker(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    name = "versions.chain.Order"
+    v1, v2, v3 = order(name, 1), order(name, 2), order(name, 3)
+    bus = make_bus("versions_chain")
+    upcast(bus, name, 1, 2)
+    seen: list[tuple[int, str, str]] = []
+
+    @bus.handler(v3)
+    async def handle(msg: Any, ctx: Context) -> None:
+        seen.append((msg.n, msg.currency, msg.region))
+
+    async with bus:
+        await bus.send(v1(n=1), to="versions_chain")
+        await bus.send(v2(n=2, currency="USD"), to="versions_chain")
+        await bus.send(v3(n=3, currency="USD", region="us"), to="versions_chain")
+        await drain(bus)
+    assert sorted(seen) == [(1, "EUR", "eu"), (2, "USD", "other"), (3, "USD", "us")]
+    found = await rows(db, "versions_chain")
+    assert [(r["subqueue"], r["version"]) for r in found] == [("X", 1), ("X", 2), ("X", 3)]
+    # Version 1 carries no header: a queue that uses no versions stores nothing more.
+    assert found[0]["msg_headers"] is None or "nmbus-version" not in json.loads(
+        found[0]["msg_headers"]
+    )
+    assert json.loads(found[1]["msg_headers"])["nmbus-version"] == "2"
+
+
+async def test_a_newer_body_fails_at_once_naming_both_versions(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    name = "versions.newer.Order"
+    v3 = order(name, 3)
+    v2 = order(name, 2)  # this process's class: the last defined
+    bus = make_bus("versions_newer")
+    upcast(bus, name, 1)
+    seen: list[int] = []
+
+    @bus.handler(v2)
+    async def handle(msg: Any, ctx: Context) -> None:
+        seen.append(msg.n)
+
+    async with bus:
+        await bus.send(v3(n=1, currency="EUR", region="eu"), to="versions_newer")
+        await drain(bus)
+    assert seen == []
+    (row,) = await rows(db, "versions_newer")
+    assert (row["subqueue"], row["retry_count"]) == ("F", 1)
+    first = row["error_info"].splitlines()[0]
+    assert first.startswith("MessageVersionError: ")
+    assert "version 3" in first and "version 2" in first
+
+
+async def test_an_old_body_with_no_complete_chain_fails_at_once(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    name = "versions.gap.Order"
+    v1 = order(name, 1)
+    v3 = order(name, 3)
+    bus = make_bus("versions_gap")
+    upcast(bus, name, 1)  # no step from 2
+
+    @bus.handler(v3)
+    async def handle(msg: Any, ctx: Context) -> None: ...
+
+    async with bus:
+        await bus.send(v1(n=1), to="versions_gap")
+        await drain(bus)
+    (row,) = await rows(db, "versions_gap")
+    assert (row["subqueue"], row["retry_count"]) == ("F", 1)
+    first = row["error_info"].splitlines()[0]
+    assert first.startswith("MessageVersionError: ")
+    assert "version 1" in first and "version 3" in first and "from version 2" in first
+
+
+async def test_an_upcaster_that_raises_fails_the_message_at_once_naming_it(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    name = "versions.broken.Order"
+    v1 = order(name, 1)
+    v2 = order(name, 2)
+    bus = make_bus("versions_broken")
+
+    @bus.upcaster(name, from_version=1)
+    def broken(body: dict[str, Any]) -> dict[str, Any]:
+        raise KeyError("currency")
+
+    @bus.handler(v2)
+    async def handle(msg: Any, ctx: Context) -> None: ...
+
+    async with bus:
+        await bus.send(v1(n=1), to="versions_broken")
+        await drain(bus)
+    (row,) = await rows(db, "versions_broken")
+    assert (row["subqueue"], row["retry_count"]) == ("F", 1)
+    first = row["error_info"].splitlines()[0]
+    assert first.startswith("UndecodableMessage: ")
+    assert "broken" in first and "KeyError" in first
+
+
+async def test_handler_test_applies_the_upcasters() -> None:
+    name = "versions.ht.Order"
+    v1 = order(name, 1)
+    v3 = order(name, 3)
+    bus = Bus("versions_ht", store=MemoryStore())
+    upcast(bus, name, 1, 2)
+    seen: list[tuple[int, str, str]] = []
+
+    @bus.handler(v3)
+    async def handle(msg: Any, ctx: Context) -> None:
+        seen.append((msg.n, msg.currency, msg.region))
+
+    outcome = await HandlerTest(bus).handle(v1(n=7))
+    assert outcome.processed
+    assert seen == [(7, "EUR", "eu")]
+
+
+def test_versions_and_upcasters_are_checked_when_registered() -> None:
+    name = "versions.reg.Order"
+    order(name, 2)
+    bus = Bus("versions_reg", store=MemoryStore())
+    upcast(bus, name, 1)
+    with pytest.raises(ConfigurationError, match=r"two upcasters of versions\.reg\.Order"):
+        upcast(bus, name, 1)
+    with pytest.raises(ConfigurationError, match="is version 2, so there is nothing"):
+        upcast(bus, name, 2)
+    for bad in (0, -1, True, "2", 1.5):
+        with pytest.raises(ConfigurationError, match="invalid version"):
+
+            class Bad(Message, type_name="versions.reg.Bad", version=bad):  # type: ignore[misc]
+                n: int
+
+    assert issubclass(MessageVersionError, MessageError)
+    assert message_version(order("versions.reg.Three", 3)) == 3
+    assert message_version(order("versions.reg.One", 1)) == 1
+
+
+async def test_a_rolling_deploy_old_senders_and_a_new_worker_at_once(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await db.execute("CREATE TABLE versions_seen (n int, currency text)")
+    count = 200
+    worker = procs.Proc("tests.versions_workers", "new", dsn, "versions_roll")
+    sender: procs.Proc | None = None
+    try:
+        await worker.wait_for("ready")
+        sender = procs.Proc("tests.versions_workers", "old", dsn, "versions_roll", str(count))
+        await sender.wait_for("done")
+        await wait_until(
+            "SELECT count(*) FROM versions_seen", db=db, until=lambda n: n == count, timeout=60
+        )
+    finally:
+        if sender is not None:
+            sender.kill()
+        worker.kill()
+    seen = await db.fetch("SELECT n, currency FROM versions_seen ORDER BY n")
+    assert [(r["n"], r["currency"]) for r in seen] == [(n, "EUR") for n in range(count)]
+    found = await rows(db, "versions_roll")
+    assert {(r["subqueue"], r["version"]) for r in found} == {("X", 1)}
+    assert all(
+        r["msg_headers"] is None or "nmbus-version" not in json.loads(r["msg_headers"])
+        for r in found
+    )

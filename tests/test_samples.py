@@ -70,6 +70,13 @@ def test_delivery_sample_runs(dsn: str) -> None:
     assert "queue_created_by_send" not in result.stdout + result.stderr
 
 
+def test_versions_sample_runs(dsn: str) -> None:
+    lines = run_sample("versions", dsn).stdout.splitlines()
+    # The last release's orders (version 1) got the currency from the upcaster.
+    assert sorted(lines[:3]) == ["order 1: 12.50 EUR", "order 2: 7.25 EUR", "order 3: 99.00 USD"]
+    assert lines[3:] == ["version 1: 2 messages", "version 2: 1 message"]
+
+
 def test_flow_control_sample_runs(dsn: str) -> None:
     result = run_sample("flow_control", dsn)
     lines = result.stdout.splitlines()

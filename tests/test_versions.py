@@ -5,15 +5,23 @@ validated, and a body no chain can read fails at once (F)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
+from typer.testing import CliRunner
 
 from nmbus import Bus, ConfigurationError, Context, Message, MessageError, MessageVersionError
 from nmbus.bus.asyncapi import message_version
+from nmbus.cli import app
 from nmbus.testing import HandlerTest, MemoryStore, drain
 from tests import procs
 from tests.waits import wait_until
@@ -97,7 +105,7 @@ async def test_an_old_body_is_upcast_through_its_chain_in_a_real_worker(
 
 
 async def test_a_newer_body_fails_at_once_naming_both_versions(
-    make_bus: Callable[..., Bus], db: asyncpg.Connection
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
 ) -> None:
     name = "versions.newer.Order"
     v3 = order(name, 3)
@@ -119,6 +127,16 @@ async def test_a_newer_body_fails_at_once_naming_both_versions(
     first = row["error_info"].splitlines()[0]
     assert first.startswith("MessageVersionError: ")
     assert "version 3" in first and "version 2" in first
+    # An operator sees the body's version beside its type.
+    row_id = await db.fetchval('SELECT id FROM nmbus."versions_newer"')
+    shown = await asyncio.to_thread(
+        CliRunner().invoke,
+        app,
+        ["failed", "show", "versions_newer", str(row_id), "--dsn", dsn],
+        env={"COLUMNS": "200", "NMBUS_DSN": None},
+    )
+    assert shown.exit_code == 0, shown.stdout
+    assert re.search(r"^\s*version\s+3\s*$", shown.stdout, re.MULTILINE), shown.stdout
 
 
 async def test_an_old_body_with_no_complete_chain_fails_at_once(
@@ -231,3 +249,25 @@ async def test_a_rolling_deploy_old_senders_and_a_new_worker_at_once(
         r["msg_headers"] is None or "nmbus-version" not in json.loads(r["msg_headers"])
         for r in found
     )
+
+
+def test_the_docs_example_runs(tmp_path: Path) -> None:
+    """docs/messages.md, "Versions and upcasters": its Python block runs as written."""
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "messages.md").read_text(encoding="utf-8")
+    section = page.split("## Versions and upcasters", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"^```python\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    (tmp_path / "test_example.py").write_text(code, encoding="utf-8")
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nmbus",
+            "-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=function",
+            "-W", "error", "test_example.py",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr

@@ -27,6 +27,8 @@ from nmbus.cli._common import (
 )
 from nmbus.cli._table import Column
 from nmbus.contracts.encryption import readable
+from nmbus.contracts.versions import stored_version
+from nmbus.errors import MessageVersionError
 from nmbus.ops.admin import FAILED_BATCH, Admin, FailedCount
 from nmbus.settings import Settings
 
@@ -95,13 +97,20 @@ def show(
     # Every value whole (full timestamps): this is the one message looked at closely;
     # an encrypted field as its key id (--json gives the stored body as it is).
     row["msg_text"] = readable(row["msg_text"])
-    table(
-        f"{queue} #{message_id}",
-        ["column", Column("value", align="left", wrap=True)],
-        [[k, "-" if v is None else str(v)] for k, v in row.items() if k != "error_info"],
-    )
+    shown = [[k, "-" if v is None else str(v)] for k, v in row.items() if k != "error_info"]
+    # The body's version beside its type (no nmbus-version header means version 1).
+    at = next((i + 1 for i, (k, _) in enumerate(shown) if k == "label"), len(shown))
+    shown.insert(at, ["version", _version(row.get("msg_headers"))])
+    table(f"{queue} #{message_id}", ["column", Column("value", align="left", wrap=True)], shown)
     console.print("[bold]error_info[/bold]")
     console.print(row["error_info"] or "-", markup=False, highlight=False)
+
+
+def _version(headers: str | None) -> str:
+    try:
+        return str(stored_version(headers))
+    except MessageVersionError:
+        return "?"
 
 
 def _selection(ids: list[int] | None, message_type: str | None, every: bool) -> str:

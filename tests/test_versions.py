@@ -23,6 +23,7 @@ from nmbus import Bus, ConfigurationError, Context, Message, MessageError, Messa
 from nmbus.bus.asyncapi import message_version
 from nmbus.cli import app
 from nmbus.testing import HandlerTest, MemoryStore, drain
+from tests import dashboard_server as dashboard
 from tests import procs
 from tests.waits import wait_until
 
@@ -137,6 +138,17 @@ async def test_a_newer_body_fails_at_once_naming_both_versions(
     )
     assert shown.exit_code == 0, shown.stdout
     assert re.search(r"^\s*version\s+3\s*$", shown.stdout, re.MULTILINE), shown.stdout
+    # And so does the dashboard's message page.
+    server = await dashboard.start(dsn)
+    try:
+        status, page, _ = await asyncio.to_thread(server.get, f"/failed/versions_newer/{row_id}")
+    finally:
+        server.proc.terminate()
+        server.proc.wait(15)
+        for stream in (server.proc.stdout, server.proc.stderr):
+            if stream is not None:
+                stream.close()
+    assert status == 200 and '<td id="version">3</td>' in page, page[-2000:]
 
 
 async def test_an_old_body_with_no_complete_chain_fails_at_once(

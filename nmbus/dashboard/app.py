@@ -224,6 +224,7 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
             {
                 "queue": queue,
                 "m": row,
+                "version": display.version(row.msg_headers, cut=row.msg_headers_chars > TEXT_SHOWN),
                 "texts": [
                     ("error", "Error", row.error_info or "", row.error_info_chars),
                     ("body", "Body", body or "", row.msg_text_chars),

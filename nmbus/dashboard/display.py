@@ -3,7 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
+
+from nmbus.contracts.versions import VERSION_HEADER, stored_version
+from nmbus.errors import MessageVersionError
+
+_VERSION = re.compile(r'"' + re.escape(VERSION_HEADER) + r'": "(\d{1,7})"')
+
+
+def version(headers: str | None, *, cut: bool = False) -> str:
+    """A message's version from its headers' JSON text (no nmbus-version header: 1);
+    ``cut`` headers are searched as text, "?" for a header that is not a version."""
+    if cut:
+        found = _VERSION.search(headers or "")
+        return found[1] if found else "1"
+    try:
+        return str(stored_version(headers))
+    except MessageVersionError:
+        return "?"
 
 
 def pretty(text: str | None) -> str:

@@ -36,6 +36,7 @@ PUBLIC_API = {
     "HandlerCancelled", "OutcomeNotRecorded", "StoreError", "DatabaseUnavailable",
     "QueueNotFound", "LeaseLost", "SchemaVersionError", "RetentionError", "ToolError",
     "HandlerSignal", "PermanentError", "RetryLater", "SagaNotFound", "UnknownEncryptionKey",
+    "MessageVersionError",
     # Message contracts (DESIGN.md section 11).
     "Encrypted",
     # The service bus (DESIGN.md section 8).

@@ -19,7 +19,15 @@ import asyncpg
 import pytest
 from typer.testing import CliRunner
 
-from nmbus import Bus, ConfigurationError, Context, Message, MessageError, MessageVersionError
+from nmbus import (
+    Bus,
+    ConfigurationError,
+    Context,
+    Encrypted,
+    Message,
+    MessageError,
+    MessageVersionError,
+)
 from nmbus.bus.asyncapi import message_version
 from nmbus.cli import app
 from nmbus.testing import HandlerTest, MemoryStore, drain
@@ -283,3 +291,50 @@ def test_the_docs_example_runs(tmp_path: Path) -> None:
         timeout=120,
     )  # fmt: skip
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+
+
+async def test_upcasters_see_encrypted_fields_in_the_clear_and_never_leak_them(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    secret = "4111-VERSIONS-SECRET"
+
+    def card(version: int) -> type[Message]:
+        if version == 1:
+
+            class Card(Message, type_name="versions.enc.Card"):
+                number: Encrypted[str]
+
+        else:
+
+            class Card(Message, type_name="versions.enc.Card", version=2):  # type: ignore[no-redef]
+                number: Encrypted[str]
+                last4: str
+
+        return Card
+
+    v1, v2 = card(1), card(2)
+    bus = make_bus("versions_enc", encryption_keys={"k1": bytes(range(32))})
+    seen: list[str] = []
+
+    @bus.upcaster("versions.enc.Card", from_version=1)
+    def add_last4(body: dict[str, Any]) -> dict[str, Any]:
+        if body["number"].endswith("BAD"):
+            raise ValueError(f"cannot read {body['number']}")
+        return {**body, "last4": body["number"][-4:]}
+
+    @bus.handler(v2)
+    async def handle(msg: Any, ctx: Context) -> None:
+        seen.append(msg.last4)
+
+    async with bus:
+        await bus.send(v1(number=secret), to="versions_enc")
+        await bus.send(v1(number=secret + "BAD"), to="versions_enc")
+        await drain(bus)
+    assert seen == ["CRET"]
+    found = await db.fetch(
+        'SELECT subqueue, error_info, msg_text FROM nmbus."versions_enc" ORDER BY id'
+    )
+    assert [r["subqueue"] for r in found] == ["X", "F"]
+    assert found[1]["error_info"].startswith("UndecodableMessage: upcaster ")
+    assert "ValueError" in found[1]["error_info"]
+    assert all(secret not in (r["error_info"] or "") + r["msg_text"] for r in found)

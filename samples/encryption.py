@@ -36,17 +36,19 @@ class CardCharged(Message, type_name="enc.CardCharged"):
 K0, K1, K2 = (os.urandom(32) for _ in range(3))  # AES-256 keys
 
 
+billing = Bus(
+    "enc_billing", encryption_keys={"k2": K2, "k1": K1}, encryption_key_id="k2", concurrency=1
+)
+old = Bus("enc_old_shop", encryption_keys={"k1": K1}, concurrency=0)
+retired = Bus("enc_retired_shop", encryption_keys={"k0": K0}, concurrency=0)
+
+
+@billing.handler
+async def charge(msg: CardCharged, ctx: Context) -> None:
+    print(f"order {msg.order_id}: charged the card ending {msg.card_number[-4:]}")
+
+
 async def main() -> None:
-    billing = Bus(
-        "enc_billing", encryption_keys={"k2": K2, "k1": K1}, encryption_key_id="k2", concurrency=1
-    )
-    old = Bus("enc_old_shop", encryption_keys={"k1": K1}, concurrency=0)
-    retired = Bus("enc_retired_shop", encryption_keys={"k0": K0}, concurrency=0)
-
-    @billing.handler
-    async def charge(msg: CardCharged, ctx: Context) -> None:
-        print(f"order {msg.order_id}: charged the card ending {msg.card_number[-4:]}")
-
     async with Admin.from_settings(billing.settings) as admin:
         await admin.create_queues(["enc_billing"])  # before anything is sent to it
     async with old, retired:

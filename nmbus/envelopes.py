@@ -302,6 +302,8 @@ class PublishOptions(TypedDict, total=False):
 
     headers: Mapping[str, str] | None
     unique_id: str | None
+    unique_while: str | None
+    unique_for: float | None
     correlation_id: str | None
     deliver_at: datetime | None
     delay: float | None
@@ -370,6 +372,9 @@ def outgoing(options: Mapping[str, Any], call: str = "send") -> Outgoing:
         if group is not None:
             marks[GROUP_HEADER] = check_group(group)
         headers = {**(headers or {}), **marks}
+    window = unique_window(options)
+    if window:
+        headers = {**(headers or {}), **window}
     deliver_at = options.get("deliver_at")
     delay = check_delay(deliver_at, options.get("delay"))
     return Outgoing(
@@ -385,6 +390,40 @@ def outgoing(options: Mapping[str, Any], call: str = "send") -> Outgoing:
         ),
         delay,
     )
+
+
+#: The window of a unique_id (docs/messages.md, "Unique windows"), read by the
+#: queue's unique table: held while the message is in I or R, or for N seconds.
+UNIQUE_WHILE_HEADER = "nmbus-unique-while"
+UNIQUE_FOR_HEADER = "nmbus-unique-for"
+#: The longest unique_for: ten years, in seconds.
+MAX_UNIQUE_FOR = 10 * 366 * 86400
+
+
+def unique_window(options: Mapping[str, Any]) -> dict[str, str]:
+    """The headers of a send's unique window, or none; InvalidMessage if it is wrong."""
+    while_, for_ = options.get("unique_while"), options.get("unique_for")
+    if while_ is None and for_ is None:
+        return {}
+    if options.get("unique_id") is None:
+        raise InvalidMessage("unique_while and unique_for need a unique_id")
+    if while_ is not None and for_ is not None:
+        raise InvalidMessage("give unique_while or unique_for, not both")
+    if while_ is not None:
+        if while_ != "pending":
+            raise InvalidMessage(f"unique_while must be 'pending', got {str(while_)[:40]!r}")
+        return {UNIQUE_WHILE_HEADER: "pending"}
+    if (
+        isinstance(for_, bool)
+        or not isinstance(for_, (int, float))
+        or not math.isfinite(for_)
+        or not 0 < for_ <= MAX_UNIQUE_FOR
+    ):
+        raise InvalidMessage(
+            f"unique_for must be a number of seconds above 0 and at most {MAX_UNIQUE_FOR}, "
+            f"got {str(for_)[:40]!r}"
+        )
+    return {UNIQUE_FOR_HEADER: repr(float(for_))}
 
 
 def _utc_now() -> datetime:

@@ -70,7 +70,10 @@ class Sending:
         With ``deliver_at`` (timezone-aware) or ``delay`` (seconds) it lands in
         R until then. With ``connection``, an asyncpg connection inside a
         transaction, the message exists exactly when that transaction commits.
-        A ``unique_id`` already stored in that queue is not stored again.
+        A ``unique_id`` already stored in that queue is not stored again;
+        ``unique_while="pending"`` holds it only while its message waits, and
+        ``unique_for`` (seconds) only that long after the first send
+        (docs/messages.md, "Unique windows"; a wrong one is InvalidMessage).
         A queue that no endpoint has created (its endpoint never started in this
         database: a typo?) is created, marked and logged once
         (``queue_created_by_send``); with ``create_queues=False``

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -20,6 +21,7 @@ from typing import Any
 
 from nmbus.delivery.cancellation import Cancel
 from nmbus.delivery.flow import FlowLimits
+from nmbus.envelopes import UNIQUE_FOR_HEADER, UNIQUE_WHILE_HEADER
 from nmbus.errors import ConfigurationError, QueueNotFound
 from nmbus.memory.claims import cancel_rows, claimed_message, recovery, sequence_heads
 from nmbus.messages import Envelope, StoredMessage
@@ -285,8 +287,8 @@ class MemoryStore:
         if create:
             self.tables.setdefault(queue, {})
         table = self._require(queue)
-        seen = {r.unique_id for r in table.values()}
         now = _now()
+        seen = {r.unique_id for r in table.values() if _holds_unique(r, now)}
         inserted = 0
         for e in envelopes:
             if e.unique_id in seen:
@@ -528,3 +530,18 @@ class MemoryStore:
             await asyncio.Event().wait()
         finally:
             self._listeners.remove(on_wakeup)
+
+
+def _holds_unique(row: QueueRow, now: datetime) -> bool:
+    """Whether the row still holds its unique_id: always, or within its window
+    (docs/messages.md, "Unique windows"), as the queue's unique table says."""
+    text = row.msg_headers
+    if not text or "nmbus-unique-" not in text:
+        return True
+    headers = json.loads(text)
+    seconds = headers.get(UNIQUE_FOR_HEADER)
+    if seconds is not None:
+        return now < row.insert_time + timedelta(seconds=float(seconds))
+    if UNIQUE_WHILE_HEADER in headers:
+        return row.subqueue in ("I", "R")
+    return True

@@ -196,7 +196,9 @@ async def _move_waiting(conn: Any, schema: str, queue: str, n: int, policy: Rete
             if not rows:
                 return moved
             await conn.execute(
-                render("segment_release_unique", schema, queue), [r["unique_id"] for r in rows]
+                render("segment_release_unique", schema, queue),
+                [r["unique_id"] for r in rows],
+                [r["id"] for r in rows],
             )
             count = await conn.fetchval(
                 render("segment_move", schema, queue), [r["id"] for r in rows]

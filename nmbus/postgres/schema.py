@@ -38,6 +38,7 @@ MIGRATIONS: dict[int, list[str]] = {
     11: ["migrate_11_flow", "migrate_11_group_index"],
     12: ["migrate_12_held"],
     13: ["migrate_13_drop_held"],
+    14: ["migrate_14_unique_windows"],
 }
 
 

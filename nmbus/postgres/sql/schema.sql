@@ -163,26 +163,17 @@ CREATE INDEX IF NOT EXISTS {ready_index} ON {queue} (priority DESC, retry_time, 
 -- index entry like on any unique index. A row deleted (a purge, retention's F
 -- rows) frees its unique_id (only its own entry: a row moved to a newer segment
 -- has a new one already); retention deletes the entries of the segments it
--- drops (their id range, through the id index: DROP fires no trigger).
+-- drops (their id range, through the id index: DROP fires no trigger), but for
+-- unique_for windows not yet over. An entry with a window (docs/messages.md,
+-- "Unique windows") has until (unique_for) or pending (unique_while) set.
 CREATE TABLE IF NOT EXISTS {unique_table} (
     unique_id text CONSTRAINT {unique_pkey} PRIMARY KEY,
-    id bigint NOT NULL
+    id bigint NOT NULL,
+    until timestamptz,
+    pending boolean
 );
 CREATE INDEX IF NOT EXISTS {unique_ids} ON {unique_table} (id);
-CREATE OR REPLACE FUNCTION {unique_table}() RETURNS trigger LANGUAGE plpgsql AS $fn$
-BEGIN
-    IF TG_OP = 'DELETE' THEN
-        DELETE FROM {unique_table} WHERE unique_id = OLD.unique_id AND id = OLD.id;
-        RETURN OLD;
-    END IF;
-    INSERT INTO {unique_table} (unique_id, id) VALUES (NEW.unique_id, NEW.id)
-    ON CONFLICT DO NOTHING;
-    IF NOT FOUND THEN
-        RETURN NULL;
-    END IF;
-    RETURN NEW;
-END
-$fn$;
+{queue_unique_function}
 CREATE OR REPLACE TRIGGER "nmbus$unique" BEFORE INSERT ON {queue}
     FOR EACH ROW EXECUTE FUNCTION {unique_table}();
 CREATE OR REPLACE TRIGGER "nmbus$unique$free" AFTER DELETE ON {queue}
@@ -305,3 +296,53 @@ DROP FUNCTION IF EXISTS {unique_table}();
 -- forget_queue --
 -- Remove queue $1 from the registry.
 DELETE FROM {schema}.queues WHERE name = $1;
+
+-- queue_unique_function --
+-- Fragment of queue_unique_table and migrate_14_unique_windows: the trigger
+-- function of a queue's unique table. A row whose unique_id is new takes the
+-- entry, with the window its headers ask for (nmbus-unique-for: until its
+-- insert_time plus that many seconds; nmbus-unique-while: while it is in I or R).
+-- On a conflict with an entry that has no window the row is dropped at once, as
+-- before. An entry with a window is locked, then checked with a fresh snapshot
+-- (a volatile function's next statement): over (until passed, or its row no
+-- longer in I/R or gone), the new row takes it; concurrent senders of one
+-- unique_id wait on that lock, and the second sees the first's row. A row that
+-- retention moves to a newer segment (nmbus.moving set for its transaction) takes
+-- the entry the same way, and is kept whether or not it does.
+CREATE OR REPLACE FUNCTION {unique_table}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+DECLARE
+    held record;
+    new_until timestamptz;
+    new_pending boolean;
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        DELETE FROM {unique_table} WHERE unique_id = OLD.unique_id AND id = OLD.id;
+        RETURN OLD;
+    END IF;
+    IF NEW.msg_headers IS NOT NULL THEN
+        new_until := NEW.insert_time
+            + (NEW.msg_headers ->> 'nmbus-unique-for')::double precision * interval '1 second';
+        new_pending := NULLIF(NEW.msg_headers ? 'nmbus-unique-while', false);
+    END IF;
+    INSERT INTO {unique_table} (unique_id, id, until, pending)
+    VALUES (NEW.unique_id, NEW.id, new_until, new_pending)
+    ON CONFLICT DO NOTHING;
+    IF FOUND THEN
+        RETURN NEW;
+    END IF;
+    SELECT u.id, u.until, u.pending INTO held FROM {unique_table} AS u
+    WHERE u.unique_id = NEW.unique_id AND (u.until IS NOT NULL OR u.pending)
+    FOR UPDATE;
+    IF NOT FOUND OR held.until > now()
+       OR (held.pending AND EXISTS (SELECT 1 FROM {queue} AS q
+                                    WHERE q.id = held.id AND q.subqueue IN ('I', 'R'))) THEN
+        IF current_setting('nmbus.moving', true) = 'on' THEN
+            RETURN NEW;
+        END IF;
+        RETURN NULL;
+    END IF;
+    UPDATE {unique_table} SET id = NEW.id, until = new_until, pending = new_pending
+    WHERE unique_id = NEW.unique_id;
+    RETURN NEW;
+END
+$fn$;

@@ -161,8 +161,13 @@ LIMIT $2
 FOR UPDATE SKIP LOCKED;
 
 -- segment_release_unique --
--- Free the unique_ids $1 of rows about to move (segment_move inserts them again).
-DELETE FROM {unique_table} WHERE unique_id = ANY($1::text[]);
+-- Free the unique_ids $1 held by the rows $2 about to move (segment_move inserts
+-- them again), and mark the transaction as a move: a moved row that does not hold
+-- its unique_id (a unique window let a newer row take it) is kept, not dropped.
+WITH freed AS (
+    DELETE FROM {unique_table} WHERE unique_id = ANY($1::text[]) AND id = ANY($2::bigint[])
+)
+SELECT set_config('nmbus.moving', 'on', true);
 
 -- segment_move --
 -- Move the rows $1 (locked by segment_movable) to the segment being written: the
@@ -219,8 +224,10 @@ DROP TABLE {segment};
 -- segment_forget_unique --
 -- Delete the entries of the unique table with ids from $1 up to (not including)
 -- $2: those of dropped segments (a range of the id index; the one per-row work
--- left to retention, on rows of two columns). Returns how many.
+-- left to retention, on rows of two columns), but for those of a unique_for
+-- window not yet over (docs/messages.md, "Unique windows"). Returns how many.
 WITH gone AS (
-    DELETE FROM {unique_table} WHERE id >= $1 AND id < $2 RETURNING 1
+    DELETE FROM {unique_table} WHERE id >= $1 AND id < $2
+        AND (until IS NULL OR until <= now()) RETURNING 1
 )
 SELECT count(*) FROM gone;

@@ -1,4 +1,4 @@
--- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 13).
+-- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 14).
 -- nmbus creates all of this itself when a Bus starts; to run it by hand:
 --   psql -v ON_ERROR_STOP=1 -f FILE
 
@@ -100,7 +100,7 @@ CREATE TABLE IF NOT EXISTS "nmbus"."flow$limits" (
     CONSTRAINT "flow$limits$pkey" PRIMARY KEY (queue, key)
 );
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('13') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('14') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")
@@ -136,20 +136,45 @@ CREATE INDEX IF NOT EXISTS "billing$group"
     WHERE subqueue IN ('I', 'R') AND retry_time < 'infinity' AND msg_headers ? 'nmbus-group';
 CREATE TABLE IF NOT EXISTS "nmbus"."billing$unique" (
     unique_id text CONSTRAINT "billing$unique$pkey" PRIMARY KEY,
-    id bigint NOT NULL
+    id bigint NOT NULL,
+    until timestamptz,
+    pending boolean
 );
 CREATE INDEX IF NOT EXISTS "billing$unique$id" ON "nmbus"."billing$unique" (id);
 CREATE OR REPLACE FUNCTION "nmbus"."billing$unique"() RETURNS trigger LANGUAGE plpgsql AS $fn$
+DECLARE
+    held record;
+    new_until timestamptz;
+    new_pending boolean;
 BEGIN
     IF TG_OP = 'DELETE' THEN
         DELETE FROM "nmbus"."billing$unique" WHERE unique_id = OLD.unique_id AND id = OLD.id;
         RETURN OLD;
     END IF;
-    INSERT INTO "nmbus"."billing$unique" (unique_id, id) VALUES (NEW.unique_id, NEW.id)
+    IF NEW.msg_headers IS NOT NULL THEN
+        new_until := NEW.insert_time
+            + (NEW.msg_headers ->> 'nmbus-unique-for')::double precision * interval '1 second';
+        new_pending := NULLIF(NEW.msg_headers ? 'nmbus-unique-while', false);
+    END IF;
+    INSERT INTO "nmbus"."billing$unique" (unique_id, id, until, pending)
+    VALUES (NEW.unique_id, NEW.id, new_until, new_pending)
     ON CONFLICT DO NOTHING;
-    IF NOT FOUND THEN
+    IF FOUND THEN
+        RETURN NEW;
+    END IF;
+    SELECT u.id, u.until, u.pending INTO held FROM "nmbus"."billing$unique" AS u
+    WHERE u.unique_id = NEW.unique_id AND (u.until IS NOT NULL OR u.pending)
+    FOR UPDATE;
+    IF NOT FOUND OR held.until > now()
+       OR (held.pending AND EXISTS (SELECT 1 FROM "nmbus"."billing" AS q
+                                    WHERE q.id = held.id AND q.subqueue IN ('I', 'R'))) THEN
+        IF current_setting('nmbus.moving', true) = 'on' THEN
+            RETURN NEW;
+        END IF;
         RETURN NULL;
     END IF;
+    UPDATE "nmbus"."billing$unique" SET id = NEW.id, until = new_until, pending = new_pending
+    WHERE unique_id = NEW.unique_id;
     RETURN NEW;
 END
 $fn$;

@@ -70,6 +70,14 @@ NMBUS_HEADERS: dict[str, str] = {
         "On a message whose class has version= other than 1: that version. Absent means 1; "
         "a receiver upcasts an older body to its own version (docs/messages.md)."
     ),
+    envelopes.UNIQUE_WHILE_HEADER: (
+        "On a message sent with unique_while='pending': its unique_id holds only while it "
+        "waits in I or R (docs/messages.md)."
+    ),
+    envelopes.UNIQUE_FOR_HEADER: (
+        "On a message sent with unique_for=: for how many seconds after the first send its "
+        "unique_id holds (docs/messages.md)."
+    ),
     GROUP_HEADER: (
         "On a message sent with group=: its group, within which its handler's "
         "group_concurrency holds (docs/flow-control.md)."

@@ -166,6 +166,15 @@ def check_delay(deliver_at: datetime | None, delay: float | None) -> float | Non
     return None
 
 
+#: Headers of a message whose body is stored apart (the claim check, docs/messages.md):
+#: the key of its payload, and the payload's size in bytes. The store that writes
+#: the row sets them; a consumer puts the body back before anything reads it.
+CLAIM_CHECK_HEADER = "nmbus-claim-check"
+CLAIM_CHECK_BYTES_HEADER = "nmbus-claim-check-bytes"
+#: The largest body the claim check stores apart (PostgreSQL's text ends at 1 GiB).
+MAX_CLAIM_CHECK_BYTES = 256 * 1024 * 1024
+
+
 #: Headers of a failure port's copy (``Bus(dead_letter=...)``): where the original
 #: is (queue and row id: it stays there, in F), its unique id and why it failed.
 FAILED_QUEUE_HEADER = "nmbus-failed-queue"
@@ -221,6 +230,10 @@ def dead_letter_copy(
             headers = {
                 str(k): str(v) for k, v in loaded.items() if str(k) not in _NOT_COPIED_TO_PORT
             }
+    # A body stored apart is copied whole (the consumer put it back), and stored
+    # apart again under a key of its own: the original's payload goes with it.
+    apart = headers.pop(CLAIM_CHECK_HEADER, None) is not None
+    headers.pop(CLAIM_CHECK_BYTES_HEADER, None)
     headers[FAILED_QUEUE_HEADER] = queue
     headers[FAILED_ID_HEADER] = str(id)
     headers[FAILED_UNIQUE_ID_HEADER] = unique_id
@@ -232,6 +245,7 @@ def dead_letter_copy(
         unique_id=uuid.uuid4().hex,
         correlation_id=correlation_id,
         deliver_at=None,
+        apart=apart,
     )
 
 
@@ -442,15 +456,18 @@ class EnvelopeBuilder:
     clock a ``delay`` counts from (a test's clock in :mod:`nmbus.testing`).
     """
 
-    __slots__ = ("codec", "hooks", "max_message_bytes", "now")
+    __slots__ = ("claim_check_bytes", "codec", "hooks", "max_message_bytes", "now")
 
     def __init__(
         self,
         max_message_bytes: int,
         now: Callable[[], datetime] = _utc_now,
         codec: Codec | None = None,
+        claim_check_bytes: int | None = None,
     ) -> None:
         self.max_message_bytes = max_message_bytes
+        #: A body over this many bytes is stored apart (the claim check); None: never.
+        self.claim_check_bytes = claim_check_bytes
         #: How bodies are encoded (nmbus.contracts): the endpoint's, shared with its registry.
         self.codec = codec if codec is not None else Codec()
         self.hooks: tuple[Link, ...] = ()
@@ -508,6 +525,13 @@ class EnvelopeBuilder:
         if chain is not None:
             options = options.marked({TYPE_CHAIN_HEADER: chain})
         envelope = self.build(message, options)
+        if envelope.apart:
+            raise MessageTooLarge(
+                f"{message.__type_name__} has a body of {utf8_size(envelope.msg_text)} bytes, "
+                f"over claim_check_bytes ({self.claim_check_bytes}): a body stored apart "
+                "can be sent, not published; send it to each queue, or publish a smaller "
+                "message that names where the data is"
+            )
         return envelope, chain or envelope.label
 
     def build(self, message: Message, options: Outgoing) -> Envelope:
@@ -538,12 +562,18 @@ class EnvelopeBuilder:
         # The headers count: they are stored, and copied on every hop, like the body.
         limit = self.max_message_bytes
         chars = len(text) + (len(header_text) if header_text else 0)
+        apart = False
+        if (over := self.claim_check_bytes) is not None and len(text) * 4 > over:
+            apart = self._apart(message, text, header_text)
+            if apart:
+                chars = len(header_text) if header_text else 0
         if chars * 4 > limit:
-            size = utf8_size(text) + (utf8_size(header_text) if header_text else 0)
+            body = 0 if apart else utf8_size(text)
+            size = body + (utf8_size(header_text) if header_text else 0)
             if size > limit:
                 raise MessageTooLarge(
                     f"{message.__type_name__} is {size} bytes serialized (body "
-                    f"{utf8_size(text)}, headers {size - utf8_size(text)}), over the limit "
+                    f"{body}, headers {size - body}), over the limit "
                     f"of {limit} (NMBUS_MAX_MESSAGE_BYTES)"
                 )
         if unique_id is not None:
@@ -564,4 +594,18 @@ class EnvelopeBuilder:
             priority=controls.priority,
             sequence=controls.sequence,
             expires_at=controls.expires_at,
+            apart=apart,
         )
+
+    def _apart(self, message: Message, text: str, header_text: str | None) -> bool:
+        """Whether the body ``text`` goes apart (over claim_check_bytes); refused when it
+        is over what the claim check takes."""
+        body = utf8_size(text)
+        if self.claim_check_bytes is None or body <= self.claim_check_bytes:
+            return False
+        if body > MAX_CLAIM_CHECK_BYTES:
+            raise MessageTooLarge(
+                f"{message.__type_name__} has a body of {body} bytes, over the "
+                f"{MAX_CLAIM_CHECK_BYTES} bytes the claim check stores apart"
+            )
+        return True

@@ -198,6 +198,9 @@ class Envelope:
     priority: int = 0
     sequence: str | None = None
     expires_at: datetime | None = None
+    # The claim check (docs/messages.md): its body is over claim_check_bytes and is
+    # stored apart by the store that writes it; the row keeps a reference.
+    apart: bool = False
 
 
 @dataclass(slots=True)

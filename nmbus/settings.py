@@ -375,6 +375,21 @@ class Settings(BaseSettings):
         default=None, description="the key id new messages are encrypted with"
     )
 
+    claim_check_bytes: int | None = Field(
+        default=None,
+        ge=MIN_MESSAGE_BYTES,
+        le=MAX_MESSAGE_BYTES,
+        description="a body over this many bytes is stored apart and its row keeps a "
+        "reference (docs/messages.md); None: off",
+    )
+    claim_check_store: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=2000,
+        description="where bodies stored apart go: any fsspec URL (file:///shared/x); "
+        "None: a table of the endpoint, in the message's transaction",
+    )
+
     metrics_port: int | None = Field(
         default=None,
         ge=0,
@@ -529,6 +544,15 @@ class Settings(BaseSettings):
             raise ValueError("must be between 0 and 10 years")
         return value
 
+    @field_validator("claim_check_store")
+    @classmethod
+    def _store_url(cls, value: str | None) -> str | None:
+        if value is not None and "://" not in value:
+            raise ValueError(
+                "must be an fsspec URL with its protocol, such as file:///shared/payloads"
+            )
+        return value
+
     @field_validator("metrics_host")
     @classmethod
     def _host(cls, value: str) -> str:
@@ -539,7 +563,7 @@ class Settings(BaseSettings):
     def __repr_args__(self) -> Any:
         # The DSN's password must never reach a log line, a traceback or a repr.
         for name, value in super().__repr_args__():
-            if name in ("dsn", "listen_dsn") and isinstance(value, str):
+            if name in ("dsn", "listen_dsn", "claim_check_store") and isinstance(value, str):
                 value = scrub(value)
             elif name in ("routes", "databases") and isinstance(value, dict):
                 value = {k: scrub(v) for k, v in value.items()}
@@ -576,6 +600,7 @@ def describe(exc: ValidationError) -> str:
         secret = name.split(".")[0] in (
             "dsn",
             "listen_dsn",
+            "claim_check_store",
             "routes",
             "databases",
             "encryption_keys",

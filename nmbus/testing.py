@@ -270,7 +270,10 @@ class HandlerTest:
         # The bus's own registration (handlers, sagas, middleware), retry policy
         # and settings; envelopes on the test's clock.
         self._builder = EnvelopeBuilder(
-            bus.settings.max_message_bytes, now=lambda: self._at, codec=bus.registry.codec
+            bus.settings.max_message_bytes,
+            now=lambda: self._at,
+            codec=bus.registry.codec,
+            claim_check_bytes=bus.settings.claim_check_bytes,
         )
         dispatcher = Dispatcher(bus.endpoint, bus.registry, bus.retry, bus.settings, self._builder)
         self._claims = Claims("nmbus-testing", bus.settings.lease_seconds)

@@ -1,4 +1,4 @@
--- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 14).
+-- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 15).
 -- nmbus creates all of this itself when a Bus starts; to run it by hand:
 --   psql -v ON_ERROR_STOP=1 -f FILE
 
@@ -99,8 +99,17 @@ CREATE TABLE IF NOT EXISTS "nmbus"."flow$limits" (
     declared_at timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT "flow$limits$pkey" PRIMARY KEY (queue, key)
 );
+CREATE TABLE IF NOT EXISTS "nmbus"."claim$payloads" (
+    queue text NOT NULL,
+    key text NOT NULL,
+    body text,
+    url text,
+    bytes bigint NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT "claim$payloads$pkey" PRIMARY KEY (queue, key)
+);
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('14') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('15') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")

@@ -90,6 +90,13 @@ NMBUS_HEADERS: dict[str, str] = {
     envelopes.REPLY_BY_HEADER: (
         "On a request, copied onto its reply: until when (ISO 8601) its requester waits."
     ),
+    envelopes.CLAIM_CHECK_HEADER: (
+        "On a message whose body is stored apart (the claim check): its payload's key; "
+        "its body is put back before any handler sees it."
+    ),
+    envelopes.CLAIM_CHECK_BYTES_HEADER: (
+        "On a message whose body is stored apart: the size of that body, in bytes."
+    ),
     envelopes.FAILED_QUEUE_HEADER: (
         "On a failure port's copy: the queue whose message landed in F (it stays there)."
     ),

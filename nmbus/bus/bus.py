@@ -136,6 +136,7 @@ class Bus(Registration, Sending):
                     "no database: pass Bus(..., dsn='postgresql://...') or set NMBUS_DSN"
                 )
             from nmbus.postgres import PostgresStore
+            from nmbus.postgres.claimcheck import ClaimCheck
             from nmbus.postgres.pooler import Pooler
 
             store = PostgresStore(
@@ -146,6 +147,7 @@ class Bus(Registration, Sending):
                 create_queues=settings.create_queues,
                 pooler=Pooler(settings.pooler, settings.listen_dsn),
                 endpoint=self.endpoint,
+                claim_check=ClaimCheck(settings.claim_check_store),
             )
         elif self.routes:
             raise ConfigurationError(
@@ -166,7 +168,11 @@ class Bus(Registration, Sending):
         )
         self.client_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.subscriptions = Subscriptions(self.endpoint, store, settings)
-        self.envelopes = EnvelopeBuilder(settings.max_message_bytes, codec=self.registry.codec)
+        self.envelopes = EnvelopeBuilder(
+            settings.max_message_bytes,
+            codec=self.registry.codec,
+            claim_check_bytes=settings.claim_check_bytes,
+        )
         self.replies = Replies(self.client_id)
         # Both optional, both None unless wanted: docs/metrics.md, docs/tracing.md.
         self.metrics = _metrics(self.endpoint, settings)

@@ -28,6 +28,8 @@ class RetentionPolicy:
     archive_dir: Path | None = None
     #: The span of time one segment covers (docs/storage.md, "Segments").
     segment_seconds: float = 3600.0
+    #: The claim check's store (an fsspec URL), whose orphan files retention removes.
+    claim_check_store: str | None = None
 
     def __post_init__(self) -> None:
         low, high = SEGMENT_SECONDS
@@ -49,6 +51,7 @@ class RetentionPolicy:
             batch_size=settings.retention_batch_size,
             archive_dir=Path(archive) if archive else None,
             segment_seconds=settings.segment_seconds,
+            claim_check_store=settings.claim_check_store,
         )
 
 
@@ -72,6 +75,10 @@ class RetentionResult:
     #: the system; rows deleted one by one give none back (vacuum makes their space
     #: reusable inside the table), so they are not counted.
     bytes_freed: int = 0
+    #: Payloads stored apart (the claim check) deleted with their messages, and
+    #: orphan files of its store (a sender died before its commit) deleted.
+    payloads_deleted: int = 0
+    orphans_deleted: int = 0
 
     @property
     def total(self) -> int:

@@ -69,6 +69,7 @@ from nmbus.postgres.archive import (
     publish,
     write_pending,
 )
+from nmbus.postgres.claimcheck import sweep
 from nmbus.postgres.reclaim import reclaim_segments, roll_ripe
 from nmbus.postgres.segments import roll, segments
 from nmbus.postgres.sql import render
@@ -125,6 +126,8 @@ async def clean_queue(
         files=len(result.files),
         batches=result.batches,
         longest_batch_seconds=round(result.longest_batch_seconds, 3),
+        payloads_deleted=result.payloads_deleted,
+        orphans_deleted=result.orphans_deleted,
     )
     return result
 
@@ -179,6 +182,10 @@ async def _clean(
         passes.append(("F", policy.failed_max_age))
     for subqueue, age in passes:
         await _walk(conn, schema, queue, subqueue, age, policy, result, on_batch)
+    # The payloads stored apart whose messages just went, or went by other means.
+    result.payloads_deleted, result.orphans_deleted = await sweep(
+        conn, schema, queue, policy.claim_check_store, policy.max_age
+    )
 
 
 async def _walk(

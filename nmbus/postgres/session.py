@@ -21,6 +21,14 @@ from asyncpg.transaction import Transaction
 from nmbus.delivery.flow import FlowLimits
 from nmbus.messages import Envelope, StoredMessage
 from nmbus.ports.store import Outcomes
+from nmbus.postgres.claimcheck import (
+    ClaimCheck,
+    carries_reference,
+    has_apart,
+    insert_apart,
+    refuse_apart,
+    resolve,
+)
 from nmbus.postgres.errors import wrap_errors
 from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import claim_limited, held_back
@@ -69,6 +77,7 @@ class PostgresBatch:
         floors: ReadyFloors | None = None,
         flow: FlowLimits | None = None,
         lift: str | None = None,
+        claim_check: ClaimCheck | None = None,
     ) -> None:
         self._conn = conn
         self._schema = schema
@@ -76,6 +85,7 @@ class PostgresBatch:
         self._routed = routed
         self._floors = floors or ReadyFloors(schema)
         self._flow = flow
+        self._claim_check = claim_check or ClaimCheck()
         self._channel = notify_channel(schema)
         # asyncpg's own Transaction, so a handler may still nest conn.transaction().
         self.transaction: Transaction | None = None
@@ -145,10 +155,21 @@ class PostgresBatch:
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
         await self.begin()
         if queue in self._routed:
+            refuse_apart(queue, envelopes, "the outbox of a route")
             return await insert_outbox(self._conn, self._schema, queue, from_endpoint, envelopes)
         # A handler's send is stored at its batch's commit, where a refusal would
         # fail the batch-mates too: a missing queue is created (marked, logged).
         await ensure_queue_on(self._conn, self._schema, queue, self._known, from_endpoint)
+        if has_apart(envelopes):
+            return await insert_apart(
+                self._conn,
+                self._claim_check,
+                self._schema,
+                queue,
+                from_endpoint,
+                envelopes,
+                self._channel,
+            )
         sql = render("insert_messages", self._schema, queue)
         row = await self._conn.fetchrow(
             sql, *insert_args(from_endpoint, queue, envelope_arrays(envelopes), self._channel)
@@ -233,6 +254,8 @@ class PostgresBatch:
         finished = int(rows[0]["finished"]) if rows else 0
         messages = claimed(rows)
         self._floors.claimed(queue, messages)
+        if carries_reference(messages):
+            await resolve(self._conn, self._schema, queue, messages)
         return finished, messages
 
 
@@ -268,6 +291,7 @@ class PostgresSession:
         floors: ReadyFloors | None = None,
         flow: FlowLimits | None = None,
         lift: str | None = None,
+        claim_check: ClaimCheck | None = None,
     ) -> None:
         self._conn = conn
         self._schema = schema
@@ -276,6 +300,7 @@ class PostgresSession:
         self._floors = floors or ReadyFloors(schema)
         self._flow = flow
         self._lift = lift
+        self._claim_check = claim_check or ClaimCheck()
         #: Seconds after which to claim again though nothing woke the loop: set when
         #: the last claim held limited messages back (nmbus/delivery/flow.py), else None.
         self.recheck: float | None = None
@@ -302,6 +327,9 @@ class PostgresSession:
                 )
         messages = claimed(rows)
         self._floors.claimed(queue, messages)
+        if carries_reference(messages):
+            with wrap_errors(f"read the bodies stored apart of {queue}"):
+                await resolve(self._conn, self._schema, queue, messages)
         return messages
 
     async def _claim_fair(
@@ -360,6 +388,7 @@ class PostgresSession:
                 self._floors,
                 self._flow,
                 self._lift,
+                self._claim_check,
             )
             committing = False
             try:

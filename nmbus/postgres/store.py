@@ -28,6 +28,14 @@ from nmbus.names import validate_queue_name, validate_schema_name
 from nmbus.ports.operations import RetentionPolicy
 from nmbus.ports.store import Readiness
 from nmbus.postgres.cancel import cancel_on
+from nmbus.postgres.claimcheck import (
+    ClaimCheck,
+    forget_queue,
+    has_apart,
+    insert_apart,
+    refuse_apart,
+    remove_files,
+)
 from nmbus.postgres.connections import SharedPool, listen_shared, open_pool, server_settings
 from nmbus.postgres.errors import wrap_connect_errors, wrap_errors
 from nmbus.postgres.floor import ReadyFloors
@@ -89,8 +97,11 @@ class PostgresStore:
         create_queues: bool = True,
         pooler: Pooler | None = None,
         endpoint: str | None = None,
+        claim_check: ClaimCheck | None = None,
     ) -> None:
         self.dsn = dsn
+        # Where bodies over claim_check_bytes go (nmbus/postgres/claimcheck.py).
+        self.claim_check = claim_check or ClaimCheck()
         # Straight to PostgreSQL, or through a transaction pooler (nmbus/postgres/pooler.py).
         self.pooler = pooler or Pooler()
         self.endpoint = validate_queue_name(endpoint) if endpoint is not None else None
@@ -251,7 +262,10 @@ class PostgresStore:
             async with self.pool.acquire() as conn, conn.transaction():
                 await conn.execute(render("drop_queue", self.schema, queue))
                 await conn.execute(render("forget_queue", self.schema), queue)
+                files = await forget_queue(conn, self.schema, queue)
         self._known_queues.discard(queue)
+        if files:
+            await remove_files(files)
 
     async def list_queues(self) -> list[str]:
         with wrap_errors("list queues"):
@@ -271,7 +285,10 @@ class PostgresStore:
         connection: Any = None,
     ) -> int:
         if queue in self.routed:
+            refuse_apart(queue, envelopes, "the outbox of a route")
             return await self._insert_routed(queue, from_endpoint, envelopes, connection)
+        if has_apart(envelopes):
+            return await self._insert_apart(queue, from_endpoint, envelopes, connection)
         sql = render("insert_messages", self.schema, queue)
         arrays = envelope_arrays(envelopes)
         args = insert_args(from_endpoint, queue, arrays, notify_channel(self.schema))
@@ -296,9 +313,48 @@ class PostgresStore:
                 row = await connection.fetchrow(sql, *args)
         return int(row[0]) if row else 0
 
+    async def _insert_apart(
+        self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope], connection: Any
+    ) -> int:
+        """``insert`` with bodies stored apart: the claim check (nmbus/postgres/claimcheck.py)."""
+        channel = notify_channel(self.schema)
+        if connection is None:
+            await self._ensure(queue, from_endpoint)
+            with wrap_errors(f"send to {queue}"):
+                return await insert_apart(
+                    self.pool,
+                    self.claim_check,
+                    self.schema,
+                    queue,
+                    from_endpoint,
+                    envelopes,
+                    channel,
+                )
+        with wrap_errors(f"send to {queue}"):
+            own = None if connection.is_in_transaction() else connection.transaction()
+            async with own or contextlib.nullcontext():
+                await ensure_queue_on(
+                    connection,
+                    self.schema,
+                    queue,
+                    self._known_queues,
+                    from_endpoint,
+                    self.create_queues,
+                )
+                return await insert_apart(
+                    connection,
+                    self.claim_check,
+                    self.schema,
+                    queue,
+                    from_endpoint,
+                    envelopes,
+                    channel,
+                )
+
     async def insert_tick(
         self, queue: str, schedule: str, due: datetime, envelope: Envelope
     ) -> bool:
+        refuse_apart(queue, [envelope], "a periodic schedule's tick")
         await self.ensure_queue(queue)
         with wrap_errors(f"enqueue tick {schedule} of {queue}"):
             inserted = await self.pool.fetchval(
@@ -499,7 +555,14 @@ class PostgresStore:
         try:
             lift = await idle_lift(conn, self.schema, idle)
             yield PostgresSession(
-                conn, self.schema, self._known_queues, self.routed, self._floors, flow, lift
+                conn,
+                self.schema,
+                self._known_queues,
+                self.routed,
+                self._floors,
+                flow,
+                lift,
+                self.claim_check,
             )
         finally:
             await _close_quietly(conn)

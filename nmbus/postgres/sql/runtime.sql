@@ -21,17 +21,7 @@
 -- release_sequences) makes it due. Its deliver_at is then not kept.
 -- Returns how many rows were inserted.
 WITH ins AS (
-    INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, retry_time,
-                         correlation_id, label, msg_text, msg_headers, unique_id,
-                         priority, sequence_key, expires_at)
-    SELECT $1, $2,
-           CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
-           {parked_retry_time(table => {queue})},
-           v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb, v.unique_id,
-           v.priority, v.sequence_key, v.expires_at
-    {insert_arrays}
-    ORDER BY v.ord
-    RETURNING 1
+    {insert_rows(returning => 1)}
 )
 SELECT count(*) AS inserted, pg_notify($9, $2) FROM ins;
 

@@ -60,6 +60,7 @@ CREATE TABLE IF NOT EXISTS {schema}.subscriptions (
 {periodic_due_table}
 {segment_function}
 {flights_table}
+{payloads_table}
 
 -- outbox_table --
 -- Fragment of create_schema and migrate_6_routes: the outbox (docs/routes.md),

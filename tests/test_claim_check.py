@@ -1,0 +1,345 @@
+"""The claim check on a real PostgreSQL (docs/messages.md, "Claim check"): a body over
+claim_check_bytes is stored apart, the row keeps its key, the handler, the failure
+port's copy and a requeue see the whole message, retention removes the payload
+with its message, and a sender killed between the payload and its commit leaves
+no message without its payload."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from nmbus import Bus, Context, Encrypted, Message, MessageTooLarge, PermanentError
+from nmbus.envelopes import CLAIM_CHECK_BYTES_HEADER, CLAIM_CHECK_HEADER
+from nmbus.ops.admin import Admin
+from nmbus.ports.operations import RetentionPolicy
+from nmbus.ports.store import SCHEMA_VERSION
+from nmbus.postgres.retention import clean_queue
+from nmbus.postgres.schema import install_schema
+from nmbus.testing import drain
+from tests.ops_data import split_segments
+from tests.procs import Proc
+from tests.waits import wait_until
+
+MiB = 1024 * 1024
+
+
+class Blob(Message, type_name="test.cc.Blob"):
+    data: str
+    fail: bool = False
+
+
+class Secret(Message, type_name="test.cc.Secret"):
+    card: Encrypted[str]
+    padding: str
+
+
+async def rows(db: asyncpg.Connection, queue: str = "media") -> list[asyncpg.Record]:
+    return await db.fetch(
+        f'SELECT id, subqueue, msg_text, msg_headers::text AS headers FROM nmbus."{queue}" '
+        "ORDER BY id"
+    )
+
+
+async def payloads(db: asyncpg.Connection, queue: str = "media") -> list[asyncpg.Record]:
+    return await db.fetch(
+        'SELECT key, body, url, bytes FROM nmbus."claim$payloads" WHERE queue = $1 ORDER BY key',
+        queue,
+    )
+
+
+# The open transactions that wrote into the payloads table and wait, uncommitted.
+WRITING_PAYLOADS = """
+    SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)
+    WHERE l.relation = 'nmbus."claim$payloads"'::regclass AND l.mode = 'RowExclusiveLock'
+      AND a.state = 'idle in transaction'
+"""
+
+
+def key_of(headers: str) -> str:
+    return str(json.loads(headers)[CLAIM_CHECK_HEADER])
+
+
+async def test_a_body_over_claim_check_bytes_is_stored_apart_and_handled_whole(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("media", claim_check_bytes=1000)
+    got: list[str] = []
+
+    @bus.handler
+    async def handle(msg: Blob, ctx: Context) -> None:
+        got.append(msg.data)
+
+    big, small = "é" * 3000, "s" * 100
+    async with bus:
+        await bus.send(Blob(data=big), to="media")
+        await bus.send(Blob(data=small), to="media")
+        stored = await rows(db)
+        # The big body is not in its row: its key is, with its size; the small one stays.
+        assert stored[0]["msg_text"] is None
+        headers = json.loads(stored[0]["headers"])
+        body = Blob(data=big).model_dump_json()
+        assert headers[CLAIM_CHECK_BYTES_HEADER] == str(len(body.encode()))
+        assert stored[1]["msg_text"] == Blob(data=small).model_dump_json()
+        assert stored[1]["headers"] is None or CLAIM_CHECK_HEADER not in stored[1]["headers"]
+        (payload,) = await payloads(db)
+        assert payload["key"] == headers[CLAIM_CHECK_HEADER]
+        assert payload["body"] == body and payload["url"] is None
+        await drain(bus)
+    assert sorted(got) == sorted([big, small])
+
+
+async def test_the_send_limit_stays_without_a_claim_check_and_holds_for_the_headers(
+    make_bus: Callable[..., Bus],
+) -> None:
+    plain = make_bus("media", concurrency=0)
+    checked = make_bus("media", concurrency=0, claim_check_bytes=1000, max_message_bytes=4096)
+    async with plain, checked:
+        with pytest.raises(MessageTooLarge, match="NMBUS_MAX_MESSAGE_BYTES"):
+            await plain.send(Blob(data="x" * (2 * MiB)), to="media")
+        # With the claim check the body goes apart; the headers still count.
+        await checked.send(Blob(data="x" * (2 * MiB)), to="media")
+        with pytest.raises(MessageTooLarge, match="headers"):
+            await checked.send(Blob(data="x" * 10), to="media", headers={"h": "y" * 5000})
+        with pytest.raises(MessageTooLarge, match="published"):
+            await checked.publish(Blob(data="x" * 5000))
+
+
+async def test_a_64_mib_message_goes_end_to_end(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("media", claim_check_bytes=256_000, lease_seconds=60.0)
+    data = os.urandom(32 * MiB).hex()  # 64 MiB of text
+    digests: list[tuple[int, str]] = []
+
+    @bus.handler
+    async def handle(msg: Blob, ctx: Context) -> None:
+        digests.append((len(msg.data), hashlib.sha256(msg.data.encode()).hexdigest()))
+
+    async with bus:
+        await bus.send(Blob(data=data), to="media")
+        await drain(bus, timeout=120)
+    assert digests == [(64 * MiB, hashlib.sha256(data.encode()).hexdigest())]
+    assert [r["subqueue"] for r in await rows(db)] == ["X"]
+
+
+async def test_an_encrypted_field_reaches_the_payload_sealed(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus(
+        "media",
+        claim_check_bytes=1000,
+        encryption_keys={"k1": bytes(range(32))},
+        encryption_key_id="k1",
+    )
+    got: list[str] = []
+
+    @bus.handler
+    async def handle(msg: Secret, ctx: Context) -> None:
+        got.append(msg.card)
+
+    async with bus:
+        await bus.send(Secret(card="4111-SECRET", padding="p" * 5000), to="media")
+        (payload,) = await payloads(db)
+        assert "p" * 5000 in payload["body"] and "4111-SECRET" not in payload["body"]
+        await drain(bus)
+    assert got == ["4111-SECRET"]
+
+
+async def test_the_failure_port_copy_and_a_requeue_carry_the_whole_message(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+) -> None:
+    bus = make_bus("media", claim_check_bytes=1000, dead_letter="media_failed")
+    port = make_bus("media_failed")
+    seen: list[tuple[str, int]] = []
+
+    @bus.handler
+    async def handle(msg: Blob, ctx: Context) -> None:
+        seen.append(("media", len(msg.data)))
+        if msg.fail and len(seen) == 1:
+            raise PermanentError("not now")
+
+    @port.handler
+    async def copied(msg: Blob, ctx: Context) -> None:
+        seen.append(("port", len(msg.data)))
+
+    async with bus, port:
+        await bus.send(Blob(data="x" * 5000, fail=True), to="media")
+        await drain(bus)
+        await drain(port)
+        (failed,) = await rows(db)
+        assert failed["subqueue"] == "F"
+        # The copy's body is stored apart again, under a key of its own queue.
+        (copy,) = await rows(db, "media_failed")
+        assert copy["msg_text"] is None
+        assert key_of(copy["headers"]) != key_of(failed["headers"])
+        assert [p["key"] for p in await payloads(db, "media_failed")] == [key_of(copy["headers"])]
+        async with Admin(dsn) as admin:
+            assert await admin.requeue_failed("media", ids=[failed["id"]]) == 1
+        await drain(bus)
+    assert seen == [("media", 5000), ("port", 5000), ("media", 5000)]
+
+
+async def test_retention_removes_a_payload_with_its_message_and_keeps_a_moved_ones(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    handled: list[int] = []
+
+    def media() -> Bus:
+        bus = make_bus("media", claim_check_bytes=1000)
+
+        @bus.handler
+        async def handle(msg: Blob, ctx: Context) -> None:
+            handled.append(len(msg.data))
+            if msg.fail and len(handled) == 1:
+                raise PermanentError("later")
+
+        return bus
+
+    async with media() as bus:
+        await bus.send(Blob(data="f" * 5000, fail=True), to="media")
+        await drain(bus)
+        await bus.send(Blob(data="x" * 6000), to="media")
+        await drain(bus)
+    failed, done = await rows(db)
+    assert (failed["subqueue"], done["subqueue"]) == ("F", "X")
+    assert len(await payloads(db)) == 2
+    # Every row in an old segment: the X row's segment is dropped, the F row moved.
+    await split_segments(db, "true", queue="media")
+    result = await clean_queue(db, "nmbus", "media", RetentionPolicy(max_age=timedelta(0)))
+    assert result.segments_dropped >= 1 and result.rows_moved == 1
+    assert result.payloads_deleted == 1
+    assert [p["key"] for p in await payloads(db)] == [key_of(failed["headers"])]
+    # The moved row still finds its payload: requeued, it is handled whole.
+    (moved,) = await rows(db)
+    await db.execute("UPDATE nmbus.media SET subqueue = 'I', retry_time = now() WHERE id = $1",
+                     moved["id"])  # fmt: skip
+    async with media() as bus:
+        await drain(bus)
+    assert handled == [5000, 6000, 5000]
+    # Purged, its payload goes at the next run.
+    await db.execute("DELETE FROM nmbus.media")
+    result = await clean_queue(db, "nmbus", "media", RetentionPolicy(max_age=timedelta(0)))
+    assert result.payloads_deleted == 1 and await payloads(db) == []
+
+
+async def test_a_store_of_files_holds_the_payload_and_retention_removes_it(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    store = f"file://{tmp_path}/payloads"
+    bus = make_bus("media", claim_check_bytes=1000, claim_check_store=store)
+    got: list[str] = []
+
+    @bus.handler
+    async def handle(msg: Blob, ctx: Context) -> None:
+        got.append(msg.data)
+
+    async with bus:
+        await bus.send(Blob(data="q" * 5000), to="media")
+        (row,) = await rows(db)
+        (payload,) = await payloads(db)
+        key = key_of(row["headers"])
+        path = tmp_path / "payloads" / "nmbus" / "media" / key
+        assert payload["body"] is None and payload["url"] == f"{store}/nmbus/media/{key}"
+        assert path.read_text() == Blob(data="q" * 5000).model_dump_json()
+        await drain(bus)
+    assert got == ["q" * 5000]
+    await db.execute("DELETE FROM nmbus.media")
+    policy = RetentionPolicy(max_age=timedelta(hours=1), claim_check_store=store)
+    result = await clean_queue(db, "nmbus", "media", policy)
+    assert result.payloads_deleted == 1
+    assert not path.exists() and await payloads(db) == []
+
+
+async def test_a_sender_killed_before_its_commit_leaves_neither_row_nor_payload(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    async with Bus("media", dsn=dsn, concurrency=0):
+        pass  # the queue exists: the sender's transaction writes rows only
+    sender = Proc("tests.claimcheck_sender", dsn, "table", "5000")
+    try:
+        await sender.wait_for("sent ")
+        # The payload and the row are written, in the sender's open transaction.
+        assert await db.fetchval(WRITING_PAYLOADS) == 1
+        assert await rows(db) == [] and await payloads(db) == []
+    finally:
+        sender.kill()
+    await wait_until(lambda: db.fetchval(f"SELECT ({WRITING_PAYLOADS}) = 0"))
+    assert await rows(db) == [] and await payloads(db) == []
+
+
+async def test_a_sender_killed_after_its_file_leaves_an_orphan_that_retention_removes(
+    dsn: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    store = f"file://{tmp_path}"
+    async with Bus("media", dsn=dsn, concurrency=0):
+        pass
+    sender = Proc("tests.claimcheck_sender", dsn, store, "5000")
+    try:
+        await sender.wait_for("sent ")
+    finally:
+        sender.kill()
+    (orphan,) = (tmp_path / "nmbus" / "media").iterdir()
+    assert await rows(db) == [] and await payloads(db) == []
+    policy = RetentionPolicy(max_age=timedelta(hours=1), claim_check_store=store)
+    # Younger than the max age, it may still be on its way to a commit: kept.
+    assert (await clean_queue(db, "nmbus", "media", policy)).orphans_deleted == 0
+    assert orphan.exists()
+    # A known payload's file, however old, stays.
+    bus = Bus("media", dsn=dsn, concurrency=0, claim_check_bytes=1000, claim_check_store=store)
+    async with bus:
+        await bus.send(Blob(data="k" * 5000), to="media")
+    known = [p for p in (tmp_path / "nmbus" / "media").iterdir() if p != orphan]
+    old = time.time() - 7200
+    for path in (orphan, *known):
+        os.utime(path, (old, old))
+    result = await clean_queue(db, "nmbus", "media", policy)
+    assert result.orphans_deleted == 1 and result.payloads_deleted == 0
+    assert not orphan.exists() and all(p.exists() for p in known)
+
+
+async def test_a_queue_without_claim_checks_never_reads_the_payloads(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    bus = make_bus("media")
+
+    @bus.handler
+    async def handle(msg: Blob, ctx: Context) -> None:
+        pass
+
+    async with bus:
+        for n in range(20):
+            await bus.send(Blob(data=str(n)), to="media", headers={"k": "v"})
+        await drain(bus)
+    await asyncio.sleep(1.2)  # backends flush their statistics within a second
+    await db.execute("SELECT pg_stat_clear_snapshot()")
+    scans = await db.fetchval(
+        "SELECT coalesce(seq_scan, 0) + coalesce(idx_scan, 0) FROM pg_stat_user_tables "
+        "WHERE schemaname = 'nmbus' AND relname = 'claim$payloads'"
+    )
+    assert scans == 0
+
+
+async def test_a_version_14_database_gets_the_payloads_table(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    async with Bus("media", dsn=dsn, concurrency=0):
+        pass
+    await db.execute('DROP TABLE nmbus."claim$payloads"')
+    await db.execute("DELETE FROM nmbus.schema_version")
+    await db.execute("INSERT INTO nmbus.schema_version (version) VALUES (14)")
+    await install_schema(db, "nmbus")
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION
+    async with Bus("media", dsn=dsn, concurrency=0, claim_check_bytes=1000) as bus:
+        await bus.send(Blob(data="m" * 5000), to="media")
+    (payload,) = await payloads(db)
+    assert payload["bytes"] == len(Blob(data="m" * 5000).model_dump_json())

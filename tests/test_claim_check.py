@@ -10,6 +10,9 @@ import asyncio
 import hashlib
 import json
 import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -343,3 +346,25 @@ async def test_a_version_14_database_gets_the_payloads_table(
         await bus.send(Blob(data="m" * 5000), to="media")
     (payload,) = await payloads(db)
     assert payload["bytes"] == len(Blob(data="m" * 5000).model_dump_json())
+
+
+def test_the_docs_example_runs(dsn: str, tmp_path: Path) -> None:
+    """docs/messages.md, "Claim check": its Python block runs as written, on a database."""
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "messages.md").read_text(encoding="utf-8")
+    section = page.split("## Claim check", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"^```python\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    (tmp_path / "test_example.py").write_text(code, encoding="utf-8")
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nmbus",
+            "-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=function",
+            "-W", "error", "test_example.py",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root), "NMBUS_DSN": dsn},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr

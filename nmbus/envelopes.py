@@ -175,6 +175,21 @@ CLAIM_CHECK_BYTES_HEADER = "nmbus-claim-check-bytes"
 MAX_CLAIM_CHECK_BYTES = 256 * 1024 * 1024
 
 
+def stored_apart(headers: str | None) -> str | None:
+    """What an operator sees in place of a body stored apart (``headers``: a row's
+    JSON text): ``[stored apart: <bytes> bytes, key <key>]``; None for any other row."""
+    if headers is None or CLAIM_CHECK_HEADER not in headers:
+        return None
+    try:
+        loaded = json.loads(headers)
+    except ValueError:
+        return None
+    if not isinstance(loaded, dict) or CLAIM_CHECK_HEADER not in loaded:
+        return None
+    size = loaded.get(CLAIM_CHECK_BYTES_HEADER, "?")
+    return f"[stored apart: {size} bytes, key {loaded[CLAIM_CHECK_HEADER]}]"
+
+
 #: Headers of a failure port's copy (``Bus(dead_letter=...)``): where the original
 #: is (queue and row id: it stays there, in F), its unique id and why it failed.
 FAILED_QUEUE_HEADER = "nmbus-failed-queue"
@@ -456,7 +471,7 @@ class EnvelopeBuilder:
     clock a ``delay`` counts from (a test's clock in :mod:`nmbus.testing`).
     """
 
-    __slots__ = ("claim_check_bytes", "codec", "hooks", "max_message_bytes", "now")
+    __slots__ = ("claim_check_bytes", "codec", "hooks", "max_message_bytes", "now", "routed")
 
     def __init__(
         self,
@@ -468,6 +483,8 @@ class EnvelopeBuilder:
         self.max_message_bytes = max_message_bytes
         #: A body over this many bytes is stored apart (the claim check); None: never.
         self.claim_check_bytes = claim_check_bytes
+        #: Queues in other databases (routes): a body stored apart cannot go there.
+        self.routed: frozenset[str] = frozenset()
         #: How bodies are encoded (nmbus.contracts): the endpoint's, shared with its registry.
         self.codec = codec if codec is not None else Codec()
         self.hooks: tuple[Link, ...] = ()
@@ -515,7 +532,14 @@ class EnvelopeBuilder:
     def for_send(self, message: Message, to: str, options: Outgoing) -> Envelope:
         """The envelope of a message sent to queue ``to`` (by the bus or a handler)."""
         validate_queue_name(to)
-        return self.build(message, options)
+        envelope = self.build(message, options)
+        if envelope.apart and to in self.routed:
+            raise MessageTooLarge(
+                f"{message.__type_name__} has a body over claim_check_bytes "
+                f"({self.claim_check_bytes}), which cannot be stored apart for {to!r}: that "
+                "queue is routed to another database, and the outbox carries whole rows"
+            )
+        return envelope
 
     def for_publish(self, message: Message, options: Outgoing) -> tuple[Envelope, str]:
         """The envelope of a published message and its type chain (comma-separated)."""

@@ -173,6 +173,7 @@ class Bus(Registration, Sending):
             codec=self.registry.codec,
             claim_check_bytes=settings.claim_check_bytes,
         )
+        self.envelopes.routed = frozenset(self.routes)
         self.replies = Replies(self.client_id)
         # Both optional, both None unless wanted: docs/metrics.md, docs/tracing.md.
         self.metrics = _metrics(self.endpoint, settings)

@@ -28,6 +28,7 @@ from nmbus.cli._common import (
 from nmbus.cli._table import Column
 from nmbus.contracts.encryption import readable
 from nmbus.contracts.versions import stored_version
+from nmbus.envelopes import stored_apart
 from nmbus.errors import MessageVersionError
 from nmbus.ops.admin import FAILED_BATCH, Admin, FailedCount
 from nmbus.settings import Settings
@@ -97,6 +98,8 @@ def show(
     # Every value whole (full timestamps): this is the one message looked at closely;
     # an encrypted field as its key id (--json gives the stored body as it is).
     row["msg_text"] = readable(row["msg_text"])
+    if row["msg_text"] is None:
+        row["msg_text"] = stored_apart(row.get("msg_headers"))  # the claim check
     shown = [[k, "-" if v is None else str(v)] for k, v in row.items() if k != "error_info"]
     # The body's version beside its type (no nmbus-version header means version 1).
     at = next((i + 1 for i, (k, _) in enumerate(shown) if k == "label"), len(shown))

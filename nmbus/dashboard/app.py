@@ -41,6 +41,7 @@ from nmbus.dashboard.guard import DashboardOptions
 from nmbus.dashboard.hosts import is_loopback
 from nmbus.dashboard.metrics import exposition
 from nmbus.dashboard.script import REFRESH_SCRIPT
+from nmbus.envelopes import stored_apart
 from nmbus.errors import (
     InvalidQueueName,
     NmbusError,
@@ -211,6 +212,8 @@ def create_app(admin: Admin, options: DashboardOptions) -> Starlette:
             if row.msg_text_chars > TEXT_SHOWN
             else display.pretty(readable(row.msg_text))
         )
+        if row.msg_text is None:
+            body = stored_apart(row.msg_headers) or body  # the claim check
         headers = (
             row.msg_headers
             if row.msg_headers_chars > TEXT_SHOWN

@@ -69,6 +69,18 @@ class ClaimCheck:
 
     def __init__(self, url: str | None = None) -> None:
         self.url = url.rstrip("/") if url else None
+        if self.url is not None:
+            # Refused now, not at the first large send: no fsspec, or a protocol it
+            # cannot reach (its package missing).
+            try:
+                _filesystem(self.url)
+            except ConfigurationError:
+                raise
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"claim_check_store {scrub(self.url)!r} cannot be used: "
+                    f"{type(exc).__name__}: {scrub(str(exc)).splitlines()[0] if str(exc) else ''}"
+                ) from None
 
     def __repr__(self) -> str:
         return f"<ClaimCheck store={scrub(self.url) if self.url else 'table'!r}>"

@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import asyncpg
+import pyarrow.parquet as pq
 import pytest
 import structlog
 from typer.testing import CliRunner
@@ -40,7 +41,7 @@ from nmbus.ports.operations import RetentionPolicy
 from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.schema import install_schema
-from nmbus.testing import drain
+from nmbus.testing import HandlerTest, MemoryStore, drain
 from tests.ops_data import split_segments
 from tests.pg import Databases
 from tests.procs import Proc
@@ -445,3 +446,58 @@ def test_settings_come_from_the_environment_and_a_bad_store_is_refused_at_once(
     assert "hunter2" not in repr(
         Bus("media", dsn=dsn, claim_check_store="file://user:hunter2@/tmp/x").settings
     )
+
+
+async def test_a_unique_id_sent_twice_stores_one_row_and_one_payload(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    async with make_bus("media", concurrency=0, claim_check_bytes=1000) as bus:
+        for _ in range(2):
+            await bus.send(Blob(data="u" * 5000), to="media", unique_id="upload-7")
+        # In one transaction too: the second copy's payload is dropped with its row.
+        async with bus.store.pool.acquire() as conn, conn.transaction():  # type: ignore[attr-defined]
+            await bus.send(Blob(data="u" * 5000), to="media", unique_id="upload-7", connection=conn)
+    (row,) = await rows(db)
+    assert [p["key"] for p in await payloads(db)] == [key_of(row["headers"])]
+
+
+async def test_the_archive_holds_the_reference_not_the_payload(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    bus = make_bus("media", claim_check_bytes=1000)
+
+    @bus.handler
+    async def handle(msg: Blob, ctx: Context) -> None:
+        pass
+
+    async with bus:
+        await bus.send(Blob(data="a" * 5000), to="media")
+        await drain(bus)
+    (row,) = await rows(db)
+    await split_segments(db, "true", queue="media")
+    policy = RetentionPolicy(max_age=timedelta(0), archive_dir=tmp_path)
+    result = await clean_queue(db, "nmbus", "media", policy)
+    assert result.payloads_deleted == 1 and await payloads(db) == []
+    (archived,) = pq.read_table(tmp_path).to_pylist()
+    assert archived["msg_text"] is None
+    assert key_of(archived["msg_headers"]) == key_of(row["headers"])
+
+
+async def test_a_handler_test_keeps_the_body_whole_and_refuses_the_same_publish() -> None:
+    bus = Bus("media", store=MemoryStore(), claim_check_bytes=1000)
+    sizes: list[int] = []
+
+    @bus.handler
+    async def handle(msg: Blob, ctx: Context) -> None:
+        sizes.append(len(msg.data))
+        await ctx.send(Blob(data="c" * 5000), to="thumbnails")
+        if msg.fail:
+            await ctx.publish(Blob(data="p" * 5000))
+
+    t = HandlerTest(bus)
+    assert (await t.handle(Blob(data="h" * 5000))).processed
+    assert [len(s.message.data) for s in t.sent] == [5000]  # type: ignore[attr-defined]
+    failed = await t.handle(Blob(data="h" * 5000, fail=True))
+    # Refused in the handler, as the worker would: its exception, retried by the policy.
+    assert failed.status == "retry" and "MessageTooLarge" in (failed.error_info or "")
+    assert sizes == [5000, 5000]

@@ -289,7 +289,7 @@ async def test_retention_removes_a_payload_with_its_message_and_keeps_a_moved_on
 
 
 async def test_a_store_of_files_holds_the_payload_and_retention_removes_it(
-    make_bus: Callable[..., Bus], db: asyncpg.Connection, tmp_path: Path
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, tmp_path: Path, dsn: str
 ) -> None:
     store = f"file://{tmp_path}/payloads"
     bus = make_bus("media", claim_check_bytes=1000, claim_check_store=store)
@@ -310,10 +310,18 @@ async def test_a_store_of_files_holds_the_payload_and_retention_removes_it(
         await drain(bus)
     assert got == ["q" * 5000]
     await db.execute("DELETE FROM nmbus.media")
-    policy = RetentionPolicy(max_age=timedelta(hours=1), claim_check_store=store)
-    result = await clean_queue(db, "nmbus", "media", policy)
-    assert result.payloads_deleted == 1
-    assert not path.exists() and await payloads(db) == []
+    # A file no payload row knows, two hours old (a sender died before its commit).
+    stray = path.with_name("0" * 32)
+    stray.write_text("{}")
+    os.utime(stray, (time.time() - 7200, time.time() - 7200))
+    # nmbus cleanup, the store from the environment as every setting.
+    argv = ["cleanup", "media", "--older-than", "1h", "--yes", "--json", "--dsn", dsn]
+    env = {"NMBUS_CLAIM_CHECK_STORE": store, "NMBUS_DSN": None}
+    done = await asyncio.to_thread(CliRunner().invoke, app, argv, env=env)
+    assert done.exit_code == 0, done.output
+    (result,) = json.loads(done.stdout)["queues"]
+    assert (result["payloads_deleted"], result["orphans_deleted"]) == (1, 1)
+    assert not path.exists() and not stray.exists() and await payloads(db) == []
 
 
 async def test_a_sender_killed_before_its_commit_leaves_neither_row_nor_payload(

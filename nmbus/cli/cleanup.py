@@ -85,6 +85,8 @@ def _clean(
             "bytes_freed": result.bytes_freed,
             "rows_moved": result.rows_moved,
             "segments_pinned": result.segments_pinned,
+            "payloads_deleted": result.payloads_deleted,
+            "orphans_deleted": result.orphans_deleted,
             "skipped": result.skipped,
         }
         for result in results
@@ -129,6 +131,7 @@ def cleanup(
         batch_size=base.batch_size if batch_size is None else batch_size,
         archive_dir=archive_dir or base.archive_dir,
         segment_seconds=base.segment_seconds,
+        claim_check_store=base.claim_check_store,
     )
     names = [queue_name(q) for q in queues or []]
     counts = _counts(cfg, names, policy)

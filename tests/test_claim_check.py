@@ -509,3 +509,23 @@ async def test_a_handler_test_keeps_the_body_whole_and_refuses_the_same_publish(
     # Refused in the handler, as the worker would: its exception, retried by the policy.
     assert failed.status == "retry" and "MessageTooLarge" in (failed.error_info or "")
     assert sizes == [5000, 5000]
+
+
+async def test_every_batch_of_a_backlog_gets_its_bodies_back(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    # Batches of 2 over a backlog: the first claimed alone, the next ones by the
+    # statement that finishes the batch before them.
+    async with make_bus("media", concurrency=0, claim_check_bytes=1000) as sender:
+        for n in range(7):
+            await sender.send(Blob(data=str(n) * (3000 + n)), to="media")
+    bus = make_bus("media", claim_check_bytes=1000, batch_size=2)
+    got: list[str] = []
+
+    @bus.handler
+    async def handle(msg: Blob, ctx: Context) -> None:
+        got.append(msg.data)
+
+    async with bus:
+        await drain(bus)
+    assert sorted(got) == [str(n) * (3000 + n) for n in range(7)]

@@ -503,6 +503,17 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _check_claim_check(self) -> Settings:
+        over, limit = self.claim_check_bytes, self.max_message_bytes
+        if over is not None and over >= limit:
+            raise ValueError(
+                f"claim_check_bytes (NMBUS_CLAIM_CHECK_BYTES) {over} must be below "
+                f"max_message_bytes (NMBUS_MAX_MESSAGE_BYTES) {limit}: a body between the "
+                "two could be neither stored apart nor sent"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_listen_dsn(self) -> Settings:
         if self.listen_dsn is not None and self.pooler != "transaction":
             raise ValueError(

@@ -444,6 +444,7 @@ def test_settings_come_from_the_environment_and_a_bad_store_is_refused_at_once(
         ({"claim_check_bytes": 10}, "claim_check_bytes (NMBUS_CLAIM_CHECK_BYTES)"),
         ({"claim_check_bytes": 2**40}, "claim_check_bytes (NMBUS_CLAIM_CHECK_BYTES)"),
         ({"claim_check_store": "/shared/x"}, "fsspec URL"),
+        ({"claim_check_bytes": 2 * MiB}, "must be below max_message_bytes"),
     ]:
         with pytest.raises(InvalidSetting, match=re.escape(error)):
             Bus("media", dsn=dsn, **value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import html
 import json
 import os
 import re
@@ -42,6 +43,7 @@ from nmbus.ports.store import SCHEMA_VERSION
 from nmbus.postgres.retention import clean_queue
 from nmbus.postgres.schema import install_schema
 from nmbus.testing import HandlerTest, MemoryStore, drain
+from tests.dashboard_server import start
 from tests.ops_data import split_segments
 from tests.pg import Databases
 from tests.procs import Proc
@@ -238,7 +240,18 @@ async def test_the_failure_port_copy_and_a_requeue_carry_the_whole_message(
         argv = ["failed", "show", "media", str(failed["id"]), "--dsn", dsn]
         shown = await asyncio.to_thread(CliRunner().invoke, app, argv, env={"COLUMNS": "300"})
         assert shown.exit_code == 0, shown.output
-        assert f"[stored apart: 5023 bytes, key {key_of(failed['headers'])}]" in shown.stdout
+        note = f"[stored apart: 5023 bytes, key {key_of(failed['headers'])}]"
+        assert note in shown.stdout
+        server = await start(dsn)
+        try:
+            status, page, _ = await asyncio.to_thread(server.get, f"/failed/media/{failed['id']}")
+        finally:
+            server.proc.terminate()
+            server.proc.wait(15)
+            for stream in (server.proc.stdout, server.proc.stderr):
+                if stream is not None:
+                    stream.close()
+        assert status == 200 and note in html.unescape(page)
         async with Admin(dsn) as admin:
             assert await admin.requeue_failed("media", ids=[failed["id"]]) == 1
         await drain(bus)

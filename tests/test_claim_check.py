@@ -543,3 +543,32 @@ async def test_every_batch_of_a_backlog_gets_its_bodies_back(
     async with bus:
         await drain(bus)
     assert sorted(got) == [str(n) * (3000 + n) for n in range(7)]
+
+
+async def test_a_payload_gone_from_its_store_fails_its_message_and_no_other(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    store = f"file://{tmp_path}"
+    async with make_bus("media", concurrency=0, claim_check_bytes=1000,
+                        claim_check_store=store) as sender:  # fmt: skip
+        await sender.send(Blob(data="g" * 5000), to="media")
+        await sender.send(Blob(data="k" * 5000), to="media")
+    gone, _ = await rows(db)
+    (tmp_path / "nmbus" / "media" / key_of(gone["headers"])).unlink()
+    bus = make_bus("media", claim_check_bytes=1000, claim_check_store=store)
+    got: list[str] = []
+
+    @bus.handler
+    async def handle(msg: Blob, ctx: Context) -> None:
+        got.append(msg.data)
+
+    async with bus:
+        await drain(bus)
+    assert got == ["k" * 5000]
+    failed = await db.fetchrow("SELECT subqueue, error_info FROM nmbus.media WHERE id = $1",
+                               gone["id"])  # fmt: skip
+    assert failed["subqueue"] == "F"
+    assert failed["error_info"].startswith(
+        f"UndecodableMessage: its body [stored apart: 5024 bytes, key {key_of(gone['headers'])}]"
+        " was not found"
+    )

@@ -17,7 +17,7 @@ from nmbus.consume.dispatch.transactions import Replay, Savepoints
 from nmbus.consume.isolation import DIED_ALONE
 from nmbus.context import Context, Effects
 from nmbus.delivery.replies import Replies
-from nmbus.envelopes import IN_REPLY_TO_HEADER, EnvelopeBuilder
+from nmbus.envelopes import IN_REPLY_TO_HEADER, EnvelopeBuilder, stored_apart
 from nmbus.errors import AttemptsExhausted, MessageError, UndecodableMessage
 from nmbus.handlers import Handler, Registry
 from nmbus.messages import Message, StoredMessage
@@ -304,6 +304,9 @@ class Dispatcher:
                 return None
             except (ValidationError, ValueError) as exc:
                 undecodable = UndecodableMessage(f"body is not a valid {row.label}: {exc}")
+                if row.msg_text is None and (apart := stored_apart(row.msg_headers)):
+                    # The claim check: its payload was not found (docs/messages.md).
+                    undecodable = UndecodableMessage(f"its body {apart} was not found")
                 self.failures.refused(row, because(undecodable, exc), outcomes)
                 return None
         if row.recovered == DIED_ALONE and row.retry_count > policy.max_attempts:

@@ -572,3 +572,19 @@ async def test_a_payload_gone_from_its_store_fails_its_message_and_no_other(
         f"UndecodableMessage: its body [stored apart: 5024 bytes, key {key_of(gone['headers'])}]"
         " was not found"
     )
+
+
+async def test_dropping_a_queue_drops_its_payloads_and_their_files(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str, tmp_path: Path
+) -> None:
+    store = f"file://{tmp_path}"
+    async with make_bus("media", concurrency=0, claim_check_bytes=1000,
+                        claim_check_store=store) as bus:  # fmt: skip
+        await bus.send(Blob(data="d" * 5000), to="media")
+        await bus.send(Blob(data="d" * 5000), to="other")
+    folder = tmp_path / "nmbus" / "media"
+    assert len(list(folder.iterdir())) == 1
+    async with Admin(dsn) as admin:
+        assert await admin.drop_queues(["media"]) == ["media"]
+    assert list(folder.iterdir()) == [] and await payloads(db) == []
+    assert len(await payloads(db, "other")) == 1

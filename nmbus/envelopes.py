@@ -588,7 +588,7 @@ class EnvelopeBuilder:
         chars = len(text) + (len(header_text) if header_text else 0)
         apart = False
         if (over := self.claim_check_bytes) is not None and len(text) * 4 > over:
-            apart = self._apart(message, text, header_text)
+            apart = self._apart(message, text)
             if apart:
                 chars = len(header_text) if header_text else 0
         if chars * 4 > limit:
@@ -621,7 +621,7 @@ class EnvelopeBuilder:
             apart=apart,
         )
 
-    def _apart(self, message: Message, text: str, header_text: str | None) -> bool:
+    def _apart(self, message: Message, text: str) -> bool:
         """Whether the body ``text`` goes apart (over claim_check_bytes); refused when it
         is over what the claim check takes."""
         body = utf8_size(text)

@@ -255,7 +255,8 @@ class PostgresBatch:
         messages = claimed(rows)
         self._floors.claimed(queue, messages)
         if carries_reference(messages):
-            await resolve(self._conn, self._schema, queue, messages)
+            with wrap_errors(f"read the bodies stored apart of {queue}"):
+                await resolve(self._conn, self._schema, queue, messages)
         return finished, messages
 
 

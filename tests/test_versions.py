@@ -412,3 +412,41 @@ async def test_older_bodies_are_upcast_beside_a_type_decoded_without_the_codec(
     assert {r["subqueue"] for r in await rows(db, "versions_fast")} == {"X"}
     # The plain type's bodies were validated without the codec; the others through it.
     assert decoded == [name, name]
+
+
+async def test_failed_show_json_gives_the_version_as_a_number(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+) -> None:
+    name = "versions.show.Order"
+    v1, v3 = order(name, 1), order(name, 3)
+    bus = make_bus("versions_show")
+    async with bus:  # no handler: the rows stay as sent
+        await bus.send(v1(n=1), to="versions_show")
+        await bus.send(v3(n=3, currency="EUR", region="eu"), to="versions_show")
+        await bus.send(v1(n=4), to="versions_show")
+    ids = [r["id"] for r in await db.fetch('SELECT id FROM nmbus."versions_show" ORDER BY id')]
+    # A header written by hand that holds no version.
+    await db.execute(
+        'UPDATE nmbus."versions_show" SET msg_headers = \'{"nmbus-version": "x"}\' WHERE id = $1',
+        ids[2],
+    )
+
+    def show(row_id: int, *json_flag: str) -> str:
+        shown = CliRunner().invoke(
+            app,
+            ["failed", "show", "versions_show", str(row_id), "--dsn", dsn, *json_flag],
+            env={"COLUMNS": "200", "NMBUS_DSN": None},
+        )
+        assert shown.exit_code == 0, shown.stdout
+        return shown.stdout
+
+    found = []
+    for row_id in ids:
+        data = json.loads(await asyncio.to_thread(show, row_id, "--json"))
+        found.append(data["version"])
+        # Beside the type, as the table prints it.
+        keys = list(data)
+        assert keys[keys.index("label") + 1] == "version"
+    assert found == [1, 3, None]
+    printed = await asyncio.to_thread(show, ids[1])
+    assert re.search(r"^\s*version\s+3\s*$", printed, re.MULTILINE), printed

@@ -39,6 +39,7 @@ MIGRATIONS: dict[int, list[str]] = {
     12: ["migrate_12_held"],
     13: ["migrate_13_drop_held"],
     14: ["migrate_14_unique_windows"],
+    15: ["migrate_15_unique_retake"],
 }
 
 

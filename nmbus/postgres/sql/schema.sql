@@ -298,10 +298,11 @@ DROP FUNCTION IF EXISTS {unique_table}();
 DELETE FROM {schema}.queues WHERE name = $1;
 
 -- queue_unique_function --
--- Fragment of queue_unique_table, migrate_14_unique_windows and
--- migrate_15_unique_retake: the trigger function of a queue's unique table. A row whose unique_id is new takes the
--- entry, with the window its headers ask for (nmbus-unique-for: until its
--- insert_time plus that many seconds; nmbus-unique-while: while it is in I or R).
+-- Fragment of queue_unique_table and migrate_unique_function (schema versions 14
+-- and 15): the trigger function of a queue's unique table. A row whose unique_id
+-- is new takes the entry, with the window its headers ask for (nmbus-unique-for:
+-- until its insert_time plus that many seconds; nmbus-unique-while: while it is
+-- in I or R).
 -- On a conflict with an entry that has no window the row is dropped at once, as
 -- before. An entry with a window is locked, then checked with a fresh snapshot
 -- (a volatile function's next statement): over (until passed, or its row no

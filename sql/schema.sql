@@ -1,4 +1,4 @@
--- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 15).
+-- The DDL nmbus runs for schema 'nmbus' with the queue 'billing' (schema version 16).
 -- nmbus creates all of this itself when a Bus starts; to run it by hand:
 --   psql -v ON_ERROR_STOP=1 -f FILE
 
@@ -109,7 +109,7 @@ CREATE TABLE IF NOT EXISTS "nmbus"."claim$payloads" (
     CONSTRAINT "claim$payloads$pkey" PRIMARY KEY (queue, key)
 );
 
-INSERT INTO "nmbus".schema_version (version) VALUES ('15') ON CONFLICT DO NOTHING;
+INSERT INTO "nmbus".schema_version (version) VALUES ('16') ON CONFLICT DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS "nmbus"."billing" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "nmbus"."billing$id_seq")
@@ -153,6 +153,7 @@ CREATE INDEX IF NOT EXISTS "billing$unique$id" ON "nmbus"."billing$unique" (id);
 CREATE OR REPLACE FUNCTION "nmbus"."billing$unique"() RETURNS trigger LANGUAGE plpgsql AS $fn$
 DECLARE
     held record;
+    windowed boolean;
     new_until timestamptz;
     new_pending boolean;
 BEGIN
@@ -165,16 +166,22 @@ BEGIN
             + (NEW.msg_headers ->> 'nmbus-unique-for')::double precision * interval '1 second';
         new_pending := NULLIF(NEW.msg_headers ? 'nmbus-unique-while', false);
     END IF;
-    INSERT INTO "nmbus"."billing$unique" (unique_id, id, until, pending)
-    VALUES (NEW.unique_id, NEW.id, new_until, new_pending)
-    ON CONFLICT DO NOTHING;
-    IF FOUND THEN
-        RETURN NEW;
-    END IF;
-    SELECT u.id, u.until, u.pending INTO held FROM "nmbus"."billing$unique" AS u
-    WHERE u.unique_id = NEW.unique_id AND (u.until IS NOT NULL OR u.pending)
-    FOR UPDATE;
-    IF NOT FOUND OR held.until > now()
+    LOOP
+        INSERT INTO "nmbus"."billing$unique" (unique_id, id, until, pending)
+        VALUES (NEW.unique_id, NEW.id, new_until, new_pending)
+        ON CONFLICT DO NOTHING;
+        IF FOUND THEN
+            RETURN NEW;
+        END IF;
+        SELECT u.id, u.until, u.pending INTO held FROM "nmbus"."billing$unique" AS u
+        WHERE u.unique_id = NEW.unique_id AND (u.until IS NOT NULL OR u.pending)
+        FOR UPDATE;
+        windowed := FOUND;
+        -- Locked, or an entry without a window holds it; else it is gone: insert again.
+        EXIT WHEN windowed OR EXISTS (SELECT 1 FROM "nmbus"."billing$unique" AS u
+                                   WHERE u.unique_id = NEW.unique_id);
+    END LOOP;
+    IF NOT windowed OR held.until > now()
        OR (held.pending AND EXISTS (SELECT 1 FROM "nmbus"."billing" AS q
                                     WHERE q.id = held.id AND q.subqueue IN ('I', 'R'))) THEN
         IF current_setting('nmbus.moving', true) = 'on' THEN

@@ -406,14 +406,14 @@ async def test_a_queue_without_claim_checks_never_reads_the_payloads(
     assert scans == 0
 
 
-async def test_a_version_14_database_gets_the_payloads_table(
+async def test_a_version_15_database_gets_the_payloads_table(
     dsn: str, db: asyncpg.Connection
 ) -> None:
     async with Bus("media", dsn=dsn, concurrency=0):
         pass
     await db.execute('DROP TABLE nmbus."claim$payloads"')
     await db.execute("DELETE FROM nmbus.schema_version")
-    await db.execute("INSERT INTO nmbus.schema_version (version) VALUES (14)")
+    await db.execute("INSERT INTO nmbus.schema_version (version) VALUES (15)")
     await install_schema(db, "nmbus")
     assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION
     async with Bus("media", dsn=dsn, concurrency=0, claim_check_bytes=1000) as bus:

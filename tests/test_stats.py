@@ -47,7 +47,7 @@ if not os.path.isfile(JAR):
 from nmbus.stats import aggregate, jdbc, job  # noqa: E402
 from nmbus.stats.options import DEFAULT_ACCURACY, parse_time  # noqa: E402
 from nmbus.stats.session import build_session  # noqa: E402
-from tests.stats_data import T0, seed, seed_doomed  # noqa: E402
+from tests.stats_data import LABELS, T0, seed, seed_doomed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PCTS = (0.5, 0.95, 0.99)
@@ -926,3 +926,107 @@ def pq_rows(path: Path) -> int:
     import pyarrow.parquet as pq
 
     return int(pq.ParquetFile(path).metadata.num_rows)
+
+
+# ------------------------------------------------------------------ versions
+
+
+# A row's version as an operator counts it (docs/messages.md), and NULL for a
+# header that holds no version.
+VERSION_OF = (
+    "CASE WHEN msg_headers->>'nmbus-version' IS NULL THEN 1 "
+    "WHEN msg_headers->>'nmbus-version' ~ '^[0-9]+$' "
+    "THEN (msg_headers->>'nmbus-version')::int END"
+)
+
+
+async def _seed_versions(dsn: str) -> None:
+    """Rows of two types over three versions, X and F, and headers that hold no version."""
+    store = PostgresStore(dsn)
+    await store.open()
+    try:
+        await store.ensure_queue("contracts")
+    finally:
+        await store.close()
+    headers = [
+        None,
+        '{"traceparent": "00-1-2-01"}',
+        '{"nmbus-version": "2"}',
+        '{"nmbus-version": "3", "traceparent": "00-1-2-01"}',
+        '{"nmbus-version": "not a version"}',
+        '["nmbus-version"]',
+    ]
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.executemany(
+            """
+            INSERT INTO nmbus.contracts (from_endpoint, to_endpoint, subqueue, insert_time,
+                last_processed, retry_count, retry_time, label, msg_headers, unique_id)
+            VALUES ('t', 'contracts', $1, $2, $2, 1, $2, $3, $4::jsonb, $5)
+            """,
+            [
+                (
+                    "F" if g % 7 == 0 else "I" if g % 11 == 0 else "X",
+                    T0 + timedelta(seconds=g),
+                    LABELS[g % 2],
+                    headers[g % len(headers)],
+                    f"c-{g}",
+                )
+                for g in range(1, 301)
+            ],
+        )
+    finally:
+        await conn.close()
+
+
+def test_counts_by_type_and_version(spark: Any, dsn: str, out_dir: Path) -> None:
+    """Processed and failed messages per queue, type and version, live (both readers)
+    and archived, equal to PostgreSQL's count by the nmbus-version header."""
+    _run(_seed_versions(dsn))
+    exact = {
+        (r["label"], r["version"]): (r["processed"], r["failed"])
+        for r in _run(
+            _fetch(
+                dsn,
+                f"SELECT label, {VERSION_OF} AS version, "
+                "count(*) FILTER (WHERE subqueue = 'X') AS processed, "
+                "count(*) FILTER (WHERE subqueue = 'F') AS failed "
+                "FROM nmbus.contracts WHERE subqueue IN ('X', 'F') GROUP BY 1, 2",
+            )
+        )
+    }
+    assert {v for _, v in exact} == {1, 2, 3, None}
+    # Retention archived the first 100 rows and removed them: the archive's headers count.
+    archive = out_dir / "archive"
+    _write_archive(archive, "contracts", _archive_rows(dsn, "contracts", "id <= 100", True), "b")
+    _run(_fetch(dsn, "DELETE FROM nmbus.contracts WHERE id <= 100"))
+    for reader in ("jdbc", "copy"):
+        opts = job.Options(
+            dsn=dsn,
+            out=str(out_dir / reader),
+            source=reader,
+            archive_dir=str(archive),
+            copy_dir=str(out_dir / "staging"),
+        )
+        result = job.run(spark, opts)
+        got = {
+            (r["label"], r["version"]): (r["processed"], r["failed"])
+            for r in parquet(spark, out_dir / reader, "versions")
+            if r["queue"] == "contracts"
+        }
+        assert got == exact, reader
+        (queue,) = result.summary["queues"]
+        assert {
+            (v["label"], v["version"]): (v["processed"], v["failed"]) for v in queue["versions"]
+        } == exact
+        assert [(v["label"], v["version"]) for v in queue["versions"]] == sorted(
+            exact, key=lambda k: (k[0], -1 if k[1] is None else k[1])
+        )
+        page = Path(result.html_path).read_text()
+        table = page.split('id="versions"', 1)[1].split("</table>", 1)[0]
+        for (label, version), (processed, failed) in exact.items():
+            shown = "not a version" if version is None else str(version)
+            assert (
+                f'<td>contracts</td><td>{label}</td><td class="num">{shown}</td>'
+                f'<td class="num">{processed:,}</td><td class="num">{failed:,}</td>'
+            ) in table, (label, version)

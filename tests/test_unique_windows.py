@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 from nmbus import Bus
+from nmbus.envelopes import outgoing
 from nmbus.errors import InvalidMessage
 from nmbus.ports.operations import RetentionPolicy
 from nmbus.ports.store import SCHEMA_VERSION
@@ -195,6 +196,144 @@ async def test_two_senders_at_once_store_one_row(dsn: str, db: asyncpg.Connectio
         assert await count(db, "burst") == 1
 
 
+async def _waiting_on_a_lock(db: asyncpg.Connection, pid: int) -> bool:
+    """Whether backend ``pid`` is waiting for a lock (not running, not idle)."""
+    return bool(
+        await db.fetchval(
+            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
+        )
+    )
+
+
+@pytest.mark.parametrize("window", ["pending", "for"])
+async def test_an_entry_deleted_while_a_send_waits_to_lock_it_is_taken(
+    dsn: str, db: asyncpg.Connection, window: str
+) -> None:
+    """A send finds the id's entry at its insert, then waits to lock it; the row that
+    held it is deleted (a purge, retention) and the entry with it. Nothing holds the
+    id any more: the send stores its row, taking the id."""
+    await make_queue(dsn, Q)
+    headers = PENDING if window == "pending" else json.dumps({"nmbus-unique-for": 3600})
+    await _deleted_while_a_send_waits(dsn, db, headers)
+
+
+async def _deleted_while_a_send_waits(dsn: str, db: asyncpg.Connection, headers: str) -> None:
+    await db.execute(INSERT, Q, headers, "gone")
+    holder = await db.fetchval(f"SELECT id FROM nmbus.{Q} WHERE unique_id = 'gone'")
+    purger, sender = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        tx = purger.transaction()
+        await tx.start()
+        # The purge has the entry locked: the send's insert sees it and does nothing,
+        # then its lock of the entry waits.
+        await purger.execute(
+            f'SELECT 1 FROM nmbus."{Q}$unique" WHERE unique_id = $1 FOR UPDATE', "gone"
+        )
+        pid = sender.get_server_pid()
+        sent = asyncio.create_task(sender.execute(INSERT, Q, headers, "gone"))
+        for _ in range(200):
+            if await _waiting_on_a_lock(db, pid):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the send never waited on the entry's lock")
+        assert not sent.done()
+        await purger.execute(f"DELETE FROM nmbus.{Q} WHERE id = $1", holder)
+        await tx.commit()
+        assert await asyncio.wait_for(sent, 10) == "INSERT 0 1"
+    finally:
+        await purger.close()
+        await sender.close()
+    rows = await db.fetch(f"SELECT id FROM nmbus.{Q} WHERE unique_id = 'gone'")
+    assert len(rows) == 1 and rows[0]["id"] != holder
+    # The new row holds the id: a send of it now is skipped.
+    await db.execute(INSERT, Q, headers, "gone")
+    assert await count(db, "gone") == 1
+    entry = await db.fetchval(f'SELECT id FROM nmbus."{Q}$unique" WHERE unique_id = $1', "gone")
+    assert entry == rows[0]["id"]
+
+
+@pytest.mark.parametrize("window", ["pending", "for", None])
+async def test_two_batches_of_the_same_ids_in_opposite_orders_do_not_deadlock(
+    dsn: str, db: asyncpg.Connection, window: str | None
+) -> None:
+    """Two senders store one batch each, in one statement, of the same unique ids in
+    opposite orders, at once: each takes the ids' entries in the same order, so
+    neither waits on the other while holding what it waits for. Round 0 takes new
+    ids; every later round takes ids whose window is over (rows done, time passed)."""
+    options: dict[str, Any] = {"pending": {"unique_while": "pending"}, "for": {"unique_for": 60}}
+    ids = [f"pair-{n:02d}" for n in range(40)]
+    async with Bus("shop", dsn=dsn, concurrency=0) as bus:
+        await bus.send(Ping(n=0), to=Q)  # the queue's table
+
+        def batch(order: list[str]) -> list[Any]:
+            return [
+                bus.envelopes.for_send(
+                    Ping(n=n), Q, outgoing({"unique_id": uid, **options.get(window or "", {})})
+                )
+                for n, uid in enumerate(order)
+            ]
+
+        forward, backward = batch(ids), batch(ids[::-1])
+        first, second = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+        try:
+            for round_ in range(30):
+                stored = await asyncio.gather(
+                    bus.store.insert(Q, "shop", forward, first),
+                    bus.store.insert(Q, "shop", backward, second),
+                )
+                waiting = await db.fetch(
+                    f"SELECT unique_id, count(*) AS n FROM nmbus.{Q} "
+                    "WHERE subqueue = 'I' AND unique_id LIKE 'pair-%' GROUP BY 1"
+                )
+                if window is None and round_ > 0:
+                    assert stored == [0, 0] and waiting == []  # held for as long as kept
+                    continue
+                assert sum(stored) == len(ids), (round_, stored)
+                assert sorted((r["unique_id"], r["n"]) for r in waiting) == [
+                    (uid, 1) for uid in ids
+                ]
+                await finish_all(db)
+        finally:
+            await first.close()
+            await second.close()
+
+
+async def test_a_batch_keeps_its_send_order_whatever_its_unique_ids(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    """Rows are inserted in unique_id order, but their ids follow the batch's order,
+    so they are claimed in send order, and a sequence's members in theirs."""
+    uids = ["zz", "mm", "aa", "yy", "bb"]
+    async with Bus("shop", dsn=dsn, concurrency=0) as bus:
+        await bus.send(Ping(n=-1), to=Q)  # the queue's table
+        envelopes = [
+            bus.envelopes.for_send(Ping(n=n), Q, outgoing({"unique_id": uid, **extra}))
+            for n, uid in enumerate(uids)
+            for extra in ({"sequence": "s"} if n % 2 else {},)
+        ]
+        assert await bus.store.insert(Q, "shop", envelopes) == len(uids)
+    rows = await db.fetch(
+        f"SELECT unique_id, retry_time = 'infinity' AS parked FROM nmbus.{Q} "
+        "WHERE unique_id = ANY($1::text[]) ORDER BY id",
+        uids,
+    )
+    assert [r["unique_id"] for r in rows] == uids
+    # The second member of the sequence waits behind the first.
+    assert [r["parked"] for r in rows] == [False, False, False, True, False]
+
+
+async def finish_all(db: asyncpg.Connection) -> None:
+    """Every waiting row processed, and every unique_for window over."""
+    await db.execute(
+        f"UPDATE nmbus.{Q} SET subqueue = 'X', last_processed = now() WHERE subqueue = 'I'"
+    )
+    await db.execute(
+        f"UPDATE nmbus.\"{Q}$unique\" SET until = now() - interval '1 second' "
+        "WHERE until IS NOT NULL"
+    )
+
+
 SENDER = """
 import asyncio, sys
 from nmbus import Bus
@@ -332,6 +471,7 @@ async def test_a_version_13_database_upgrades_and_keeps_its_unique_ids(
 
     await install_schema(db, "nmbus")
 
+    assert SCHEMA_VERSION >= 14
     assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION
     async with Bus("shop", dsn=dsn, concurrency=0) as bus:
         await bus.send(Ping(n=1), to=Q, unique_id="old", unique_while="pending")
@@ -340,6 +480,21 @@ async def test_a_version_13_database_upgrades_and_keeps_its_unique_ids(
         await finish(db, "new", "X")
         await bus.send(Ping(n=3), to=Q, unique_id="new", unique_while="pending")
         assert await count(db, "new") == 2
+
+
+async def test_a_version_14_database_gets_the_trigger_that_inserts_again(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    await make_queue(dsn, Q)
+    # An earlier trigger, that drops a row whenever its insert finds an entry.
+    await db.execute(OLD_FUNCTION.replace("{q}", Q))
+    await db.execute("DELETE FROM nmbus.schema_version")
+    await db.execute("INSERT INTO nmbus.schema_version (version) VALUES (14)")
+
+    await install_schema(db, "nmbus")
+
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 15
+    await _deleted_while_a_send_waits(dsn, db, PENDING)
 
 
 # -- the memory store ----------------------------------------------------------------------

@@ -30,6 +30,7 @@ from nmbus import (
 )
 from nmbus.bus.asyncapi import message_version
 from nmbus.cli import app
+from nmbus.contracts import Codec
 from nmbus.testing import HandlerTest, MemoryStore, drain
 from tests import dashboard_server as dashboard
 from tests import procs
@@ -338,3 +339,114 @@ async def test_upcasters_see_encrypted_fields_in_the_clear_and_never_leak_them(
     assert found[1]["error_info"].startswith("UndecodableMessage: upcaster ")
     assert "ValueError" in found[1]["error_info"]
     assert all(secret not in (r["error_info"] or "") + r["msg_text"] for r in found)
+
+
+async def test_a_newer_body_reaching_a_version_1_class_fails_at_once(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection
+) -> None:
+    """A version-1 class with no encrypted field is validated without the codec, but
+    only for a body without the version header: a newer body still fails at once."""
+    name = "versions.fast.newer.Order"
+    v2 = order(name, 2)
+    v1 = order(name, 1)  # this process's class: an older release
+    bus = make_bus("versions_fast_newer")
+    seen: list[int] = []
+
+    @bus.handler(v1)
+    async def handle(msg: Any, ctx: Context) -> None:
+        seen.append(msg.n)
+
+    async with bus:
+        await bus.send(v1(n=1), to="versions_fast_newer")
+        await bus.send(v2(n=2, currency="EUR"), to="versions_fast_newer")
+        await drain(bus)
+    assert seen == [1]
+    found = await rows(db, "versions_fast_newer")
+    assert [(r["subqueue"], r["version"]) for r in found] == [("X", 1), ("F", 2)]
+    first = found[1]["error_info"].splitlines()[0]
+    assert first.startswith("MessageVersionError: ")
+    assert "version 2" in first and "version 1" in first
+
+
+async def test_older_bodies_are_upcast_beside_a_type_decoded_without_the_codec(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one queue: a plain version-1 type skips the codec; a version-3 type with
+    upcasters still upcasts a version-1 body (no header) and a version-2 body."""
+    name = "versions.fast.Order"
+    v1, v2, v3 = order(name, 1), order(name, 2), order(name, 3)
+
+    class Plain(Message, type_name="versions.fast.Plain"):
+        n: int
+
+    decoded: list[str] = []
+    real = Codec.decode
+
+    def counted(self: Codec, cls: type[Message], text: str, headers: str | None) -> Message:
+        decoded.append(cls.__type_name__)
+        return real(self, cls, text, headers)
+
+    monkeypatch.setattr(Codec, "decode", counted)
+    bus = make_bus("versions_fast")
+    upcast(bus, name, 1, 2)
+    seen: list[tuple[int, str, str]] = []
+    plain: list[int] = []
+
+    @bus.handler(v3)
+    async def handle(msg: Any, ctx: Context) -> None:
+        seen.append((msg.n, msg.currency, msg.region))
+
+    @bus.handler(Plain)
+    async def handle_plain(msg: Plain, ctx: Context) -> None:
+        plain.append(msg.n)
+
+    async with bus:
+        for n in range(3):
+            await bus.send(Plain(n=n), to="versions_fast")
+        await bus.send(v1(n=1), to="versions_fast")
+        await bus.send(v2(n=2, currency="USD"), to="versions_fast")
+        await bus.send(Plain(n=3), to="versions_fast")
+        await drain(bus)
+    assert sorted(seen) == [(1, "EUR", "eu"), (2, "USD", "other")]
+    assert plain == [0, 1, 2, 3]
+    assert {r["subqueue"] for r in await rows(db, "versions_fast")} == {"X"}
+    # The plain type's bodies were validated without the codec; the others through it.
+    assert decoded == [name, name]
+
+
+async def test_failed_show_json_gives_the_version_as_a_number(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, dsn: str
+) -> None:
+    name = "versions.show.Order"
+    v1, v3 = order(name, 1), order(name, 3)
+    bus = make_bus("versions_show")
+    async with bus:  # no handler: the rows stay as sent
+        await bus.send(v1(n=1), to="versions_show")
+        await bus.send(v3(n=3, currency="EUR", region="eu"), to="versions_show")
+        await bus.send(v1(n=4), to="versions_show")
+    ids = [r["id"] for r in await db.fetch('SELECT id FROM nmbus."versions_show" ORDER BY id')]
+    # A header written by hand that holds no version.
+    await db.execute(
+        'UPDATE nmbus."versions_show" SET msg_headers = \'{"nmbus-version": "x"}\' WHERE id = $1',
+        ids[2],
+    )
+
+    def show(row_id: int, *json_flag: str) -> str:
+        shown = CliRunner().invoke(
+            app,
+            ["failed", "show", "versions_show", str(row_id), "--dsn", dsn, *json_flag],
+            env={"COLUMNS": "200", "NMBUS_DSN": None},
+        )
+        assert shown.exit_code == 0, shown.stdout
+        return shown.stdout
+
+    found = []
+    for row_id in ids:
+        data = json.loads(await asyncio.to_thread(show, row_id, "--json"))
+        found.append(data["version"])
+        # Beside the type, as the table prints it.
+        keys = list(data)
+        assert keys[keys.index("label") + 1] == "version"
+    assert found == [1, 3, None]
+    printed = await asyncio.to_thread(show, ids[1])
+    assert re.search(r"^\s*version\s+3\s*$", printed, re.MULTILINE), printed

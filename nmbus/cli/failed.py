@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -93,7 +93,9 @@ def show(
         fail(f"no message {message_id} in queue {queue!r}")
     row = plain(found)
     if as_json:
-        emit_json(row)
+        # The body's version as a number beside its type: 1 without an nmbus-version
+        # header, null for a header that holds no version.
+        emit_json(_after(row, "label", "version", _version(row.get("msg_headers"))))
         return
     # Every value whole (full timestamps): this is the one message looked at closely;
     # an encrypted field as its key id (--json gives the stored body as it is).
@@ -103,17 +105,31 @@ def show(
     shown = [[k, "-" if v is None else str(v)] for k, v in row.items() if k != "error_info"]
     # The body's version beside its type (no nmbus-version header means version 1).
     at = next((i + 1 for i, (k, _) in enumerate(shown) if k == "label"), len(shown))
-    shown.insert(at, ["version", _version(row.get("msg_headers"))])
+    version = _version(row.get("msg_headers"))
+    shown.insert(at, ["version", "?" if version is None else str(version)])
     table(f"{queue} #{message_id}", ["column", Column("value", align="left", wrap=True)], shown)
     console.print("[bold]error_info[/bold]")
     console.print(row["error_info"] or "-", markup=False, highlight=False)
 
 
-def _version(headers: str | None) -> str:
+def _after(row: dict[str, Any], key: str, name: str, value: Any) -> dict[str, Any]:
+    """``row`` with ``name: value`` put right after ``key`` (at the end without it)."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if k != name:
+            out[k] = v
+        if k == key:
+            out[name] = value
+    out.setdefault(name, value)
+    return out
+
+
+def _version(headers: str | None) -> int | None:
+    """The stored body's version (1 without the header); None for a header that is none."""
     try:
-        return str(stored_version(headers))
+        return stored_version(headers)
     except MessageVersionError:
-        return "?"
+        return None
 
 
 def _selection(ids: list[int] | None, message_type: str | None, every: bool) -> str:

@@ -52,6 +52,10 @@ class Codec:
         version = message.__version__
         return text, ({VERSION_HEADER: str(version)} if version != 1 else None)
 
+    def seals(self, cls: type[Message]) -> bool:
+        """Whether ``cls`` has encrypted fields, which the codec seals and opens."""
+        return sealer(cls, self._sealers) is not None
+
     def decode(self, cls: type[Message], text: str, headers: str | None) -> Message:
         """The message of a stored body ``text`` (with its raw JSON ``headers``) as ``cls``.
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from nmbus.delivery.flow import FlowLimits, LimitStatus
     from nmbus.settings import Settings
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 
 
 @dataclass(frozen=True)

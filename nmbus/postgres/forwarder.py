@@ -47,7 +47,7 @@ from nmbus.postgres.errors import is_connection_error, wrap_errors
 from nmbus.postgres.listen import listen_loop, notify_channel
 from nmbus.postgres.pooler import Pooler
 from nmbus.postgres.pubsub import install_publish_function
-from nmbus.postgres.rows import insert_args, outbox_arrays
+from nmbus.postgres.rows import insert_args, insert_sql, outbox_arrays
 from nmbus.postgres.sql import render
 from nmbus.postgres.store import ensure_queue_on, install_schema
 
@@ -262,11 +262,11 @@ class Forwarder:
             inserted = 0
             async with conn.transaction():
                 await ensure_queue_on(conn, self.schema, queue, remote.known)
-                sql = render("insert_messages", self.schema, queue)
                 for start, end in _runs(rows):
                     part = rows[start:end]
                     row = await conn.fetchrow(
-                        sql, *_remote_args(part, queue, notify_channel(self.schema))
+                        insert_sql(self.schema, queue, len(part)),
+                        *_remote_args(part, queue, notify_channel(self.schema)),
                     )
                     inserted += int(row[0]) if row else 0
         except asyncio.CancelledError:

@@ -14,6 +14,7 @@ from dataclasses import fields
 from typing import Any
 
 from nmbus.messages import Envelope, StoredMessage
+from nmbus.postgres.sql import render
 
 #: What a claim returns, in this order: StoredMessage's fields.
 CLAIMED: tuple[str, ...] = tuple(f.name for f in fields(StoredMessage))
@@ -47,6 +48,13 @@ SENT: tuple[str, ...] = tuple(envelope_arrays(()))
 def outbox_arrays(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     """The sent columns of outbox rows (``outbox_take``), one array per column."""
     return {column: [r[column] for r in rows] for column in SENT}
+
+
+def insert_sql(schema: str, queue: str, rows: int) -> str:
+    """The statement that inserts ``rows`` messages into ``queue``: ``insert_messages``
+    for one, ``insert_messages_sorted`` for more (in unique_id order, so that two
+    senders of the same unique_ids cannot deadlock; a single send pays nothing)."""
+    return render("insert_messages" if rows == 1 else "insert_messages_sorted", schema, queue)
 
 
 def insert_args(

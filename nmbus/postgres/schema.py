@@ -38,8 +38,9 @@ MIGRATIONS: dict[int, list[str]] = {
     11: ["migrate_11_flow", "migrate_11_group_index"],
     12: ["migrate_12_held"],
     13: ["migrate_13_drop_held"],
-    14: ["migrate_14_unique_windows"],
-    15: ["migrate_15_claim_check"],
+    14: ["migrate_14_unique_windows", "migrate_unique_function"],
+    15: ["migrate_unique_function"],
+    16: ["migrate_16_claim_check"],
 }
 
 

@@ -34,7 +34,7 @@ from nmbus.postgres.floor import ReadyFloors
 from nmbus.postgres.flow import claim_limited, held_back
 from nmbus.postgres.listen import notify_channel
 from nmbus.postgres.pubsub import publish_args, publish_on
-from nmbus.postgres.rows import claimed, envelope_arrays, insert_args
+from nmbus.postgres.rows import claimed, envelope_arrays, insert_args, insert_sql
 from nmbus.postgres.schema import ensure_queue_on
 from nmbus.postgres.sql import render
 
@@ -170,7 +170,7 @@ class PostgresBatch:
                 envelopes,
                 self._channel,
             )
-        sql = render("insert_messages", self._schema, queue)
+        sql = insert_sql(self._schema, queue, len(envelopes))
         row = await self._conn.fetchrow(
             sql, *insert_args(from_endpoint, queue, envelope_arrays(envelopes), self._channel)
         )

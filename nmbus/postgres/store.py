@@ -51,7 +51,7 @@ from nmbus.postgres.pubsub import (
     publish_on,
 )
 from nmbus.postgres.retention import clean_queue
-from nmbus.postgres.rows import envelope_arrays, insert_args
+from nmbus.postgres.rows import envelope_arrays, insert_args, insert_sql
 from nmbus.postgres.sagas import PostgresSagaTable, create_saga_table
 from nmbus.postgres.schema import (
     CREATED_BY_SEND,
@@ -289,7 +289,7 @@ class PostgresStore:
             return await self._insert_routed(queue, from_endpoint, envelopes, connection)
         if has_apart(envelopes):
             return await self._insert_apart(queue, from_endpoint, envelopes, connection)
-        sql = render("insert_messages", self.schema, queue)
+        sql = insert_sql(self.schema, queue, len(envelopes))
         arrays = envelope_arrays(envelopes)
         args = insert_args(from_endpoint, queue, arrays, notify_channel(self.schema))
         if connection is None:

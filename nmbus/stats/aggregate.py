@@ -19,7 +19,9 @@ Definitions:
   ``RetryLater`` is not an attempt (the bus gives the count back), so a
   message whose last recorded outcome before it finished is a deferral
   (its ``error_info`` is a ``RetryLater``) is counted as ``deferred``, and
-  such a row is not an error.
+  such a row is not an error;
+* a row's version is its ``nmbus-version`` header, 1 when it has none (as
+  the bus reads it), NULL for a header that holds no whole number.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def prepare(df: Any, window: str | None = None) -> Any:
         e2e.alias("e2e"),
         F.when(~deferred, error).alias("error"),
         deferred.alias("deferred"),
+        F.col("version").cast("int").alias("version"),
     )
 
 
@@ -210,6 +213,24 @@ def retries(rows: Any) -> Any:
     )
 
 
+def versions(rows: Any) -> Any:
+    """How many messages of each type and version were processed and failed, by queue.
+
+    A row's version is its ``nmbus-version`` header, 1 without one; NULL for a
+    header that holds no version.
+    """
+    from pyspark.sql import functions as F
+
+    return (
+        rows.groupBy("queue", "label", "version")
+        .agg(
+            F.count_if(F.col("subqueue") == "X").alias("processed"),
+            F.count_if(F.col("subqueue") == "F").alias("failed"),
+        )
+        .select("queue", "label", "version", "processed", "failed")
+    )
+
+
 def errors(rows: Any) -> Any:
     """Errors by masked first line: failed rows, processed rows that failed before, an example."""
     from pyspark.sql import functions as F
@@ -252,6 +273,7 @@ ORDER: dict[str, list[tuple[str, bool]]] = {
     "queues": [("queue", False)],
     "overall": [],
     "retries": [("queue", False), ("label", False), ("outcome", False), ("retry_count", False)],
+    "versions": [("queue", False), ("label", False), ("version", False)],
     "errors": [
         ("failed", True),
         ("recovered", True),
@@ -279,12 +301,13 @@ def sort_records(name: str, records: list[dict[str, Any]]) -> list[dict[str, Any
 
 
 def figures(agg: Any, rows: Any, opts: Options) -> dict[str, Any]:
-    """Every table of the report: the five levels of ``agg``, then retries and errors.
+    """Every table of the report: the five levels of ``agg``, then retries, versions and errors.
 
     They are not sorted here: ``outputs`` sorts each within its one file, and
     the summary on the driver (``ORDER``), which spares a shuffle per table.
     """
     tables = {level: finish_level(agg, level, opts) for level in GROUPING.values()}
     tables["retries"] = retries(rows)
+    tables["versions"] = versions(rows)
     tables["errors"] = errors(rows)
     return tables

@@ -187,6 +187,11 @@ def summary(
         retry_rows.setdefault(r["queue"], []).append(
             {k: r[k] for k in ("label", "outcome", "retry_count", "messages", "deferred")}
         )
+    version_rows: dict[str, list[dict[str, Any]]] = {}
+    for r in get.get("versions", []):
+        version_rows.setdefault(r["queue"], []).append(
+            {k: r[k] for k in ("label", "version", "processed", "failed")}
+        )
     errs = get.get("errors", [])
     err_rows: dict[str, list[dict[str, Any]]] = {}
     for r in errs:
@@ -218,6 +223,7 @@ def summary(
                 **(_metrics(rec) if rec else _metrics(dict(ZERO))),
                 "labels": labels.get(q, []),
                 "retries": retry_rows.get(q, []),
+                "versions": version_rows.get(q, []),
                 "top_errors": err_rows.get(q, [])[: opts.top_errors],
                 "windows": windows.get(q, []),
             }

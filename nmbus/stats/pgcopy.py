@@ -31,7 +31,7 @@ from .source import no_registry, pick_queues, queues_sql, registry_sql, select_s
 # Queues exported at once (one connection each).
 CONCURRENCY = 4
 TIMES = ("insert_time", "last_processed", "retry_time")
-COLUMNS = ("id", "subqueue", "label", *TIMES, "retry_count", "error")
+COLUMNS = ("id", "subqueue", "label", *TIMES, "retry_count", "error", "version")
 
 
 @dataclass
@@ -57,7 +57,15 @@ def _micros(column: str) -> str:
 
 def copy_sql(opts: Options, queue: str) -> str:
     select = ", ".join(
-        ["id", "subqueue", "label", *(_micros(t) for t in TIMES), "retry_count", "error"]
+        [
+            "id",
+            "subqueue",
+            "label",
+            *(_micros(t) for t in TIMES),
+            "retry_count",
+            "error",
+            "version",
+        ]
     )
     return f"SELECT {select} FROM ({select_sql(opts, queue)}) AS nmbus_stats_src"
 
@@ -74,6 +82,7 @@ def _schema() -> Any:
             *((t, ts) for t in TIMES),
             ("retry_count", pa.int32()),
             ("error", pa.string()),
+            ("version", pa.int32()),
         ]
     )
 

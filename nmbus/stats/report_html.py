@@ -176,6 +176,24 @@ def _error_rows(summary: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _version_rows(summary: dict[str, Any]) -> str:
+    rows = []
+    for q in summary["queues"]:
+        for v in q.get("versions", []):
+            version = v["version"]
+            rows.append(
+                "<tr>"
+                f"<td>{_e(q['queue'])}</td><td>{_e(v['label'])}</td>"
+                f'<td class="num">{_e(version if version is not None else "not a version")}</td>'
+                f'<td class="num">{_n(v["processed"])}</td>'
+                f'<td class="num">{_n(v["failed"])}</td>'
+                "</tr>"
+            )
+    if not rows:
+        rows.append('<tr><td colspan="5" class="empty">no messages</td></tr>')
+    return "\n".join(rows)
+
+
 def _queue_panels(summary: dict[str, Any]) -> str:
     panels = []
     for q in summary["queues"]:
@@ -258,6 +276,7 @@ def render(summary: dict[str, Any]) -> str:
         "QUEUE_ROWS": _queue_rows(summary),
         "PANELS": _queue_panels(summary),
         "ERROR_ROWS": _error_rows(summary),
+        "VERSION_ROWS": _version_rows(summary),
         "PCT_NOTE": _e(
             f"Percentiles: Spark percentile_approx, accuracy {pct.get('accuracy')}; "
             f"rank error at most {pct.get('rank_error')} of n values. Latencies over "

@@ -107,6 +107,12 @@ for each tenfold, from 0.01 % (a sliver) to 100 % (full).</p>
   <th>type</th><th class="num">failed</th><th class="num">recovered</th>
   <th class="num">example id</th></tr></thead><tbody>%ERROR_ROWS%</tbody></table>
 </section>
+<section class="panel" id="versions"><h3>Messages by type and version</h3>
+  <p class="hint">A message's version is its nmbus-version header, 1 when it has none.</p>
+  <table class="inner"><thead><tr><th>queue</th><th>type</th><th class="num">version</th>
+  <th class="num">processed</th><th class="num">failed</th></tr></thead>
+  <tbody>%VERSION_ROWS%</tbody></table>
+</section>
 <p class="note">%PCT_NOTE%</p>
 </main>
 <script type="application/json" id="nmbus-data">%DATA%</script>

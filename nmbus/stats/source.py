@@ -111,15 +111,26 @@ def _time_predicate(opts: Options, column: str) -> list[str]:
     return preds
 
 
+# A row's message version: its nmbus-version header, 1 when there is none (as the
+# bus reads it); NULL for a header that is no version, so that no hand-written
+# header stops the read.
+VERSION_SQL = (
+    "CASE WHEN msg_headers->>'nmbus-version' IS NULL THEN 1 "
+    "WHEN msg_headers->>'nmbus-version' ~ '^[0-9]{1,9}$' "
+    "THEN (msg_headers->>'nmbus-version')::int END"
+)
+
+
 def select_sql(opts: Options, queue: str) -> str:
-    """The X and F rows of one queue, the first error line cut in SQL (it is the same
-    SELECT for both readers, so both see the same rows)."""
+    """The X and F rows of one queue, the first error line cut and the version read in
+    SQL (it is the same SELECT for both readers, so both see the same rows)."""
     where = ["subqueue IN ('X', 'F')"]
     where += _time_predicate(opts, "coalesce(last_processed, retry_time, insert_time)")
     return (
         "SELECT id, subqueue::text AS subqueue, label, insert_time, last_processed, "
         "retry_count, retry_time, "
-        "regexp_replace(split_part(error_info, E'\\n', 1), '\\s+$', '') AS error "
+        "regexp_replace(split_part(error_info, E'\\n', 1), '\\s+$', '') AS error, "
+        f"{VERSION_SQL} AS version "
         f"FROM {quote_ident(opts.schema)}.{quote_ident(queue)} "
         f"WHERE {' AND '.join(where)}"
     )
@@ -157,6 +168,7 @@ ARCHIVE_COLUMNS = (
     "retry_count",
     "retry_time",
     "error_info",
+    "msg_headers",
 )
 
 
@@ -176,6 +188,7 @@ def read_archive(spark: Any, opts: Options, queues: list[str]) -> Any | None:
             T.StructField("retry_count", T.IntegerType()),
             T.StructField("retry_time", T.TimestampType()),
             T.StructField("error_info", T.StringType()),
+            T.StructField("msg_headers", T.StringType()),
             T.StructField("queue", T.StringType()),
             T.StructField("day", T.StringType()),
         ]
@@ -189,6 +202,11 @@ def read_archive(spark: Any, opts: Options, queues: list[str]) -> Any | None:
             return None  # an archive with nothing in it yet
         raise
     error = F.regexp_replace(F.substring_index("error_info", "\n", 1), r"\s+$", "")
+    # As VERSION_SQL reads it in the database.
+    header = F.get_json_object("msg_headers", "$['nmbus-version']")
+    version = F.when(header.isNull(), F.lit(1)).when(
+        header.rlike(r"^[0-9]{1,9}$"), header.cast("int")
+    )
     df = df.select(
         "queue",
         "id",
@@ -199,6 +217,7 @@ def read_archive(spark: Any, opts: Options, queues: list[str]) -> Any | None:
         "retry_count",
         "retry_time",
         error.alias("error"),
+        version.alias("version"),
     ).where(F.col("subqueue").isin("X", "F"))
     if opts.queues:
         df = df.where(F.col("queue").isin(*queues))
@@ -219,7 +238,12 @@ def _path_exists(spark: Any, path: str) -> bool:
     return bool(fs.exists(hpath))
 
 
-LIVE_COLUMNS = ("queue", *(c for c in ARCHIVE_COLUMNS if c != "error_info"), "error")
+LIVE_COLUMNS = (
+    "queue",
+    *(c for c in ARCHIVE_COLUMNS if c not in ("error_info", "msg_headers")),
+    "error",
+    "version",
+)
 
 
 def read_rows(spark: Any, jdbc: Jdbc, opts: Options, queues: list[str]) -> Any | None:

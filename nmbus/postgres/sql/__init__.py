@@ -5,7 +5,8 @@ by :func:`load`:
 
 - ``schema.sql``: the schema's shared tables, the queue table, the queue registry;
 - ``migrations/NNN_*.sql``: what brings an older schema to version NNN;
-- ``runtime.sql``: insert, claim, finish, leases, isolation, sequences;
+- ``insert.sql``: new messages into a queue table;
+- ``runtime.sql``: claim, finish, leases, isolation, sequences;
 - ``pubsub.sql``, ``sagas.sql``, ``outbox.sql``: publish/subscribe, sagas, routes;
 - ``operations.sql`` and ``retention.sql``: what operators and retention read and change;
 - ``segments.sql``: the segments of a queue table, rolled and dropped.
@@ -65,6 +66,7 @@ IDENTIFIERS = frozenset(
         "done_index",
         "pkey",
         "id_seq",
+        "id_seq_text",
         "saga",
         "saga_pkey",
         "unique_table",
@@ -226,6 +228,8 @@ def fill(sql: str, schema: str, queue: str | None = None) -> str:
         values["done_index"] = quote_ident(own_name(queue, "done"))
         values["pkey"] = quote_ident(own_name(queue, "pkey"))
         values["id_seq"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'id_seq'))}"
+        # The same name as a string literal, for nextval({id_seq_text}).
+        values["id_seq_text"] = "'" + values["id_seq"].replace("'", "''") + "'"
         values["unique_table"] = f"{quote_ident(schema)}.{quote_ident(own_name(queue, 'unique'))}"
         values["unique_pkey"] = quote_ident(own_name(queue, "unique$pkey"))
         values["unique_ids"] = quote_ident(own_name(queue, "unique$id"))

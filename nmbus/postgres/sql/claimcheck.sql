@@ -4,7 +4,7 @@
 -- keeps the key in its header nmbus-claim-check (nmbus/postgres/claimcheck.py).
 
 -- payloads_table --
--- Fragment of create_schema and migrate_15_claim_check: the payloads stored
+-- Fragment of create_schema and migrate_16_claim_check: the payloads stored
 -- apart, by queue and key. body holds the payload, or is NULL when it is in the
 -- file at url. A payload goes when no row of its queue refers to it any more
 -- (claim_check_sweep, run by retention).
@@ -18,34 +18,23 @@ CREATE TABLE IF NOT EXISTS {schema}."claim$payloads" (
     CONSTRAINT "claim$payloads$pkey" PRIMARY KEY (queue, key)
 );
 
--- insert_rows --
--- Fragment of insert_messages (runtime.sql) and insert_messages_apart: the INSERT
--- of their rows (see insert_messages), returning {:returning} of each row inserted.
-INSERT INTO {queue} (from_endpoint, to_endpoint, subqueue, retry_time,
-                     correlation_id, label, msg_text, msg_headers, unique_id,
-                     priority, sequence_key, expires_at)
-SELECT $1, $2,
-       CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
-       {parked_retry_time(table => {queue})},
-       v.correlation_id, v.label, v.msg_text, v.msg_headers::jsonb, v.unique_id,
-       v.priority, v.sequence_key, v.expires_at
-{insert_arrays}
-ORDER BY v.ord
-RETURNING {:returning}
-
 -- claim_check_key --
 -- Fragment of insert_messages_apart: the payload key a new row refers to.
 msg_headers ->> 'nmbus-claim-check'
 
 -- insert_messages_apart --
--- insert_messages for messages some of whose bodies are stored apart: the same
--- rows ($1..$12, the body of such a row NULL), and in the same statement the
+-- insert_messages (insert.sql) for messages some of whose bodies are stored
+-- apart: the same rows ($1..$12, the body of such a row NULL), and in the same statement the
 -- payloads of the rows actually inserted (a row whose unique_id is already
 -- stored is dropped, and its payload with it): $13 key[], $14 body[] (NULL when
 -- in a store), $15 url[] (the store's file, or NULL), $16 bytes[].
 -- Returns how many rows were inserted.
 WITH ins AS (
-    {insert_rows(returning => claim_check_key)}
+    INSERT INTO {queue} ({insert_columns})
+    SELECT {insert_values}
+    {insert_arrays}
+    ORDER BY v.ord
+    RETURNING {claim_check_key}
 ), payloads AS (
     INSERT INTO {schema}."claim$payloads" (queue, key, body, url, bytes)
     SELECT $2, p.key, p.body, p.url, p.bytes

@@ -119,9 +119,7 @@ BEGIN
         END IF;
         EXECUTE format($q$
             WITH ins AS (
-                INSERT INTO %1$I.%2$I (from_endpoint, to_endpoint, subqueue, retry_time,
-                                   correlation_id, label, msg_text, msg_headers, unique_id,
-                                   priority, sequence_key, expires_at)
+                INSERT INTO %1$I.%2$I ({insert_columns})
                 SELECT $1, $2,
                        CASE WHEN v.deliver_at > now() THEN 'R' ELSE 'I' END,
                        {parked_retry_time(table => %1$I.%2$I)},

@@ -299,20 +299,24 @@ DROP FUNCTION IF EXISTS {unique_table}();
 DELETE FROM {schema}.queues WHERE name = $1;
 
 -- queue_unique_function --
--- Fragment of queue_unique_table and migrate_14_unique_windows: the trigger
--- function of a queue's unique table. A row whose unique_id is new takes the
--- entry, with the window its headers ask for (nmbus-unique-for: until its
--- insert_time plus that many seconds; nmbus-unique-while: while it is in I or R).
+-- Fragment of queue_unique_table and migrate_unique_function (schema versions 14
+-- and 15): the trigger function of a queue's unique table. A row whose unique_id
+-- is new takes the entry, with the window its headers ask for (nmbus-unique-for:
+-- until its insert_time plus that many seconds; nmbus-unique-while: while it is
+-- in I or R).
 -- On a conflict with an entry that has no window the row is dropped at once, as
 -- before. An entry with a window is locked, then checked with a fresh snapshot
 -- (a volatile function's next statement): over (until passed, or its row no
 -- longer in I/R or gone), the new row takes it; concurrent senders of one
--- unique_id wait on that lock, and the second sees the first's row. A row that
+-- unique_id wait on that lock, and the second sees the first's row. An entry
+-- gone between the insert and the lock (its row deleted: a purge, retention)
+-- holds nothing any more: the insert is tried again. A row that
 -- retention moves to a newer segment (nmbus.moving set for its transaction) takes
 -- the entry the same way, and is kept whether or not it does.
 CREATE OR REPLACE FUNCTION {unique_table}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 DECLARE
     held record;
+    windowed boolean;
     new_until timestamptz;
     new_pending boolean;
 BEGIN
@@ -325,16 +329,22 @@ BEGIN
             + (NEW.msg_headers ->> 'nmbus-unique-for')::double precision * interval '1 second';
         new_pending := NULLIF(NEW.msg_headers ? 'nmbus-unique-while', false);
     END IF;
-    INSERT INTO {unique_table} (unique_id, id, until, pending)
-    VALUES (NEW.unique_id, NEW.id, new_until, new_pending)
-    ON CONFLICT DO NOTHING;
-    IF FOUND THEN
-        RETURN NEW;
-    END IF;
-    SELECT u.id, u.until, u.pending INTO held FROM {unique_table} AS u
-    WHERE u.unique_id = NEW.unique_id AND (u.until IS NOT NULL OR u.pending)
-    FOR UPDATE;
-    IF NOT FOUND OR held.until > now()
+    LOOP
+        INSERT INTO {unique_table} (unique_id, id, until, pending)
+        VALUES (NEW.unique_id, NEW.id, new_until, new_pending)
+        ON CONFLICT DO NOTHING;
+        IF FOUND THEN
+            RETURN NEW;
+        END IF;
+        SELECT u.id, u.until, u.pending INTO held FROM {unique_table} AS u
+        WHERE u.unique_id = NEW.unique_id AND (u.until IS NOT NULL OR u.pending)
+        FOR UPDATE;
+        windowed := FOUND;
+        -- Locked, or an entry without a window holds it; else it is gone: insert again.
+        EXIT WHEN windowed OR EXISTS (SELECT 1 FROM {unique_table} AS u
+                                   WHERE u.unique_id = NEW.unique_id);
+    END LOOP;
+    IF NOT windowed OR held.until > now()
        OR (held.pending AND EXISTS (SELECT 1 FROM {queue} AS q
                                     WHERE q.id = held.id AND q.subqueue IN ('I', 'R'))) THEN
         IF current_setting('nmbus.moving', true) = 'on' THEN

@@ -493,7 +493,7 @@ async def test_a_version_14_database_gets_the_trigger_that_inserts_again(
 
     await install_schema(db, "nmbus")
 
-    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == 15
+    assert await db.fetchval("SELECT max(version) FROM nmbus.schema_version") == SCHEMA_VERSION
     await _deleted_while_a_send_waits(dsn, db, PENDING)
 
 

@@ -171,6 +171,7 @@ async def test_hostile_queue_names_are_refused_everywhere(
         "periodic$due",
         "flow$flights",
         "flow$limits",
+        "claim$payloads",
         *(
             f"{queue}{part}"
             for queue in ("orders", "fine.name-1")

@@ -340,7 +340,6 @@ BEGIN
         WHERE u.unique_id = NEW.unique_id AND (u.until IS NOT NULL OR u.pending)
         FOR UPDATE;
         windowed := FOUND;
-        -- Locked, or an entry without a window holds it; else it is gone: insert again.
         EXIT WHEN windowed OR EXISTS (SELECT 1 FROM {unique_table} AS u
                                    WHERE u.unique_id = NEW.unique_id);
     END LOOP;

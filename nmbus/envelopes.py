@@ -175,16 +175,25 @@ CLAIM_CHECK_BYTES_HEADER = "nmbus-claim-check-bytes"
 MAX_CLAIM_CHECK_BYTES = 256 * 1024 * 1024
 
 
-def stored_apart(headers: str | None) -> str | None:
-    """What an operator sees in place of a body stored apart (``headers``: a row's
-    JSON text): ``[stored apart: <bytes> bytes, key <key>]``; None for any other row."""
+def apart_headers(headers: str | None) -> dict[str, Any] | None:
+    """The headers of a row (its JSON text) whose body is stored apart (the claim
+    check's key under CLAIM_CHECK_HEADER), parsed; None for any other row."""
     if headers is None or CLAIM_CHECK_HEADER not in headers:
         return None
     try:
         loaded = json.loads(headers)
     except ValueError:
         return None
-    if not isinstance(loaded, dict) or CLAIM_CHECK_HEADER not in loaded:
+    if not isinstance(loaded, dict) or not isinstance(loaded.get(CLAIM_CHECK_HEADER), str):
+        return None
+    return loaded
+
+
+def stored_apart(headers: str | None) -> str | None:
+    """What an operator sees in place of a body stored apart (``headers``: a row's
+    JSON text): ``[stored apart: <bytes> bytes, key <key>]``; None for any other row."""
+    loaded = apart_headers(headers)
+    if loaded is None:
         return None
     size = loaded.get(CLAIM_CHECK_BYTES_HEADER, "?")
     return f"[stored apart: {size} bytes, key {loaded[CLAIM_CHECK_HEADER]}]"

@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from nmbus.envelopes import CLAIM_CHECK_BYTES_HEADER, CLAIM_CHECK_HEADER
+from nmbus.envelopes import CLAIM_CHECK_BYTES_HEADER, CLAIM_CHECK_HEADER, apart_headers
 from nmbus.errors import ConfigurationError, MessageTooLarge
 from nmbus.logs import scrub
 from nmbus.messages import Envelope, StoredMessage
@@ -195,14 +195,8 @@ def carries_reference(messages: Sequence[StoredMessage]) -> bool:
 
 def reference(headers: str | None) -> str | None:
     """The payload key in a row's headers (JSON text), if its body is stored apart."""
-    if headers is None or CLAIM_CHECK_HEADER not in headers:
-        return None
-    try:
-        loaded = json.loads(headers)
-    except ValueError:
-        return None
-    key = loaded.get(CLAIM_CHECK_HEADER) if isinstance(loaded, dict) else None
-    return key if isinstance(key, str) else None
+    loaded = apart_headers(headers)
+    return None if loaded is None else str(loaded[CLAIM_CHECK_HEADER])
 
 
 async def resolve(conn: Any, schema: str, queue: str, messages: Sequence[StoredMessage]) -> None:

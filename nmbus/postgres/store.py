@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
@@ -287,16 +287,28 @@ class PostgresStore:
         if queue in self.routed:
             refuse_apart(queue, envelopes, "the outbox of a route")
             return await self._insert_routed(queue, from_endpoint, envelopes, connection)
+        channel = notify_channel(self.schema)
+        write: Callable[[Any], Awaitable[int]]
         if has_apart(envelopes):
-            return await self._insert_apart(queue, from_endpoint, envelopes, connection)
-        sql = insert_sql(self.schema, queue, len(envelopes))
-        arrays = envelope_arrays(envelopes)
-        args = insert_args(from_endpoint, queue, arrays, notify_channel(self.schema))
+            # The claim check: bodies over claim_check_bytes stored apart, in the
+            # same statement (nmbus/postgres/claimcheck.py).
+            def write(target: Any) -> Awaitable[int]:
+                return insert_apart(
+                    target, self.claim_check, self.schema, queue, from_endpoint, envelopes, channel
+                )
+
+        else:
+            sql = insert_sql(self.schema, queue, len(envelopes))
+            args = insert_args(from_endpoint, queue, envelope_arrays(envelopes), channel)
+
+            async def write(target: Any) -> int:
+                row = await target.fetchrow(sql, *args)
+                return int(row[0]) if row else 0
+
         if connection is None:
             await self._ensure(queue, from_endpoint)
             with wrap_errors(f"send to {queue}"):
-                row = await self.pool.fetchrow(sql, *args)
-            return int(row[0]) if row else 0
+                return await write(self.pool)
         # The caller's connection may be the pool's last one: never wait for another.
         # A missing table is created in the caller's transaction, and goes if it rolls back.
         with wrap_errors(f"send to {queue}"):
@@ -310,46 +322,7 @@ class PostgresStore:
                     from_endpoint,
                     self.create_queues,
                 )
-                row = await connection.fetchrow(sql, *args)
-        return int(row[0]) if row else 0
-
-    async def _insert_apart(
-        self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope], connection: Any
-    ) -> int:
-        """``insert`` with bodies stored apart: the claim check (nmbus/postgres/claimcheck.py)."""
-        channel = notify_channel(self.schema)
-        if connection is None:
-            await self._ensure(queue, from_endpoint)
-            with wrap_errors(f"send to {queue}"):
-                return await insert_apart(
-                    self.pool,
-                    self.claim_check,
-                    self.schema,
-                    queue,
-                    from_endpoint,
-                    envelopes,
-                    channel,
-                )
-        with wrap_errors(f"send to {queue}"):
-            own = None if connection.is_in_transaction() else connection.transaction()
-            async with own or contextlib.nullcontext():
-                await ensure_queue_on(
-                    connection,
-                    self.schema,
-                    queue,
-                    self._known_queues,
-                    from_endpoint,
-                    self.create_queues,
-                )
-                return await insert_apart(
-                    connection,
-                    self.claim_check,
-                    self.schema,
-                    queue,
-                    from_endpoint,
-                    envelopes,
-                    channel,
-                )
+                return await write(connection)
 
     async def insert_tick(
         self, queue: str, schedule: str, due: datetime, envelope: Envelope

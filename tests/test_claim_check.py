@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pyarrow.parquet as pq
@@ -34,9 +35,10 @@ from nmbus import (
     Message,
     MessageTooLarge,
     PermanentError,
+    RetryPolicy,
 )
 from nmbus.cli import app
-from nmbus.envelopes import CLAIM_CHECK_BYTES_HEADER, CLAIM_CHECK_HEADER
+from nmbus.envelopes import CLAIM_CHECK_BYTES_HEADER, CLAIM_CHECK_HEADER, outgoing
 from nmbus.ops.admin import Admin
 from nmbus.ports.operations import RetentionPolicy
 from nmbus.ports.store import SCHEMA_VERSION
@@ -371,6 +373,10 @@ async def test_a_sender_killed_after_its_file_leaves_an_orphan_that_retention_re
     # Younger than the max age, it may still be on its way to a commit: kept.
     assert (await clean_queue(db, "nmbus", "media", policy)).orphans_deleted == 0
     assert orphan.exists()
+    # However short the max age: a send's transaction may be open for a while yet.
+    at_once = RetentionPolicy(max_age=timedelta(0), claim_check_store=store)
+    assert (await clean_queue(db, "nmbus", "media", at_once)).orphans_deleted == 0
+    assert orphan.exists()
     # A known payload's file, however old, stays.
     bus = Bus("media", dsn=dsn, concurrency=0, claim_check_bytes=1000, claim_check_store=store)
     async with bus:
@@ -545,7 +551,7 @@ async def test_every_batch_of_a_backlog_gets_its_bodies_back(
     assert sorted(got) == [str(n) * (3000 + n) for n in range(7)]
 
 
-async def test_a_payload_gone_from_its_store_fails_its_message_and_no_other(
+async def test_a_payload_gone_from_its_store_fails_its_message_as_its_policy_says_and_no_other(
     make_bus: Callable[..., Bus], db: asyncpg.Connection, tmp_path: Path
 ) -> None:
     store = f"file://{tmp_path}"
@@ -558,7 +564,7 @@ async def test_a_payload_gone_from_its_store_fails_its_message_and_no_other(
     bus = make_bus("media", claim_check_bytes=1000, claim_check_store=store)
     got: list[str] = []
 
-    @bus.handler
+    @bus.handler(retry=1)
     async def handle(msg: Blob, ctx: Context) -> None:
         got.append(msg.data)
 
@@ -569,9 +575,114 @@ async def test_a_payload_gone_from_its_store_fails_its_message_and_no_other(
                                gone["id"])  # fmt: skip
     assert failed["subqueue"] == "F"
     assert failed["error_info"].startswith(
-        f"UndecodableMessage: its body [stored apart: 5024 bytes, key {key_of(gone['headers'])}]"
-        " was not found"
+        f"StoreError: its body [stored apart: 5024 bytes, key {key_of(gone['headers'])}]"
+        " was not found or could not be read"
     )
+
+
+async def test_a_store_that_cannot_be_read_costs_an_attempt_and_never_the_batch_before(
+    make_bus: Callable[..., Bus], db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    """The next batch's bodies are read by the finish of the batch before, in its
+    transaction: a store that fails there must not roll that finish back (its
+    handler would run again); the unreadable message is tried again later."""
+    store = f"file://{tmp_path}"
+    async with make_bus("media", concurrency=0, claim_check_bytes=1000,
+                        claim_check_store=store) as sender:  # fmt: skip
+        await sender.send(Blob(data="small"), to="media")
+        await sender.send(Blob(data="b" * 5000), to="media")
+    _, big = await rows(db)
+    path = tmp_path / "nmbus" / "media" / key_of(big["headers"])
+    body = path.read_text()
+    # A directory where the file was: reading it fails, and not as "not found".
+    path.unlink()
+    path.mkdir()
+    # One message a batch: the finish of the first claims the second.
+    bus = make_bus("media", claim_check_bytes=1000, claim_check_store=store, batch_size=1)
+    runs: list[str] = []
+
+    @bus.handler(retry=RetryPolicy(max_attempts=20, initial_delay=0.3, backoff=1, jitter=0))
+    async def handle(msg: Blob, ctx: Context) -> None:
+        runs.append(msg.data[:5])
+
+    async with bus:
+        sql = "SELECT retry_count FROM nmbus.media WHERE id = $1 AND subqueue = 'R'"
+        await wait_until(sql, big["id"], db=db, until=lambda n: n is not None and n >= 1)
+        path.rmdir()
+        path.write_text(body)
+        await wait_until(lambda: len(runs) == 2, timeout=30)
+        await drain(bus)
+    assert runs == ["small", "bbbbb"]
+    done = await db.fetch("SELECT subqueue FROM nmbus.media ORDER BY id")
+    assert [r["subqueue"] for r in done] == ["X", "X"]
+
+
+async def test_two_batches_of_the_same_big_messages_in_opposite_orders_do_not_deadlock(
+    dsn: str, db: asyncpg.Connection
+) -> None:
+    """As test_unique_windows.py's test of the same name, for bodies stored apart: two
+    batches (one statement each) of the same unique ids in opposite orders, at once."""
+    ids = [f"big-{n:02d}" for n in range(30)]
+    async with Bus("media", dsn=dsn, concurrency=0, claim_check_bytes=1000) as bus:
+        await bus.send(Blob(data="first"), to="media")  # the queue's table
+
+        def batch(order: list[str]) -> list[Any]:
+            return [
+                bus.envelopes.for_send(Blob(data=uid * 300), "media", outgoing({"unique_id": uid}))
+                for uid in order
+            ]
+
+        first, second = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+        try:
+            for _ in range(15):
+                await db.execute("DELETE FROM nmbus.media WHERE unique_id LIKE 'big-%'")
+                # Built afresh: each stored body gets a payload key of its own.
+                forward, backward = batch(ids), batch(ids[::-1])
+                assert all(e.apart for e in forward)
+                stored = await asyncio.gather(
+                    bus.store.insert("media", "media", forward, first),
+                    bus.store.insert("media", "media", backward, second),
+                )
+                assert sorted(stored) == [0, len(ids)]
+        finally:
+            await first.close()
+            await second.close()
+    assert await db.fetchval("SELECT count(*) FROM nmbus.media WHERE unique_id LIKE 'big-%'") == 30
+    # One payload for each row stored in a round (the rows deleted since keep theirs
+    # until retention), none for the sends dropped as duplicates.
+    assert await db.fetchval('SELECT count(*) FROM nmbus."claim$payloads"') == 15 * 30
+
+
+async def test_a_big_message_failing_into_a_routed_failure_port_reaches_f_and_its_copy_whole(
+    dsn: str, db: asyncpg.Connection, databases: Databases
+) -> None:
+    """The outbox of a route carries whole rows: the failure port's copy of a body
+    stored apart goes there whole, and the original goes to F once."""
+    runs: list[int] = []
+    with databases.fresh() as remote:
+        bus = Bus("media", dsn=dsn, claim_check_bytes=1000, dead_letter="media_failed",
+                  routes={"media_failed": remote}, concurrency=1)  # fmt: skip
+
+        @bus.handler
+        async def handle(msg: Blob, ctx: Context) -> None:
+            runs.append(1)
+            raise PermanentError("not now")
+
+        async with bus:
+            await bus.send(Blob(data="r" * 5000), to="media")
+            sql = "SELECT count(*) FROM nmbus.media WHERE subqueue = 'F'"
+            await wait_until(sql, db=db, until=lambda n: n == 1)
+            await wait_until("SELECT count(*) FROM nmbus.outbox", db=db, until=lambda n: n == 0)
+        far = await asyncpg.connect(remote)
+        try:
+            (copy,) = await far.fetch(
+                "SELECT msg_text, msg_headers::text AS h FROM nmbus.media_failed"
+            )
+        finally:
+            await far.close()
+    assert runs == [1]
+    assert copy["msg_text"] == Blob(data="r" * 5000).model_dump_json()
+    assert CLAIM_CHECK_HEADER not in copy["h"]
 
 
 async def test_dropping_a_queue_drops_its_payloads_and_their_files(

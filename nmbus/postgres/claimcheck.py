@@ -176,15 +176,20 @@ def _write_files(files: list[tuple[str, str]]) -> None:
         fs.pipe_file(path, text.encode())
 
 
-def _read_files(urls: list[str]) -> dict[str, str]:
+def _read_files(urls: list[str]) -> tuple[dict[str, str], str | None]:
+    """The files at ``urls`` that could be read, and the first error of those that
+    could not (a file gone is not an error: its payload is just not found)."""
     read: dict[str, str] = {}
+    error: str | None = None
     for url in urls:
-        fs, path = _filesystem(url)
-        # A file gone for good (deleted by hand) is a payload that cannot be found;
-        # any other error (the store unreachable) fails the claim, to be tried again.
-        with contextlib.suppress(FileNotFoundError):
+        try:
+            fs, path = _filesystem(url)
             read[url] = fs.cat_file(path).decode()
-    return read
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # the store unreachable, refused, or its data bad
+            error = error or f"{type(exc).__name__}: {scrub(str(exc))}"
+    return read, error
 
 
 def carries_reference(messages: Sequence[StoredMessage]) -> bool:
@@ -211,7 +216,12 @@ async def resolve(conn: Any, schema: str, queue: str, messages: Sequence[StoredM
         return
     rows = await conn.fetch(render("claim_check_payloads", schema), queue, list(wanted))
     urls = {row["url"]: row["key"] for row in rows if row["body"] is None and row["url"]}
-    read = await asyncio.to_thread(_read_files, list(urls)) if urls else {}
+    # Never raised: this may run in the transaction that finishes the batch before
+    # (finish_and_claim), which a failure here would roll back. A body left unread
+    # fails its own message's attempt (the dispatcher), to be tried again.
+    read, error = await asyncio.to_thread(_read_files, list(urls)) if urls else ({}, None)
+    if error is not None:
+        log.warning("claim_check_unreadable", queue=queue, schema=schema, error=error)
     found = 0
     for row in rows:
         body = row["body"] if row["body"] is not None else read.get(row["url"])
@@ -221,12 +231,17 @@ async def resolve(conn: Any, schema: str, queue: str, messages: Sequence[StoredM
         log.warning("claim_check_missing", queue=queue, missing=len(wanted) - found, schema=schema)
 
 
+#: How old a store's file no payload row knows must be before retention removes it.
+ORPHAN_GRACE = timedelta(hours=1)
+
+
 async def sweep(
     conn: Any, schema: str, queue: str, store_url: str | None, max_age: timedelta
 ) -> tuple[int, int]:
     """Delete ``queue``'s payloads no row refers to any more (their files too), and
     the files of the store at ``store_url`` that no payload row knows and that are
-    older than ``max_age`` (a sender died between the file and its commit).
+    older than ``max_age`` and than ORPHAN_GRACE (a sender died between the file and
+    its commit).
 
     Returns (payloads deleted, orphan files deleted). A queue that never stored
     a body apart costs one probe of the payloads table's primary key.
@@ -241,7 +256,10 @@ async def sweep(
     orphans = 0
     folder = ClaimCheck(store_url).folder(schema, queue) if store_url else None
     if folder is not None:
-        found = await asyncio.to_thread(_old_files, folder, datetime.now(UTC) - max_age)
+        # A file younger than ORPHAN_GRACE may belong to a send whose transaction is
+        # still open, however short the queue's max age (a cleanup --older-than 0s).
+        before = datetime.now(UTC) - max(max_age, ORPHAN_GRACE)
+        found = await asyncio.to_thread(_old_files, folder, before)
         if found:
             unknown = await conn.fetch(render("claim_check_unknown", schema), queue, list(found))
             gone = [found[row[0]] for row in unknown]

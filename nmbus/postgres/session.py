@@ -12,6 +12,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import asyncpg
@@ -26,7 +27,6 @@ from nmbus.postgres.claimcheck import (
     carries_reference,
     has_apart,
     insert_apart,
-    refuse_apart,
     resolve,
 )
 from nmbus.postgres.errors import wrap_errors
@@ -155,7 +155,10 @@ class PostgresBatch:
     async def insert(self, queue: str, from_endpoint: str, envelopes: Sequence[Envelope]) -> int:
         await self.begin()
         if queue in self._routed:
-            refuse_apart(queue, envelopes, "the outbox of a route")
+            # The outbox carries whole rows: a body over claim_check_bytes here is a
+            # failure port's copy (a handler's send of one is refused when it is
+            # built), and goes whole, as the original arrived at its handler.
+            envelopes = [replace(e, apart=False) if e.apart else e for e in envelopes]
             return await insert_outbox(self._conn, self._schema, queue, from_endpoint, envelopes)
         # A handler's send is stored at its batch's commit, where a refusal would
         # fail the batch-mates too: a missing queue is created (marked, logged).

@@ -19,7 +19,7 @@ from nmbus.context import Context, Effects
 from nmbus.contracts.versions import VERSION_HEADER
 from nmbus.delivery.replies import Replies
 from nmbus.envelopes import IN_REPLY_TO_HEADER, EnvelopeBuilder, stored_apart
-from nmbus.errors import AttemptsExhausted, MessageError, UndecodableMessage
+from nmbus.errors import AttemptsExhausted, MessageError, StoreError, UndecodableMessage
 from nmbus.handlers import Handler, Registry
 from nmbus.messages import Message, StoredMessage
 from nmbus.middleware import Link, run_chain
@@ -310,10 +310,13 @@ class Dispatcher:
                 self.failures.refused(row, exc, outcomes)
                 return None
             except (ValidationError, ValueError) as exc:
-                undecodable = UndecodableMessage(f"body is not a valid {row.label}: {exc}")
                 if row.msg_text is None and (apart := stored_apart(row.msg_headers)):
-                    # The claim check: its payload was not found (docs/messages.md).
-                    undecodable = UndecodableMessage(f"its body {apart} was not found")
+                    # The claim check: its payload was not found, or its store could not
+                    # be read; tried again as the policy says (docs/messages.md).
+                    unread = StoreError(f"its body {apart} was not found or could not be read")
+                    self.failures.failed(row, unread, policy, outcomes)
+                    return None
+                undecodable = UndecodableMessage(f"body is not a valid {row.label}: {exc}")
                 self.failures.refused(row, because(undecodable, exc), outcomes)
                 return None
         if row.recovered == DIED_ALONE and row.retry_count > policy.max_attempts:

@@ -28,12 +28,19 @@ msg_headers ->> 'nmbus-claim-check'
 -- payloads of the rows actually inserted (a row whose unique_id is already
 -- stored is dropped, and its payload with it): $13 key[], $14 body[] (NULL when
 -- in a store), $15 url[] (the store's file, or NULL), $16 bytes[].
--- Returns how many rows were inserted.
-WITH ins AS (
-    INSERT INTO {queue} ({insert_columns})
-    SELECT {insert_values}
+-- The rows get their ids in send order and are inserted in unique_id order, as
+-- insert_messages_sorted does: two senders of the same unique_ids in opposite
+-- orders cannot deadlock. Returns how many rows were inserted.
+WITH sent AS MATERIALIZED (
+    SELECT v.*, nextval({id_seq_text}) AS id
     {insert_arrays}
     ORDER BY v.ord
+), ins AS (
+    INSERT INTO {queue} (id, {insert_columns})
+    OVERRIDING SYSTEM VALUE
+    SELECT v.id, {insert_values}
+    FROM sent AS v
+    ORDER BY v.unique_id, v.ord
     RETURNING {claim_check_key}
 ), payloads AS (
     INSERT INTO {schema}."claim$payloads" (queue, key, body, url, bytes)
